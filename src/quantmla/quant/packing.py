@@ -1,0 +1,51 @@
+"""Bit packing of integer codes into bytes, in the *planar* layout every quantmla kernel reads.
+
+For ``b``-bit codes there are ``k = 8 // b`` codes per byte. A row of ``D`` codes is cut into ``k``
+contiguous planes of ``D / k`` channels; byte ``j`` holds channel ``j + p * D/k`` of plane ``p`` in bits
+``[p*b, (p+1)*b)``. For 4 bits: byte ``j`` = channel ``j`` (low nibble) | channel ``j + D/2`` (high
+nibble). A kernel therefore unpacks a tile with one shift and one mask per plane and never has to
+interleave registers: plane ``p`` is simply channels ``[p*D/k, (p+1)*D/k)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(bits: int, width: int) -> int:
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"cannot pack {bits}-bit codes; supported widths are 1, 2, 4 and 8 bits")
+    per = 8 // bits
+    if width % per != 0:
+        raise ValueError(f"last dimension {width} is not a multiple of {per} ({bits}-bit codes per byte)")
+    return per
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned integer codes ``[..., D]`` (values in ``[0, 2^bits)``) into uint8 ``[..., D*bits/8]``."""
+    per = _check(bits, codes.shape[-1])
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    if per == 1:
+        return codes.contiguous()
+    planes = codes.reshape(*codes.shape[:-1], per, codes.shape[-1] // per)  # [..., per, D/per]
+    out = torch.zeros(planes.shape[:-2] + planes.shape[-1:], dtype=torch.uint8, device=codes.device)
+    for p in range(per):
+        out |= planes[..., p, :] << (p * bits)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 ``[..., width*bits/8]`` -> uint8 codes ``[..., width]``."""
+    per = _check(bits, width)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
+    if packed.shape[-1] != width // per:
+        raise ValueError(
+            f"packed last dimension is {packed.shape[-1]} bytes but {width} {bits}-bit codes need {width // per}"
+        )
+    if per == 1:
+        return packed.contiguous()
+    mask = (1 << bits) - 1
+    planes = [(packed >> (p * bits)) & mask for p in range(per)]
+    return torch.cat(planes, dim=-1)

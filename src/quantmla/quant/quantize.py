@@ -1,0 +1,128 @@
+"""Group-wise integer quantize / dequantize of a cache path (the torch reference every kernel matches).
+
+Asymmetric (default): per group ``m = min``, ``s = (max - min) / (2^b - 1)``; both are stored in the
+spec's scale dtype, rounded so that the stored grid still covers ``[min, max]`` (``m`` rounded down, ``s``
+rounded up); ``q = clamp(round((x - m) / s), 0, 2^b - 1)``; ``x_hat = q * s + m``.
+
+Symmetric: ``s = absmax / (2^(b-1) - 1)`` (rounded up), ``q = clamp(round(x / s), -(2^(b-1)-1), 2^(b-1)-1)``
+stored with offset ``2^(b-1)``; ``x_hat = (q - 2^(b-1)) * s``.
+
+Either way the reconstruction error of every element is at most half a quantization step (up to
+fp32 rounding). All arithmetic is fp32, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.quant.packing import pack, unpack
+from quantmla.quant.spec import QuantSpec
+
+_TINY = 1e-8
+
+
+@dataclass
+class QuantizedPath:
+    """One cache path quantized with a :class:`QuantSpec`.
+
+    codes: uint8 ``[..., D * bits / 8]`` packed codes (planar layout).
+    scale: ``[..., D / group]`` in the spec's scale dtype.
+    offset: ``[..., D / group]`` (asymmetric) or None (symmetric).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    spec: QuantSpec
+    width: int
+
+
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 ``x >= 0`` to ``dtype`` so that the stored value is >= x (when representable)."""
+    r = x.to(dtype)
+    low = r.float() < x
+    if low.any():
+        r = torch.where(low, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
+    return r
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r = x.to(dtype)
+    high = r.float() > x
+    if high.any():
+        r = torch.where(high, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
+    return r
+
+
+def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
+    if not torch.is_floating_point(x):
+        raise TypeError(f"can only quantize floating-point tensors, got {x.dtype}")
+    spec.check_width(x.shape[-1])
+
+
+def quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``x [..., D]`` -> (unpacked uint8 codes ``[..., D]``, scale, offset)."""
+    _check_input(x, spec)
+    d = x.shape[-1]
+    g = spec.group_size
+    sd = spec.torch_scale_dtype
+    xg = x.float().reshape(*x.shape[:-1], d // g, g)  # [..., G, g]
+    if spec.symmetric:
+        qmax = (1 << (spec.bits - 1)) - 1
+        absmax = xg.abs().amax(dim=-1)
+        scale = _round_up((absmax / qmax).clamp_min(_TINY), sd)  # [..., G]
+        q = torch.round(xg / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
+        codes = (q + (1 << (spec.bits - 1))).to(torch.uint8)
+        offset = None
+    else:
+        qmax = (1 << spec.bits) - 1
+        lo = xg.amin(dim=-1)
+        hi = xg.amax(dim=-1)
+        offset = _round_down(lo, sd)
+        scale = _round_up(((hi - offset.float()) / qmax).clamp_min(_TINY), sd)
+        q = torch.round((xg - offset.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, qmax)
+        codes = q.to(torch.uint8)
+    return codes.reshape(x.shape), scale, offset
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, spec: QuantSpec
+) -> torch.Tensor:
+    """Unpacked codes ``[..., D]`` -> fp32 ``[..., D]``."""
+    d = codes.shape[-1]
+    g = spec.group_size
+    q = codes.float().reshape(*codes.shape[:-1], d // g, g)
+    if spec.symmetric:
+        x = (q - (1 << (spec.bits - 1))) * scale.float().unsqueeze(-1)
+    else:
+        if offset is None:
+            raise ValueError("asymmetric spec needs an offset tensor")
+        x = q * scale.float().unsqueeze(-1) + offset.float().unsqueeze(-1)
+    return x.reshape(codes.shape)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedPath:
+    """Quantize and pack ``x [..., D]``."""
+    codes, scale, offset = quantize_codes(x, spec)
+    return QuantizedPath(pack(codes, spec.bits), scale, offset, spec, x.shape[-1])
+
+
+def dequantize(qp: QuantizedPath) -> torch.Tensor:
+    """Unpack and dequantize to fp32 ``[..., D]``."""
+    codes = unpack(qp.codes, qp.spec.bits, qp.width)
+    return dequantize_codes(codes, qp.scale, qp.offset, qp.spec)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """Quantize-dequantize (QDQ) ``x`` and return it in ``x``'s dtype; identity when ``spec`` is None."""
+    if spec is None:
+        return x
+    codes, scale, offset = quantize_codes(x, spec)
+    return dequantize_codes(codes, scale, offset, spec).to(x.dtype)
+
+
+def step_size(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The quantization step of each group (equal to the scale for both modes)."""
+    return scale.float()
