@@ -203,7 +203,7 @@ def cache_bytes(
     pages = math.ceil(context / policy.page_size)
     slots = pages * policy.page_size  # allocated token slots per sequence
     codes_pt = scales_pt = 0
-    for which, s, w in (("content", fmt.content, kv_lora_rank), ("rope", fmt.rope, rope_dim)):
+    for s, w in ((fmt.content, kv_lora_rank), (fmt.rope, rope_dim)):
         if s is None:
             codes_pt += w * BF16_BYTES
         else:
