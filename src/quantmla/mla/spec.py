@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from quantmla.mla.rope import RopeConfig
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "quantmla_mla")
 
 
@@ -39,6 +41,20 @@ class MLASpec:
     q_scale: float = 1.0  # LongCat-Flash: mla_scale_q_lora on q_nope and q_pe
     kv_scale: float = 1.0  # LongCat-Flash: mla_scale_kv_lora on the latent (after the norm)
     attention_layers_per_block: int = 1  # LongCat-Flash has 2 attention modules per decoder block
+    rope: RopeConfig | None = None  # RoPE frequencies (default / YaRN); None when unknown
+
+    def __post_init__(self):
+        if isinstance(self.rope, dict):  # MLASpec(**spec.to_dict())
+            object.__setattr__(self, "rope", RopeConfig(**self.rope))
+
+    @property
+    def rope_cache_pairing(self) -> str:
+        """Column layout of the *rotated* ``k_pe`` the model hands to its cache.
+
+        DeepSeek-V2's complex multiply keeps pairs (2i, 2i+1) interleaved; the other families' RoPE
+        (``apply_rotary_pos_emb_interleave`` or ``rotate_half``) writes pair i to columns (i, i + Dr/2).
+        """
+        return "interleaved" if self.model_type == "deepseek_v2" else "half"
 
     @property
     def qk_head_dim(self) -> int:
@@ -59,8 +75,10 @@ class MLASpec:
     @classmethod
     def from_config(cls, config: Any) -> MLASpec:
         """Read the spec from a transformers config object (or a plain dict of one)."""
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
-            lambda k, d=None: getattr(config, k, d)
+        get = (
+            (lambda k, d=None: config.get(k, d))
+            if isinstance(config, dict)
+            else (lambda k, d=None: getattr(config, k, d))
         )
         mt = get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
@@ -88,13 +106,16 @@ class MLASpec:
         kv_lora = int(get("kv_lora_rank"))
         q_scale = kv_scale = 1.0
         per_block = 1
+        num_blocks = get("num_hidden_layers", get("num_layers"))
         if mt == "longcat_flash":
             q_scale = (hidden / q_lora) ** 0.5
             kv_scale = (hidden / kv_lora) ** 0.5
             per_block = 2
+            # LongcatFlashConfig.num_hidden_layers is 2 * num_layers (one per attention module); blocks = num_layers
+            num_blocks = get("num_layers") or int(get("num_hidden_layers")) // 2
         return cls(
             model_type=mt,
-            num_layers=int(get("num_hidden_layers", get("num_layers"))),
+            num_layers=int(num_blocks),
             hidden_size=hidden,
             num_heads=int(get("num_attention_heads")),
             kv_lora_rank=kv_lora,
@@ -108,6 +129,7 @@ class MLASpec:
             q_scale=q_scale,
             kv_scale=kv_scale,
             attention_layers_per_block=per_block,
+            rope=RopeConfig.from_config(config),
         )
 
     @classmethod
