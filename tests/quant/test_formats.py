@@ -70,3 +70,10 @@ def test_format_dict_round_trip_and_dim_check():
 def test_bad_policy_raises(kwargs):
     with pytest.raises(ValueError, match="CachePolicy"):
         CachePolicy(**kwargs)
+
+
+def test_adapted_shrinks_oversized_groups_only():
+    f = get_format("c4r4").adapted(256, 32)  # MiniCPM3-like widths
+    assert f.content.group_size == 128 and f.rope.group_size == 32
+    assert get_format("c4r4").adapted(512, 64) is get_format("c4r4")
+    assert get_format("c4r4").adapted(96, 64).content.group_size == 128  # 96 is no divisor of 128: left alone

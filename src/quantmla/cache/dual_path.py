@@ -81,6 +81,7 @@ class DualPathLayer:
     def _init(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         b, _, dc = c_kv.shape
         dr = k_pe.shape[-1]
+        self.fmt = self.fmt.adapted(dc, dr)
         self.fmt.check_dims(dc, dr)
         self.batch, self.dc, self.dr = b, dc, dr
         self.dtype, self.device = c_kv.dtype, c_kv.device

@@ -91,7 +91,7 @@ class QuantMLACache(Cache):
 
     def __init__(self, config: Any, fmt: str | CacheFormat = "c4r4", policy: CachePolicy | None = None):
         self.spec = config if isinstance(config, MLASpec) else MLASpec.from_config(config)
-        self.fmt = get_format(fmt)
+        self.fmt = get_format(fmt).adapted(self.spec.kv_lora_rank, self.spec.qk_rope_head_dim)
         self.fmt.check_dims(self.spec.kv_lora_rank, self.spec.qk_rope_head_dim)
         self.policy = policy or CachePolicy()
         layers = [DualPathCacheLayer(self.fmt, self.policy) for _ in range(self.spec.num_cache_layers)]

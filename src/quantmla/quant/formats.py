@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quantmla.quant.spec import QuantSpec
 
@@ -62,6 +62,19 @@ class CacheFormat:
                     s.check_width(w)
                 except ValueError as e:
                     raise ValueError(f"format {self.name!r}, {label} path (width {w}): {e}") from None
+
+    def adapted(self, kv_lora_rank: int, rope_dim: int) -> CacheFormat:
+        """This format for a model whose path widths are smaller than a default group: a group larger
+        than its path (e.g. RoPE groups of 64 on MiniCPM3's 32-dim RoPE key) shrinks to the whole path.
+        Groups that simply do not divide the width are left alone (``check_dims`` reports them)."""
+
+        def fit(s: QuantSpec | None, w: int) -> QuantSpec | None:
+            if s is None or w % s.group_size == 0 or s.group_size % w != 0:
+                return s
+            return replace(s, group_size=w)
+
+        c, r = fit(self.content, kv_lora_rank), fit(self.rope, rope_dim)
+        return self if (c, r) == (self.content, self.rope) else replace(self, content=c, rope=r)
 
     def path_bytes(self, which: str, width: int) -> int:
         s = self.content if which == "content" else self.rope
@@ -195,7 +208,7 @@ def cache_bytes(
     ``(kv_lora_rank + rope_dim) * 2`` bytes, plus the block table (int32 per page per sequence, shared
     by all layers) and one int32 length per sequence.
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt).adapted(kv_lora_rank, rope_dim)
     policy = policy or CachePolicy()
     if context < 0 or batch < 0 or num_layers <= 0:
         raise ValueError("context and batch must be >= 0 and num_layers > 0")
