@@ -1,0 +1,137 @@
+"""Choosing between the Triton kernels and their torch references, and the public attention entry points.
+
+``impl="auto"`` picks Triton when the tensors are on a CUDA device, Triton imports and the format/shape
+is one the kernels handle; otherwise torch. Overrides, strongest first: an explicit ``impl="torch"`` or
+``"triton"`` argument; :func:`force_impl` (a context manager for tests); the environment variable
+``QUANTMLA_KERNEL_IMPL`` (``auto``, ``torch`` or ``triton``). Asking for Triton where it cannot run
+raises an error that says why instead of silently falling back.
+
+Nothing here imports Triton at module import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from quantmla.quant.formats import CacheFormat
+
+IMPLS = ("auto", "torch", "triton")
+ENV_VAR = "QUANTMLA_KERNEL_IMPL"
+_forced: list[str] = []
+
+
+@contextlib.contextmanager
+def force_impl(impl: str) -> Iterator[None]:
+    """Within the block, every ``impl="auto"`` call resolves to ``impl``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _forced.append(impl)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int, page_size: int, kernel: str) -> str:
+    """Empty string when the Triton ``kernel`` ("write" or "decode") handles this format and shape, else why not."""
+    for label, s in (("content", fmt.content), ("rope", fmt.rope)):
+        if s is not None and s.scale_dtype != "fp16":
+            return f"{label} scales must be fp16 for the paged layout"
+    if kernel == "write":
+        return ""
+    c, r = fmt.content, fmt.rope
+    if (c is None) != (r is None):
+        return "the decode kernel needs both paths quantized or both BF16"
+    if not _pow2(page_size) or not 16 <= page_size <= 256:
+        return f"page_size must be a power of two in [16, 256], got {page_size}"
+    sub = kv_lora_rank // 4
+    if kv_lora_rank % 4 or not _pow2(sub) or sub < 16:
+        return f"kv_lora_rank/4 must be a power of two >= 16, got kv_lora_rank={kv_lora_rank}"
+    if not _pow2(rope_dim) or rope_dim < 16:
+        return f"rope_dim must be a power of two >= 16, got {rope_dim}"
+    if c is None:
+        return ""
+    if c.bits not in (2, 4, 8) or r.bits not in (4, 8):
+        return f"content bits must be 2, 4 or 8 and RoPE bits 4 or 8 (got C{c.bits}R{r.bits})"
+    if c.group_size % sub:
+        return f"content group_size {c.group_size} must be a multiple of kv_lora_rank/4 = {sub}"
+    rw = rope_dim * r.bits // 8
+    if r.group_size % rw or rw < 16:
+        return f"RoPE group_size {r.group_size} must be a multiple of the RoPE plane width {rw} (>= 16)"
+    return ""
+
+
+def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, layout=None) -> str:
+    """``"torch"`` or ``"triton"`` for a call on tensor ``x`` with format ``fmt``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        if _forced:
+            impl = _forced[-1]
+        else:
+            env = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+            if env not in IMPLS:
+                raise ValueError(f"{ENV_VAR}={env!r} is not one of {IMPLS}")
+            impl = env
+    dims = (512, 64, 64) if layout is None else (layout.kv_lora_rank, layout.rope_dim, layout.page_size)
+    reason = triton_unsupported_reason(fmt, *dims, kernel=kernel)
+    on_gpu = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "auto":
+        return "triton" if x.is_cuda and not reason and triton_available() else "torch"
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError("impl='triton' but triton is not installed (pip install triton)")
+        if reason:
+            raise ValueError(f"impl='triton' cannot run {kernel} for format {fmt.name!r}: {reason}")
+        if not on_gpu:
+            raise RuntimeError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    return impl
+
+
+def decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    softmax_scale: float,
+    *,
+    impl: str = "auto",
+    num_splits: int | None = None,
+    return_lse: bool = False,
+):
+    """Decode attention over a :class:`~quantmla.kernels.paged.PagedMLACache`.
+
+    ``q_lat [B, H, Dc]`` (absorbed query, latent part), ``q_pe [B, H, Dr]`` (rotated RoPE part) ->
+    ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]`` natural log when ``return_lse``). ``num_splits``: split-K
+    factor for the Triton kernel (default: a heuristic that fills the GPU)."""
+    which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout)
+    if which == "torch":
+        from quantmla.kernels.reference import decode_attention_torch
+
+        return decode_attention_torch(q_lat, q_pe, cache, softmax_scale, return_lse=return_lse)
+    from quantmla.kernels.triton_decode import decode_attention_triton
+
+    return decode_attention_triton(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse)
+
+
+def prefill_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, n_new=None, **kw):
+    """Chunked prefill over the quantized cache (torch only for now; see
+    :func:`quantmla.kernels.reference.prefill_attention_torch`). ``q_lat [B, H, T, Dc]`` -> ``[B, H, T, Dc]``."""
+    from quantmla.kernels.reference import prefill_attention_torch
+
+    return prefill_attention_torch(q_lat, q_pe, cache, softmax_scale, n_new, **kw)

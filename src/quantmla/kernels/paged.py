@@ -1,0 +1,420 @@
+"""The paged packed MLA cache as the kernels see it: page pool, block table, BF16 sink/local buffers.
+
+Every token of every sequence gets a packed copy in a fixed-size *page* of ``P`` tokens (``P =
+CachePolicy.page_size``, 64 by default); a sequence's pages are listed in its row of the block table.
+Under the mixed-precision policy the first ``sink`` tokens are also kept in a BF16 sink buffer and the
+last ``local`` tokens in a BF16 ring buffer (slot = position % local); attention reads those tokens
+from BF16 and all others from their packed copy. The BF16 format has no buffers: its pages hold BF16.
+
+Byte layout of one page (all offsets 16-byte aligned; every region starts at a multiple of 16 bytes
+and is padded to one), for a format with content spec ``Sc`` (width ``Dc``) and RoPE spec ``Sr``
+(width ``Dr``)::
+
+    [ content codes  P x Cb  uint8 ]  token-major: row t = the Cb packed bytes of token t
+    [ RoPE codes     P x Rb  uint8 ]  token-major, Rb bytes per token
+    [ meta           M x P   fp16  ]  group-major: row r = one scale (or offset) for each of the P tokens
+
+``Cb = Dc * bits_c / 8`` (planar packing of :mod:`quantmla.quant.packing`; ``Dc * 2`` BF16 bytes when the
+path is unquantized), likewise ``Rb``. Meta rows, in order: content scales (``Dc / g_c`` rows), content
+offsets (same count, asymmetric specs only), RoPE scales (``Dr / g_r``), RoPE offsets (asymmetric only).
+Group-major meta makes the scale of one group for a whole tile of tokens one contiguous vector.
+
+DeepSeek shapes (Dc = 512, Dr = 64), P = 64:
+
+=======  ==========================  ===================  ===============  ==========  =========
+format   content codes (P x Cb)      RoPE codes (P x Rb)  meta (M x P)     page bytes  per token
+=======  ==========================  ===================  ===============  ==========  =========
+BF16     64 x 1024 (bf16)            64 x 128 (bf16)      --               73728       1152
+C8R8     64 x 512                    64 x 64              5 x 64 fp16      37504       586
+C4R8     64 x 256                    64 x 64              9 x 64 fp16      21632       338
+C4R4     64 x 256                    64 x 32              10 x 64 fp16     19712       308
+C2R4     64 x 128                    64 x 32              10 x 64 fp16     11520       180
+=======  ==========================  ===================  ===============  ==========  =========
+
+C4R4 meta rows: 4 content scales, 4 content offsets (groups of 128), 1 RoPE scale, 1 RoPE offset.
+C8R8 meta rows (symmetric, no offsets): 4 content scales, 1 RoPE scale.
+
+Beside the pool: block table ``[B, max_pages]`` int32, sequence lengths ``[B]`` int32, and for a
+quantized format the BF16 buffers ``sink [B, sink, Dc + Dr]`` and ``local [B, local, Dc + Dr]`` (1152 B
+per slot): per sequence ``(sink + local) * 1152`` bytes, 150,528 B for sink 4 / local 128.
+
+:class:`PagedMLACache` owns these tensors, allocates pages from a free list, and writes tokens either
+with the pure-torch :meth:`PagedMLACache.write_reference` (built on :func:`quantize_codes` and
+:func:`pack`, the definition every kernel matches bit for bit) or the fused Triton writer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.quant.formats import CacheFormat, CachePolicy, get_format
+from quantmla.quant.packing import pack, unpack
+from quantmla.quant.quantize import dequantize_codes, quantize_codes
+from quantmla.quant.spec import QuantSpec
+
+_ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Byte layout of one page of the packed store (see the module docstring)."""
+
+    fmt: CacheFormat
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        self.fmt.check_dims(self.kv_lora_rank, self.rope_dim)
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+
+    # -- per-token widths -----------------------------------------------------------------------
+    @staticmethod
+    def _code_bytes(spec: QuantSpec | None, width: int) -> int:
+        return width * 2 if spec is None else spec.code_bytes(width)
+
+    @staticmethod
+    def _meta_rows(spec: QuantSpec | None, width: int) -> tuple[int, int]:
+        """(scale rows, offset rows) of one path."""
+        if spec is None:
+            return 0, 0
+        g = spec.num_groups(width)
+        return g, 0 if spec.symmetric else g
+
+    @property
+    def content_bytes(self) -> int:  # Cb
+        return self._code_bytes(self.fmt.content, self.kv_lora_rank)
+
+    @property
+    def rope_bytes(self) -> int:  # Rb
+        return self._code_bytes(self.fmt.rope, self.rope_dim)
+
+    @property
+    def content_scale_row(self) -> int:
+        return 0
+
+    @property
+    def content_offset_row(self) -> int:
+        return self._meta_rows(self.fmt.content, self.kv_lora_rank)[0]
+
+    @property
+    def rope_scale_row(self) -> int:
+        return sum(self._meta_rows(self.fmt.content, self.kv_lora_rank))
+
+    @property
+    def rope_offset_row(self) -> int:
+        return self.rope_scale_row + self._meta_rows(self.fmt.rope, self.rope_dim)[0]
+
+    @property
+    def meta_rows(self) -> int:  # M
+        return self.rope_scale_row + sum(self._meta_rows(self.fmt.rope, self.rope_dim))
+
+    # -- offsets within a page (bytes) ----------------------------------------------------------
+    @property
+    def content_offset(self) -> int:
+        return 0
+
+    @property
+    def rope_offset(self) -> int:
+        return _align(self.page_size * self.content_bytes)
+
+    @property
+    def meta_offset(self) -> int:
+        return self.rope_offset + _align(self.page_size * self.rope_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.meta_offset + _align(self.meta_rows * self.page_size * 2)
+
+    def bytes_per_token(self) -> float:
+        """Bytes of the packed store per token (page bytes / page size; equals the format's
+        ``bytes_per_token`` whenever no region needs alignment padding, as for all named formats)."""
+        return self.page_bytes / self.page_size
+
+    @property
+    def bf16_slot_bytes(self) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * 2
+
+
+class PagedMLACache:
+    """One layer's paged MLA cache for a batch of ``batch`` sequences.
+
+    Tensors (all on ``device``):
+      ``pool``        uint8 ``[num_pages, page_bytes]`` (see :class:`PagedLayout`)
+      ``block_table`` int32 ``[batch, max_pages]``; entries past a sequence's pages point at ``pad_page``
+      ``seq_lens``    int32 ``[batch]``
+      ``sink``        bf16 ``[batch, sink, Dc + Dr]`` (quantized formats only, else 0 slots)
+      ``local``       bf16 ``[batch, local, Dc + Dr]`` (ring: slot = position % local)
+
+    ``shuffle`` draws pages from the free list in random order (hostile tests); ``fill_byte`` initializes
+    pool and buffers (0xFF makes every unwritten scale/BF16 value NaN). ``pad_page`` (default 0) is
+    where unused block-table entries point.
+    """
+
+    def __init__(
+        self,
+        fmt: CacheFormat | str,
+        batch: int,
+        max_seq_len: int,
+        *,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        policy: CachePolicy | None = None,
+        num_pages: int | None = None,
+        device: torch.device | str = "cpu",
+        shuffle: bool = False,
+        seed: int = 0,
+        fill_byte: int = 0,
+        pad_page: int = 0,
+    ) -> None:
+        self.fmt = get_format(fmt)
+        self.policy = policy or CachePolicy()
+        self.layout = PagedLayout(self.fmt, kv_lora_rank, rope_dim, self.policy.page_size)
+        self.batch = batch
+        self.max_seq_len = max_seq_len
+        self.device = torch.device(device)
+        P = self.policy.page_size
+        self.max_pages = max(1, math.ceil(max_seq_len / P))
+        if num_pages is None:
+            num_pages = batch * self.max_pages
+        self.num_pages = num_pages
+        self.pool = torch.full((num_pages, self.layout.page_bytes), fill_byte, dtype=torch.uint8, device=self.device)
+        self.pad_page = pad_page
+        self.block_table = torch.full((batch, self.max_pages), pad_page, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        d = kv_lora_rank + rope_dim
+        n_sink = self.policy.sink if self.fmt.is_quantized else 0
+        n_local = self.policy.local if self.fmt.is_quantized else 0
+        self.sink = torch.full((batch, n_sink, d), 0, dtype=torch.bfloat16, device=self.device)
+        self.local = torch.full((batch, n_local, d), 0, dtype=torch.bfloat16, device=self.device)
+        if fill_byte:
+            self.sink.view(torch.uint8).fill_(fill_byte)
+            self.local.view(torch.uint8).fill_(fill_byte)
+        order = list(range(num_pages))
+        if shuffle:
+            g = torch.Generator().manual_seed(seed)
+            order = [order[i] for i in torch.randperm(num_pages, generator=g).tolist()]
+        self._free = order[::-1]  # pop() from the end hands out pages in `order`
+        self._pages: list[list[int]] = [[] for _ in range(batch)]
+        self._lens = [0] * batch  # host mirror of seq_lens
+
+    # -- geometry ---------------------------------------------------------------------------------
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.layout.kv_lora_rank
+
+    @property
+    def rope_dim(self) -> int:
+        return self.layout.rope_dim
+
+    @property
+    def page_size(self) -> int:
+        return self.policy.page_size
+
+    @property
+    def n_sink(self) -> int:
+        return self.sink.shape[1]
+
+    @property
+    def n_local(self) -> int:
+        return self.local.shape[1]
+
+    def lengths(self) -> list[int]:
+        """Host copy of the sequence lengths (no device sync)."""
+        return list(self._lens)
+
+    def bytes_per_token(self) -> float:
+        return self.layout.bytes_per_token()
+
+    def pool_view(self, dtype: torch.dtype) -> torch.Tensor:
+        """The pool reinterpreted as ``dtype`` elements: ``[num_pages, page_bytes / itemsize]``."""
+        return self.pool.view(dtype)
+
+    def bf16_positions(self, n: int) -> tuple[range, range]:
+        """Positions of a length-``n`` sequence read from the sink buffer and from the local ring."""
+        if not self.fmt.is_quantized:
+            return range(0), range(0)
+        s = min(self.n_sink, n)
+        return range(s), range(max(s, n - self.n_local), n)
+
+    def packed_range(self, n: int) -> range:
+        """Positions of a length-``n`` sequence that attention reads from their packed copy."""
+        if not self.fmt.is_quantized:
+            return range(n)
+        return range(self.n_sink, max(self.n_sink, n - self.n_local))
+
+    # -- allocation -------------------------------------------------------------------------------
+    def reserve(self, new_lens: list[int]) -> None:
+        """Make sure sequence ``b`` owns enough pages for ``new_lens[b]`` tokens (host-side bookkeeping;
+        copies the changed block-table rows to the device)."""
+        P = self.page_size
+        changed = False
+        for b, n in enumerate(new_lens):
+            if n > self.max_seq_len:
+                raise ValueError(f"sequence {b} would hold {n} tokens, more than max_seq_len={self.max_seq_len}")
+            need = math.ceil(n / P)
+            while len(self._pages[b]) < need:
+                if not self._free:
+                    raise RuntimeError(
+                        f"out of cache pages ({self.num_pages} allocated); create the cache with more num_pages"
+                    )
+                self._pages[b].append(self._free.pop())
+                changed = True
+        if changed:
+            bt = torch.full((self.batch, self.max_pages), self.pad_page, dtype=torch.int32)
+            for b, pages in enumerate(self._pages):
+                bt[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self.block_table.copy_(bt)
+
+    def _plan_write(self, T: int, n_new) -> tuple[list[int], list[int]]:
+        if n_new is None:
+            n_new = [T] * self.batch
+        elif isinstance(n_new, torch.Tensor):
+            n_new = [int(v) for v in n_new.tolist()]
+        else:
+            n_new = [int(v) for v in n_new]
+        if len(n_new) != self.batch or any(v < 0 or v > T for v in n_new):
+            raise ValueError(f"n_new must hold {self.batch} counts in [0, {T}], got {n_new}")
+        start = list(self._lens)
+        self.reserve([s + k for s, k in zip(start, n_new)])
+        return start, n_new
+
+    def _commit(self, start: list[int], n_new: list[int]) -> None:
+        self._lens = [s + k for s, k in zip(start, n_new)]
+        self.seq_lens.copy_(torch.tensor(self._lens, dtype=torch.int32))
+
+    def _check_inputs(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        B, Dc, Dr = self.batch, self.kv_lora_rank, self.rope_dim
+        if c_kv.dim() != 3 or c_kv.shape[0] != B or c_kv.shape[2] != Dc:
+            raise ValueError(f"c_kv must be [B={B}, T, Dc={Dc}], got {list(c_kv.shape)}")
+        if k_pe.shape != (B, c_kv.shape[1], Dr):
+            raise ValueError(f"k_pe must be [B={B}, T={c_kv.shape[1]}, Dr={Dr}], got {list(k_pe.shape)}")
+
+    # -- writing ----------------------------------------------------------------------------------
+    def write(self, c_kv: torch.Tensor, k_pe: torch.Tensor, n_new=None, *, impl: str = "auto") -> None:
+        """Append tokens: ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]``; sequence ``b`` takes its first
+        ``n_new[b]`` rows (all ``T`` when None). ``impl``: ``"auto"`` (Triton on CUDA), ``"triton"``, ``"torch"``."""
+        from quantmla.kernels.dispatch import resolve_impl
+
+        which = resolve_impl(impl, c_kv, self.fmt, kernel="write")
+        if which == "torch":
+            self.write_reference(c_kv, k_pe, n_new)
+        else:
+            from quantmla.kernels.triton_writer import write_triton
+
+            self._check_inputs(c_kv, k_pe)
+            start, n_new = self._plan_write(c_kv.shape[1], n_new)
+            write_triton(self, c_kv, k_pe, start, n_new)
+            self._commit(start, n_new)
+
+    def write_reference(self, c_kv: torch.Tensor, k_pe: torch.Tensor, n_new=None) -> None:
+        """Pure-torch writer: ``quantize_codes`` + ``pack`` per path, BF16 copies into sink/local."""
+        self._check_inputs(c_kv, k_pe)
+        start, n_new = self._plan_write(c_kv.shape[1], n_new)
+        L, P = self.layout, self.page_size
+        final = [s + k for s, k in zip(start, n_new)]
+        for b in range(self.batch):
+            k = n_new[b]
+            if k == 0:
+                continue
+            pos = torch.arange(start[b], final[b])
+            pages = torch.tensor(self._pages[b], dtype=torch.long)[pos // P].to(self.device)  # [k]
+            slots = (pos % P).to(self.device)  # [k]
+            for which, x, spec, width in (
+                ("content", c_kv[b, :k], self.fmt.content, L.kv_lora_rank),
+                ("rope", k_pe[b, :k], self.fmt.rope, L.rope_dim),
+            ):
+                self._write_path(which, x, spec, width, pages, slots)
+            if self.fmt.is_quantized:
+                row = torch.cat([c_kv[b, :k], k_pe[b, :k]], dim=-1).to(torch.bfloat16)  # [k, Dc + Dr]
+                s_keep = pos < self.n_sink
+                if s_keep.any():
+                    self.sink[b, pos[s_keep]] = row[s_keep.to(row.device)]
+                if self.n_local:
+                    l_keep = pos >= final[b] - self.n_local
+                    if l_keep.any():
+                        self.local[b, pos[l_keep] % self.n_local] = row[l_keep.to(row.device)]
+        self._commit(start, n_new)
+
+    def _region(self, which: str) -> torch.Tensor:
+        """Codes region of all pages as uint8 ``[num_pages, P, bytes per token]``."""
+        L, P = self.layout, self.page_size
+        off, nb = (L.content_offset, L.content_bytes) if which == "content" else (L.rope_offset, L.rope_bytes)
+        return self.pool[:, off : off + P * nb].view(self.num_pages, P, nb)
+
+    def _meta(self) -> torch.Tensor:
+        """Meta region of all pages as fp16 ``[num_pages, M, P]``."""
+        L, P = self.layout, self.page_size
+        m = self.pool[:, L.meta_offset : L.meta_offset + L.meta_rows * P * 2]
+        return m.view(torch.float16).view(self.num_pages, L.meta_rows, P)
+
+    def _meta_rows_of(self, which: str) -> tuple[int, int | None, int]:
+        """(first scale row, first offset row or None, number of groups)."""
+        L = self.layout
+        spec, width = (self.fmt.content, L.kv_lora_rank) if which == "content" else (self.fmt.rope, L.rope_dim)
+        g = spec.num_groups(width)
+        if which == "content":
+            return L.content_scale_row, None if spec.symmetric else L.content_offset_row, g
+        return L.rope_scale_row, None if spec.symmetric else L.rope_offset_row, g
+
+    def _write_path(self, which, x, spec, width, pages, slots) -> None:
+        region = self._region(which)
+        if spec is None:  # BF16 path: the bytes of the bf16 values
+            region[pages, slots] = x.to(torch.bfloat16).contiguous().view(torch.uint8)
+            return
+        if spec.scale_dtype != "fp16":
+            raise NotImplementedError("the paged layout stores fp16 scales; QuantSpec.scale_dtype must be 'fp16'")
+        codes, scale, offset = quantize_codes(x, spec)  # [k, D] uint8, [k, G], [k, G]
+        region[pages, slots] = pack(codes, spec.bits)
+        meta = self._meta()
+        r_s, r_o, g = self._meta_rows_of(which)
+        rows = torch.arange(g, device=self.device)
+        meta[pages[:, None], (r_s + rows)[None, :], slots[:, None]] = scale
+        if r_o is not None:
+            meta[pages[:, None], (r_o + rows)[None, :], slots[:, None]] = offset
+
+    # -- reading (torch; used by the reference attention and the tests) ---------------------------
+    def read_packed(self, b: int, pos: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[len(pos), Dc + Dr]``: tokens ``pos`` of sequence ``b`` dequantized from their packed copy."""
+        L, P = self.layout, self.page_size
+        pos = pos.to(torch.long).cpu()
+        pages = torch.tensor(self._pages[b], dtype=torch.long)[pos // P].to(self.device)
+        slots = (pos % P).to(self.device)
+        out = []
+        for which, spec, width in (("content", self.fmt.content, L.kv_lora_rank), ("rope", self.fmt.rope, L.rope_dim)):
+            raw = self._region(which)[pages, slots]  # [k, bytes]
+            if spec is None:
+                out.append(raw.contiguous().view(torch.bfloat16).float())
+                continue
+            codes = unpack(raw, spec.bits, width)
+            meta = self._meta()
+            r_s, r_o, g = self._meta_rows_of(which)
+            rows = torch.arange(g, device=self.device)
+            scale = meta[pages[:, None], (r_s + rows)[None, :], slots[:, None]]
+            offset = None if r_o is None else meta[pages[:, None], (r_o + rows)[None, :], slots[:, None]]
+            out.append(dequantize_codes(codes, scale, offset, spec))
+        return torch.cat(out, dim=-1)
+
+    def read_tokens(self, b: int, n: int | None = None) -> torch.Tensor:
+        """fp32 ``[n, Dc + Dr]``: what attention sees for sequence ``b`` (BF16 for sink/local positions,
+        dequantized packed copies for the rest). ``n`` defaults to the stored length."""
+        n = self._lens[b] if n is None else n
+        out = torch.empty(n, self.kv_lora_rank + self.rope_dim, dtype=torch.float32, device=self.device)
+        packed = self.packed_range(n)
+        if len(packed):
+            out[packed.start : packed.stop] = self.read_packed(b, torch.arange(packed.start, packed.stop))
+        sink, local = self.bf16_positions(n)
+        if len(sink):
+            out[: sink.stop] = self.sink[b, : sink.stop].float()
+        if len(local):
+            pos = torch.arange(local.start, local.stop)
+            out[local.start : local.stop] = self.local[b, (pos % self.n_local).to(self.device)].float()
+        return out

@@ -1,0 +1,271 @@
+"""Fused Triton writer: quantize + pack incoming MLA tokens into their pages, BF16 copies into sink/local.
+
+One program per (sequence, new token). For each path it reproduces :func:`quantmla.quant.quantize.quantize_codes`
+bit for bit: fp32 group statistics, the offset rounded *down* and the scale rounded *up* to fp16 (round to
+nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``), IEEE division (``div_rn``),
+round-half-to-even (the ``1.5 * 2^23`` trick, exact for |y| < 2^22; larger values are clamped anyway),
+then the planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of a ``b``-bit row holds channel
+``j + p * D / k`` in bits ``[p*b, (p+1)*b)``). Tokens in the sequence's final local window are copied as
+BF16 into the ring (only those, so that a long prefill chunk writes each ring slot exactly once); tokens
+at positions below ``sink`` go into the sink buffer. Works on CUDA and under ``TRITON_INTERPRET=1``.
+
+Import this module only when a Triton writer is wanted: it imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_RNE_MAGIC = 12582912.0  # 1.5 * 2^23
+
+
+@triton.jit
+def _round_up_f16(x):
+    """fp32 x >= 0 -> the smallest fp16 >= x (as the torch reference's nextafter step)."""
+    r = x.to(tl.float16)
+    rb = r.to(tl.int16, bitcast=True)
+    rb = tl.where(r.to(tl.float32) < x, rb + 1, rb)
+    return rb.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _round_down_f16(x):
+    """fp32 x -> the largest fp16 <= x."""
+    r = x.to(tl.float16)
+    rb = r.to(tl.int16, bitcast=True)
+    down = tl.where(rb > 0, rb - 1, tl.where(rb == 0, -32767, rb + 1))  # -32767 == 0x8001 (-min subnormal)
+    rb = tl.where(r.to(tl.float32) > x, down.to(tl.int16), rb)
+    return rb.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _write_path(
+    x_ptr,  # first element of this token's row of the path (any float dtype)
+    code_ptr,  # uint8 pointer: this token's packed row in its page
+    meta_ptr,  # fp16 pointer: meta region of the page + slot (row r lives at meta_ptr + r * P)
+    valid,  # scalar bool: is this (sequence, token) real
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SYM: tl.constexpr,
+    SROW: tl.constexpr,
+    OROW: tl.constexpr,
+    P: tl.constexpr,
+    WP: tl.constexpr,  # next power of two >= D * BITS / 8
+):
+    K: tl.constexpr = 8 // BITS  # codes per byte = planes
+    W: tl.constexpr = D // K  # plane width = packed bytes per token
+    NG: tl.constexpr = D // GROUP
+    pl = tl.arange(0, K)[:, None]  # [K, 1]
+    j = tl.arange(0, WP)[None, :]  # [1, WP]
+    inb = (j < W) & (pl < K)  # [K, WP]
+    ch = pl * W + j  # channel of each (plane, byte): [K, WP]
+    x = tl.load(x_ptr + ch, mask=(inb & valid) != 0, other=0.0).to(tl.float32)
+    gid = ch // GROUP
+    s_e = tl.zeros([K, WP], dtype=tl.float32)
+    m_e = tl.zeros([K, WP], dtype=tl.float32)
+    for gi in tl.static_range(NG):
+        sel = inb & (gid == gi)
+        if SYM:
+            qmax_s: tl.constexpr = (1 << (BITS - 1)) - 1
+            amax = tl.max(tl.max(tl.where(sel, tl.abs(x), 0.0), axis=1), axis=0)
+            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(amax, qmax_s * 1.0), 1e-8))
+            tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
+            s_e = tl.where(sel, s16.to(tl.float32), s_e)
+        else:
+            qmax_a: tl.constexpr = (1 << BITS) - 1
+            lo = tl.min(tl.min(tl.where(sel, x, float("inf")), axis=1), axis=0)
+            hi = tl.max(tl.max(tl.where(sel, x, float("-inf")), axis=1), axis=0)
+            o16 = _round_down_f16(lo)
+            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(hi - o16.to(tl.float32), qmax_a * 1.0), 1e-8))
+            tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
+            tl.store(meta_ptr + (OROW + gi) * P, o16, mask=valid)
+            s_e = tl.where(sel, s16.to(tl.float32), s_e)
+            m_e = tl.where(sel, o16.to(tl.float32), m_e)
+    s_e = tl.where(inb, s_e, 1.0)
+    if SYM:
+        qm: tl.constexpr = (1 << (BITS - 1)) - 1
+        y = tl.math.div_rn(x, s_e)
+        q = (y + 12582912.0) - 12582912.0  # round half to even
+        q = tl.minimum(tl.maximum(q, -qm * 1.0), qm * 1.0) + (1 << (BITS - 1))
+    else:
+        qa: tl.constexpr = (1 << BITS) - 1
+        y = tl.math.div_rn(x - m_e, s_e)
+        q = (y + 12582912.0) - 12582912.0
+        q = tl.minimum(tl.maximum(q, 0.0), qa * 1.0)
+    codes = q.to(tl.int32) << (pl * BITS)  # [K, WP]
+    packed = tl.sum(codes, axis=0)  # disjoint bit fields: sum == or
+    jj = tl.arange(0, WP)
+    tl.store(code_ptr + jj, packed.to(tl.uint8), mask=((jj < W) & valid) != 0)
+
+
+@triton.jit
+def _to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, in integer arithmetic (the interpreter's own cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _copy_bf16(x_ptr, dst_ptr, valid, D: tl.constexpr, DP: tl.constexpr):
+    d = tl.arange(0, DP)
+    m = ((d < D) & valid) != 0  # (`!= 0`: the interpreter mistypes tensor & scalar masks)
+    x = tl.load(x_ptr + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + d, _to_bf16_rne(x), mask=m)
+
+
+@triton.jit
+def _writer_kernel(
+    C,  # [B, T, DC]
+    KP,  # [B, T, DR]
+    POOL8,  # uint8 [num_pages, PAGE_BYTES]
+    POOL16,  # fp16 view of the pool
+    POOLBF,  # bf16 view of the pool
+    BT,  # int32 [B, MAXP]
+    START,  # int32 [B] position of new token 0
+    NNEW,  # int32 [B] number of real new tokens
+    SINKB,  # bf16 [B, SINK, DC + DR]
+    LOCB,  # bf16 [B, LOCAL, DC + DR]
+    stride_cb,
+    stride_ct,
+    stride_kb,
+    stride_kt,
+    stride_bt,
+    stride_sb,
+    stride_lb,
+    PAGE_BYTES: tl.constexpr,
+    C_OFF: tl.constexpr,
+    R_OFF: tl.constexpr,
+    M_OFF: tl.constexpr,
+    P: tl.constexpr,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    CBITS: tl.constexpr,
+    CGROUP: tl.constexpr,
+    CSYM: tl.constexpr,
+    CSROW: tl.constexpr,
+    COROW: tl.constexpr,
+    RBITS: tl.constexpr,
+    RGROUP: tl.constexpr,
+    RSYM: tl.constexpr,
+    RSROW: tl.constexpr,
+    ROROW: tl.constexpr,
+    CWP: tl.constexpr,
+    RWP: tl.constexpr,
+    DCP: tl.constexpr,
+    DRP: tl.constexpr,
+    SINK: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    n_new = tl.load(NNEW + b)
+    valid = t < n_new
+    pos = tl.load(START + b) + t
+    page = tl.load(BT + b * stride_bt + pos // P, mask=valid, other=0).to(tl.int64)
+    slot = pos % P
+    x_c = C + b.to(tl.int64) * stride_cb + t * stride_ct
+    x_r = KP + b.to(tl.int64) * stride_kb + t * stride_kt
+    base8 = POOL8 + page * PAGE_BYTES
+    if CBITS == 16:
+        cb16 = POOLBF + page * (PAGE_BYTES // 2) + C_OFF // 2 + slot * DC
+        _copy_bf16(x_c, cb16, valid, DC, CWP)
+        rb16 = POOLBF + page * (PAGE_BYTES // 2) + R_OFF // 2 + slot * DR
+        _copy_bf16(x_r, rb16, valid, DR, RWP)
+    else:
+        meta = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2 + slot
+        _write_path(
+            x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CSYM, CSROW, COROW, P, CWP
+        )
+        _write_path(
+            x_r, base8 + R_OFF + slot * (DR * RBITS // 8), meta, valid, DR, RBITS, RGROUP, RSYM, RSROW, ROROW, P, RWP
+        )
+        if SINK > 0:
+            in_sink = valid & (pos < SINK)
+            dst = SINKB + b.to(tl.int64) * stride_sb + pos * (DC + DR)
+            _copy_bf16(x_c, dst, in_sink, DC, DCP)
+            _copy_bf16(x_r, dst + DC, in_sink, DR, DRP)
+        if LOCAL > 0:
+            in_loc = valid & (pos >= tl.load(START + b) + n_new - LOCAL)
+            dst = LOCB + b.to(tl.int64) * stride_lb + (pos % LOCAL) * (DC + DR)
+            _copy_bf16(x_c, dst, in_loc, DC, DCP)
+            _copy_bf16(x_r, dst + DC, in_loc, DR, DRP)
+
+
+def _path_args(spec, width: int, srow: int, orow: int | None) -> tuple:
+    if spec is None:
+        return 16, width, False, 0, 0, triton.next_power_of_2(width)
+    return (
+        spec.bits,
+        spec.group_size,
+        spec.symmetric,
+        srow,
+        0 if orow is None else orow,
+        triton.next_power_of_2(width * spec.bits // 8),
+    )
+
+
+def write_triton(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int], n_new: list[int]) -> None:
+    """Launch the writer for ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]`` (pages already reserved by the cache)."""
+    B, T, Dc = c_kv.shape
+    if T == 0 or B == 0:
+        return
+    L = cache.layout
+    fmt = cache.fmt
+    if c_kv.stride(-1) != 1:
+        c_kv = c_kv.contiguous()
+    if k_pe.stride(-1) != 1:
+        k_pe = k_pe.contiguous()
+    dev = c_kv.device
+    start_t = torch.tensor(start, dtype=torch.int32, device=dev)
+    nnew_t = torch.tensor(n_new, dtype=torch.int32, device=dev)
+    c_args = _path_args(fmt.content, L.kv_lora_rank, L.content_scale_row, L.content_offset_row)
+    r_args = _path_args(fmt.rope, L.rope_dim, L.rope_scale_row, L.rope_offset_row)
+    sink = cache.sink
+    local = cache.local
+    _writer_kernel[(B, T)](
+        c_kv,
+        k_pe,
+        cache.pool,
+        cache.pool.view(torch.float16),
+        cache.pool.view(torch.bfloat16),
+        cache.block_table,
+        start_t,
+        nnew_t,
+        sink,
+        local,
+        c_kv.stride(0),
+        c_kv.stride(1),
+        k_pe.stride(0),
+        k_pe.stride(1),
+        cache.block_table.stride(0),
+        sink.stride(0),
+        local.stride(0),
+        PAGE_BYTES=L.page_bytes,
+        C_OFF=L.content_offset,
+        R_OFF=L.rope_offset,
+        M_OFF=L.meta_offset,
+        P=L.page_size,
+        DC=L.kv_lora_rank,
+        DR=L.rope_dim,
+        CBITS=c_args[0],
+        CGROUP=c_args[1],
+        CSYM=c_args[2],
+        CSROW=c_args[3],
+        COROW=c_args[4],
+        RBITS=r_args[0],
+        RGROUP=r_args[1],
+        RSYM=r_args[2],
+        RSROW=r_args[3],
+        ROROW=r_args[4],
+        CWP=c_args[5],
+        RWP=r_args[5],
+        DCP=triton.next_power_of_2(L.kv_lora_rank),
+        DRP=triton.next_power_of_2(L.rope_dim),
+        SINK=sink.shape[1],
+        LOCAL=local.shape[1],
+        num_warps=4,
+    )
