@@ -60,9 +60,9 @@ def test_long_prompt_decode_and_second_prompt_appended():
     p1 = torch.randint(0, 128, (1, 300), generator=g)
     cache = QuantMLACache(model.config, "c4r4", CachePolicy(4, 16))
     with torch.no_grad():
-        out = model.generate(p1, max_new_tokens=5, do_sample=False, **with_cache(cache))
+        out = model.generate(p1, max_new_tokens=5, min_new_tokens=5, do_sample=False, **with_cache(cache))
         p2 = torch.cat([out, torch.randint(0, 128, (1, 40), generator=g)], dim=1)
-        out2 = model.generate(p2, max_new_tokens=5, do_sample=False, **with_cache(cache))
+        out2 = model.generate(p2, max_new_tokens=5, min_new_tokens=5, do_sample=False, **with_cache(cache))
     assert out2.shape[1] == 300 + 5 + 40 + 5
     assert cache.get_seq_length() == 300 + 5 + 40 + 4  # the last generated token is not yet cached
     rep = cache.memory_report()
