@@ -175,7 +175,8 @@ class PagedMLACache:
         fill_byte: int = 0,
         pad_page: int = 0,
     ) -> None:
-        self.fmt = get_format(fmt)
+        fmt = get_format(fmt)
+        self.fmt = fmt.adapted(kv_lora_rank, rope_dim) if hasattr(fmt, "adapted") else fmt
         self.policy = policy or CachePolicy()
         self.layout = PagedLayout(self.fmt, kv_lora_rank, rope_dim, self.policy.page_size)
         self.batch = batch

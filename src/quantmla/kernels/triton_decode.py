@@ -1,0 +1,455 @@
+"""Triton decode attention over the paged MLA cache: packed low-bit formats and the BF16 baseline.
+
+One program per (sequence, split) handles *all* heads of that sequence (``BLOCK_H`` rows of the tensor-core
+tiles) over a contiguous range of its pages (split-K / flash-decoding); for a quantized format one extra
+program per sequence reads the sink and local-window tokens from their BF16 buffers. Each program keeps an
+online softmax (base 2) and writes a normalized partial output and its log-sum-exp; a second kernel combines
+the partials with one global softmax. Tokens in the packed range ``[sink, n - local)`` are read from the
+pages, every other valid token from BF16, so all valid tokens share one softmax.
+
+Dequantization happens in registers and costs two integer operations per code: a code ``c`` in bit field
+``sh`` of its byte becomes the fp16 number ``1024 + c * 2^sh`` by masking the byte and OR-ing the exponent
+bits of 1024 (``0x6400``), exact for every code. The group scale ``s`` and offset ``m`` are applied per token
+outside the dot products, so the tensor cores multiply raw codes::
+
+    x = c * s + m = s' * (k + mo),   k = 1024 + c * 2^sh,  s' = s * 2^-sh,  mo = m / s' - 1024
+    score[h, n] += s'[n] * (q[h] . k[n] + mo[n] * sum(q[h]))           (q in fp16, fp32 accumulation)
+    o[h]        += sum_n p[h, n] s'[n] (k[n] + mo[n])                    (p * s' / max s' in fp16)
+
+The same reconstructed content tile ``k`` (registers) feeds the score product and the output product.
+Symmetric specs use ``mo = -(1024 + 2^(bits-1) * 2^sh)``. Content is processed as four sub-tiles of
+``Dc / 4`` channels (each inside one quantization group), RoPE as its bit planes.
+
+Import this module only when the Triton path is wanted: it imports triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _magic(b16, MASK: tl.constexpr):
+    """int16 bytes -> fp16 ``1024 + (byte & MASK)`` (exact)."""
+    return ((b16 & MASK) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _softmax_update(acc, valid, m_i, l_i):
+    """Masked online-softmax step (base 2): returns (p, alpha, m_new, l_new)."""
+    acc = tl.where(valid[None, :], acc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(acc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(acc - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _meta_vec(mptr, row, rows, valid, P: tl.constexpr):
+    """fp32 [BLOCK_N]: meta row ``row`` for the tile's tokens (0 for invalid ones)."""
+    return tl.load(mptr + row * P + rows, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scale_pair(
+    mptr, rows, valid, srow, orow, SYM: tl.constexpr, BITS: tl.constexpr, SH: tl.constexpr, P: tl.constexpr
+):
+    """(s', mo) of one sub-tile whose codes sit at bit ``SH``: x = s' * (1024 + c * 2^SH + mo)."""
+    s = _meta_vec(mptr, srow, rows, valid, P) * (1.0 / (1 << SH))
+    if SYM:
+        mo = tl.zeros_like(s) - (1024.0 + (1 << (BITS - 1 + SH)))
+    else:
+        m = _meta_vec(mptr, orow, rows, valid, P)
+        mo = tl.where(s > 0, m / tl.where(s > 0, s, 1.0), 0.0) - 1024.0
+    return s, mo
+
+
+@triton.jit
+def _score_part(acc, q16, qsum, k, s, mo):
+    d = tl.dot(q16, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
+    return acc + (d + qsum[:, None] * mo[None, :]) * s[None, :]
+
+
+@triton.jit
+def _out_part(o, f, p, alpha, k, s, mo):
+    smax = tl.max(s, axis=0)
+    inv = tl.where(smax > 0, 1.0 / tl.where(smax > 0, smax, 1.0), 0.0)
+    pw = (p * (s * inv)[None, :]).to(tl.float16)  # [BLOCK_H, BLOCK_N]
+    o = o * alpha[:, None] + tl.dot(pw, k) * smax
+    f = f * alpha + tl.sum(pw.to(tl.float32) * mo[None, :], axis=1) * smax
+    return o, f
+
+
+@triton.jit
+def _packed_tile(
+    m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3,
+    q0, q1, q2, q3, qs0, qs1, qs2, qs3, qrA, qrB, qsA, qsB,
+    base8, mptr, rows, valid,
+    C_OFF: tl.constexpr, R_OFF: tl.constexpr, P: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
+    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
+    RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
+):  # fmt: skip
+    SUB: tl.constexpr = DC // 4
+    CB: tl.constexpr = DC * CBITS // 8  # packed content bytes per token
+    RB: tl.constexpr = DR * RBITS // 8  # packed RoPE bytes per token (= RoPE plane width)
+    cptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, SUB)[None, :]  # [BLOCK_N, SUB]
+    rptr = base8 + R_OFF + rows[:, None] * RB + tl.arange(0, RB)[None, :]  # [BLOCK_N, RB]
+    # -- content codes -> k0..k3 (fp16, 1024 + c * 2^sh), shifts sh0..sh3
+    if CBITS == 8:
+        k0 = _magic(tl.load(cptr).to(tl.int16), 0xFF)
+        k1 = _magic(tl.load(cptr + SUB).to(tl.int16), 0xFF)
+        k2 = _magic(tl.load(cptr + 2 * SUB).to(tl.int16), 0xFF)
+        k3 = _magic(tl.load(cptr + 3 * SUB).to(tl.int16), 0xFF)
+        SH1: tl.constexpr = 0
+        SH2: tl.constexpr = 0
+        SH3: tl.constexpr = 0
+    elif CBITS == 4:
+        a0 = tl.load(cptr).to(tl.int16)
+        a1 = tl.load(cptr + SUB).to(tl.int16)
+        k0 = _magic(a0, 0x0F)
+        k1 = _magic(a1, 0x0F)
+        k2 = _magic(a0, 0xF0)
+        k3 = _magic(a1, 0xF0)
+        SH1: tl.constexpr = 0
+        SH2: tl.constexpr = 4
+        SH3: tl.constexpr = 4
+    else:
+        a0 = tl.load(cptr).to(tl.int16)
+        k0 = _magic(a0, 0x03)
+        k1 = _magic(a0, 0x0C)
+        k2 = _magic(a0, 0x30)
+        k3 = _magic(a0, 0xC0)
+        SH1: tl.constexpr = 2
+        SH2: tl.constexpr = 4
+        SH3: tl.constexpr = 6
+    s0, mo0 = _scale_pair(mptr, rows, valid, CSROW, COROW, CSYM, CBITS, 0, P)
+    s1, mo1 = _scale_pair(mptr, rows, valid, CSROW + SUB // CG, COROW + SUB // CG, CSYM, CBITS, SH1, P)
+    s2, mo2 = _scale_pair(mptr, rows, valid, CSROW + 2 * SUB // CG, COROW + 2 * SUB // CG, CSYM, CBITS, SH2, P)
+    s3, mo3 = _scale_pair(mptr, rows, valid, CSROW + 3 * SUB // CG, COROW + 3 * SUB // CG, CSYM, CBITS, SH3, P)
+    acc = tl.zeros([q0.shape[0], rows.shape[0]], dtype=tl.float32)
+    acc = _score_part(acc, q0, qs0, k0, s0, mo0)
+    acc = _score_part(acc, q1, qs1, k1, s1, mo1)
+    acc = _score_part(acc, q2, qs2, k2, s2, mo2)
+    acc = _score_part(acc, q3, qs3, k3, s3, mo3)
+    # -- RoPE: one byte row per token; 8 bit = one plane, 4 bit = two planes of DR/2
+    ra = tl.load(rptr).to(tl.int16)
+    if RBITS == 8:
+        kr = _magic(ra, 0xFF)
+        sr, mor = _scale_pair(mptr, rows, valid, RSROW, ROROW, RSYM, RBITS, 0, P)
+        acc = _score_part(acc, qrA, qsA, kr, sr, mor)
+    else:
+        krA = _magic(ra, 0x0F)
+        krB = _magic(ra, 0xF0)
+        srA, morA = _scale_pair(mptr, rows, valid, RSROW, ROROW, RSYM, RBITS, 0, P)
+        srB, morB = _scale_pair(mptr, rows, valid, RSROW + RB // RG, ROROW + RB // RG, RSYM, RBITS, 4, P)
+        acc = _score_part(acc, qrA, qsA, krA, srA, morA)
+        acc = _score_part(acc, qrB, qsB, krB, srB, morB)
+    p, alpha, m_i, l_i = _softmax_update(acc, valid, m_i, l_i)
+    o0, f0 = _out_part(o0, f0, p, alpha, k0, s0, mo0)
+    o1, f1 = _out_part(o1, f1, p, alpha, k1, s1, mo1)
+    o2, f2 = _out_part(o2, f2, p, alpha, k2, s2, mo2)
+    o3, f3 = _out_part(o3, f3, p, alpha, k3, s3, mo3)
+    return m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3
+
+
+@triton.jit
+def _bdot(a, b, acc, INTERP: tl.constexpr):
+    """bf16 tensor-core dot; under TRITON_INTERPRET (whose bf16 dot is broken in triton 3.9) an fp32 one."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _bf16_tile(m_i, l_i, o0, o1, o2, o3, q0, q1, q2, q3, qr, crow, rrow, valid, DC: tl.constexpr,
+               DR: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One tile of BF16 tokens: ``crow``/``rrow`` [BLOCK_N] point at each token's content / RoPE values."""
+    SUB: tl.constexpr = DC // 4
+    cs = tl.arange(0, SUB)[None, :]
+    vm = valid[:, None]
+    k0 = tl.load(crow[:, None] + cs, mask=vm, other=0.0)
+    k1 = tl.load(crow[:, None] + SUB + cs, mask=vm, other=0.0)
+    k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
+    k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
+    kr = tl.load(rrow[:, None] + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
+    acc = tl.zeros([q0.shape[0], crow.shape[0]], dtype=tl.float32)
+    acc = _bdot(q0, tl.trans(k0), acc, INTERP)
+    acc = _bdot(q1, tl.trans(k1), acc, INTERP)
+    acc = _bdot(q2, tl.trans(k2), acc, INTERP)
+    acc = _bdot(q3, tl.trans(k3), acc, INTERP)
+    acc = _bdot(qr, tl.trans(kr), acc, INTERP)
+    p, alpha, m_i, l_i = _softmax_update(acc, valid, m_i, l_i)
+    pb = p.to(tl.bfloat16)
+    o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
+    o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
+    o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
+    o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
+    return m_i, l_i, o0, o1, o2, o3
+
+
+@triton.jit
+def _decode_kernel(
+    QL, QP,  # [B, H, DC], [B, H, DR] (any float dtype)
+    POOL8, POOL16, POOLBF,  # the page pool as uint8 / fp16 / bf16
+    BT, LENS,  # int32 [B, MAXP], int32 [B]
+    SINKB, LOCB,  # bf16 [B, SINK, DC + DR], [B, LOCAL, DC + DR]
+    PO, PL,  # fp32 [B, NSPLIT_TOTAL, H, DC], [B, NSPLIT_TOTAL, H] (log2 units)
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_bt, stride_sb, stride_lb,
+    H, NSPLIT, PPS,
+    PAGE_BYTES: tl.constexpr, C_OFF: tl.constexpr, R_OFF: tl.constexpr, M_OFF: tl.constexpr,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
+    RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, SINK_PAD: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    SUB: tl.constexpr = DC // 4
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = tl.load(LENS + b)
+    hs = tl.arange(0, BLOCK_H)
+    hm = hs < H
+    cs = tl.arange(0, SUB)[None, :]
+    qb = QL + b.to(tl.int64) * stride_qlb + hs[:, None] * stride_qlh + cs
+    q0 = tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_H, SUB]
+    q1 = tl.load(qb + SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(qb + 2 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    q3 = tl.load(qb + 3 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    qpb = QP + b.to(tl.int64) * stride_qpb + hs[:, None] * stride_qph
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    o0 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o1 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o2 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o3 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    f0 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    f1 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    f2 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    f3 = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if QUANT:
+        lo = SINK
+        hi = tl.maximum(n - LOCAL, SINK)
+    else:
+        lo = 0
+        hi = n
+    if sp < NSPLIT:
+        pg0 = lo // P + sp * PPS
+        pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
+        if QUANT:
+            RB: tl.constexpr = DR * RBITS // 8
+            qrA = tl.load(qpb + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+            h0 = q0.to(tl.float16)
+            h1 = q1.to(tl.float16)
+            h2 = q2.to(tl.float16)
+            h3 = q3.to(tl.float16)
+            hA = qrA.to(tl.float16)
+            qs0 = tl.sum(h0.to(tl.float32), axis=1)
+            qs1 = tl.sum(h1.to(tl.float32), axis=1)
+            qs2 = tl.sum(h2.to(tl.float32), axis=1)
+            qs3 = tl.sum(h3.to(tl.float32), axis=1)
+            qsA = tl.sum(hA.to(tl.float32), axis=1)
+            if RBITS == 4:
+                qrB = tl.load(qpb + RB + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0)
+                hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
+            else:
+                hB = hA
+            qsB = tl.sum(hB.to(tl.float32), axis=1)
+            for pg in range(pg0, pg1):
+                page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+                base8 = POOL8 + page * PAGE_BYTES
+                mptr = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2
+                for sb in tl.static_range(P // BLOCK_N):
+                    rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
+                    pos = pg * P + rows
+                    valid = (pos >= lo) & (pos < hi)
+                    m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3 = _packed_tile(
+                        m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3,
+                        h0, h1, h2, h3, qs0, qs1, qs2, qs3, hA, hB, qsA, qsB,
+                        base8, mptr, rows, valid,
+                        C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
+                    )  # fmt: skip
+        else:
+            qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+            b0 = q0.to(tl.bfloat16)
+            b1 = q1.to(tl.bfloat16)
+            b2 = q2.to(tl.bfloat16)
+            b3 = q3.to(tl.bfloat16)
+            br = qr.to(tl.bfloat16)
+            for pg in range(pg0, pg1):
+                page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+                pbase = POOLBF + page * (PAGE_BYTES // 2)
+                for sb in tl.static_range(P // BLOCK_N):
+                    rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
+                    pos = pg * P + rows
+                    valid = (pos >= lo) & (pos < hi)
+                    crow = pbase + C_OFF // 2 + rows * DC
+                    rrow = pbase + R_OFF // 2 + rows * DR
+                    m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
+                        m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, rrow, valid, DC, DR, INTERP
+                    )
+    else:
+        # the BF16 sink and local-window tokens of a quantized cache
+        qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+        b0 = q0.to(tl.bfloat16)
+        b1 = q1.to(tl.bfloat16)
+        b2 = q2.to(tl.bfloat16)
+        b3 = q3.to(tl.bfloat16)
+        br = qr.to(tl.bfloat16)
+        if SINK > 0:
+            spos = tl.arange(0, SINK_PAD)
+            svalid = spos < tl.minimum(n, SINK)
+            crow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, spos, 0) * (DC + DR)
+            m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
+                m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, svalid, DC, DR, INTERP
+            )
+        if LOCAL > 0:
+            for i in tl.static_range(0, LOCAL, BLOCK_N):
+                idx = i + tl.arange(0, BLOCK_N)
+                pos = n - LOCAL + idx
+                lvalid = (idx < LOCAL) & (pos >= SINK) & (pos >= 0)
+                slot = tl.where(lvalid, pos, 0) % LOCAL
+                crow = LOCB + b.to(tl.int64) * stride_lb + slot * (DC + DR)
+                m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
+                    m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, lvalid, DC, DR, INTERP
+                )
+    # -- normalized partial output and its log2-sum-exp
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    ns_total = tl.num_programs(1)
+    row = (b.to(tl.int64) * ns_total + sp) * H + hs  # [BLOCK_H]
+    tl.store(PL + row, lse, mask=hm)
+    ob = PO + row[:, None] * DC + cs
+    tl.store(ob, (o0 + f0[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + SUB, (o1 + f1[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 2 * SUB, (o2 + f2[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
+
+
+@triton.jit
+def _combine_kernel(PO, PL, O, LSE, H, NS, DC: tl.constexpr, DCP: tl.constexpr, NSP: tl.constexpr):
+    """o[b, h] = sum_s w_s * po[b, s, h] with w_s = exp2(lse_s - lse), lse = log2 sum_s exp2(lse_s)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ss = tl.arange(0, NSP)
+    lses = tl.load(PL + (b.to(tl.int64) * NS + ss) * H + h, mask=ss < NS, other=float("-inf"))
+    mx = tl.max(lses, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    wsum = tl.sum(tl.exp2(lses - mx_safe), axis=0)
+    d = tl.arange(0, DCP)
+    acc = tl.zeros([DCP], dtype=tl.float32)
+    for s in range(NS):
+        ls = tl.load(PL + (b.to(tl.int64) * NS + s) * H + h)
+        w = tl.exp2(ls - mx_safe)
+        po = tl.load(PO + ((b.to(tl.int64) * NS + s) * H + h) * DC + d, mask=d < DC, other=0.0)
+        acc += tl.where(w > 0, w * po, 0.0)
+    has = wsum > 0
+    acc = acc * tl.where(has, 1.0 / tl.where(has, wsum, 1.0), 0.0)
+    tl.store(O + (b.to(tl.int64) * H + h) * DC + d, acc, mask=d < DC)
+    tl.store(LSE + b * H + h, tl.where(has, (mx + tl.log2(tl.where(has, wsum, 1.0))) * LN2, float("-inf")))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+# tuning knobs (the benchmark may override them): programs per SM targeted by the split heuristic, the
+# fewest pages one split should cover, tokens per tile, warps and pipeline stages.
+TUNING = {"waves": 2.0, "min_pages": 4, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def default_num_splits(batch: int, max_pages: int, device: torch.device) -> int:
+    """Split-K factor: about ``waves`` programs per SM in total, each covering at least ``min_pages`` pages."""
+    target = max(1, math.ceil(TUNING["waves"] * _num_sms(device) / max(1, batch)))
+    return max(1, min(target, math.ceil(max_pages / TUNING["min_pages"])))
+
+
+def _spec_args(spec, width: int, srow: int, orow: int | None) -> tuple:
+    if spec is None:
+        return 16, False, width, 0, 0
+    return spec.bits, spec.symmetric, spec.group_size, srow, 0 if orow is None else orow
+
+
+def decode_attention_triton(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    workspace: dict | None = None,
+):
+    """Triton decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
+    from quantmla.kernels.reference import _check_q
+
+    _check_q(q_lat, q_pe, cache, 3)
+    B, H, Dc = q_lat.shape
+    L = cache.layout
+    fmt = cache.fmt
+    P = L.page_size
+    Dr = L.rope_dim
+    quant = fmt.is_quantized
+    lens = cache.lengths()
+    max_pages = max(1, math.ceil(max(lens, default=0) / P))
+    ns = num_splits or default_num_splits(B, max_pages, q_lat.device)
+    ns = max(1, min(ns, max_pages))
+    pps = math.ceil(max_pages / ns)
+    ns = math.ceil(max_pages / pps)
+    ns_total = ns + (1 if quant else 0)
+    dev = q_lat.device
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
+    pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
+    out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
+    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    if B == 0 or H == 0:
+        return (out, lse) if return_lse else out
+    c = _spec_args(fmt.content, Dc, L.content_scale_row, L.content_offset_row)
+    r = _spec_args(fmt.rope, Dr, L.rope_scale_row, L.rope_offset_row)
+    block_n = min(TUNING["block_n"], P)
+    _decode_kernel[(B, ns_total)](
+        q_lat, q_pe,
+        cache.pool, cache.pool.view(torch.float16), cache.pool.view(torch.bfloat16),
+        cache.block_table, cache.seq_lens, cache.sink, cache.local, po, pl,
+        softmax_scale * LOG2E,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.block_table.stride(0), cache.sink.stride(0), cache.local.stride(0),
+        H, ns, pps,
+        PAGE_BYTES=L.page_bytes, C_OFF=L.content_offset, R_OFF=L.rope_offset, M_OFF=L.meta_offset,
+        P=P, BLOCK_N=block_n, DC=Dc, DR=Dr, BLOCK_H=max(16, triton.next_power_of_2(H)),
+        QUANT=quant,
+        CBITS=c[0], CSYM=c[1], CG=c[2], CSROW=c[3], COROW=c[4],
+        RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
+        SINK=cache.n_sink, LOCAL=cache.n_local, SINK_PAD=max(16, triton.next_power_of_2(max(1, cache.n_sink))),
+        INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
+    )  # fmt: skip
+    _combine_kernel[(B, H)](
+        po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
+        num_warps=4,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
