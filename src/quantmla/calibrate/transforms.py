@@ -155,6 +155,19 @@ class ContentTransform(nn.Module):
         u, q, v = self.factors(ct.dtype)
         return ((ct / v) @ q.T) / u
 
+    def roundtrip(self, c: torch.Tensor, fn) -> torch.Tensor:
+        """``fn(c T) T^-1`` for ``c`` [..., Dc], computing the factors once (``fn`` e.g. a quantize-dequantize)."""
+        u, q, v = self.factors(c.dtype)
+        return ((fn(((c * u) @ q) * v) / v) @ q.T) / u
+
+    def learnable(self, rotation: bool = True, scales: bool = True) -> ContentTransform:
+        """A fresh copy starting at this transform's current value, with the chosen parameters learnable.
+        (``u`` stays pinned when it was pinned, i.e. with a latent norm.)"""
+        u, q, v = (x.detach().double() for x in self.factors(torch.float64))
+        return ContentTransform(
+            u, q, v, learn_rotation=rotation, learn_u=scales and self.log_u.requires_grad, learn_v=scales
+        )
+
     @classmethod
     def identity(cls, dc: int, norm_gain: torch.Tensor | None = None, **kw) -> ContentTransform:
         """``T = I`` in the family of a layout (``norm_gain`` = the latent norm's gain, None without a norm)."""
@@ -247,6 +260,10 @@ class RopeTransform(nn.Module):
         """``q z / |z|^2`` (the inverse-transpose of the key's 2x2 map)."""
         re, im = self._factor(q.dtype, -1.0)
         return complex_pair_mul(q, re, im, pairing)
+
+    def learnable(self) -> RopeTransform:
+        """A fresh, fully learnable copy starting at this transform's current value."""
+        return RopeTransform(self.num_pairs, self.log_s.detach().clone(), self.phi.detach().clone())
 
     @classmethod
     def identity(cls, num_pairs: int, **kw) -> RopeTransform:

@@ -1,0 +1,113 @@
+"""CalibrationConfig: every setting of transform learning, frozen, validated and serializable.
+
+Defaults follow the paper's Table 7: sequences of 2048 tokens, batch 4, 128 training and 32 validation
+sequences (disjoint banks), 300 AdamW steps per path with weight decay 0, 10% linear warmup then cosine decay,
+seed 0. The rest (learning rates, how many query positions each step samples, the content initialization,
+SmoothQuant's alpha grid) are ours; the paper does not state them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+METHODS = ("quantmla", "rtn", "smoothquant", "quarot")
+CONTENT_INITS = ("best", "identity", "hadamard")
+ROPE_INITS = ("best", "identity")
+CONFIG_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Settings of :func:`quantmla.calibrate.calibrate_model`.
+
+    method: ``quantmla`` (learned transforms), or a baseline: ``rtn`` (identity), ``smoothquant`` (per-channel
+        smoothing, alpha searched on validation), ``quarot`` (Hadamard latent rotation, random per-pair RoPE
+        rotation).
+    seq_len, batch_size, train_seqs, val_seqs: the calibration banks (token sequences are cut to ``seq_len``).
+    steps_content, steps_rope: optimizer steps per path and attention layer.
+    lr_content, lr_rope: AdamW learning rates (rotation generator and log-scales / log-scales and angles).
+    weight_decay: AdamW weight decay (the paper uses 0).
+    warmup_frac: fraction of the steps with linear warmup, then cosine decay to 0.
+    query_tokens: query positions sampled per sequence and step (all keys are always kept; 0 = every position).
+        The objectives are averages over queries, so sampling keeps them unbiased at a fraction of the cost.
+    content_init: where the content transform starts: ``best`` (whichever of the identity, QuaRot's Hadamard
+        rotation and SmoothQuant's smoothing at each alpha has the lowest validation objective), ``hadamard`` or
+        ``identity``.
+    rope_init: where the RoPE transform starts: ``best`` (identity or SmoothQuant's per-pair smoothing at each
+        alpha, lowest validation objective) or ``identity``.
+    learn_content_scales: also learn the per-channel scales of the content transform (else rotation only).
+    select_on_val: keep the learned transform only if it beats its start and the identity on validation.
+    smoothquant_alphas: the migration strengths SmoothQuant-MLA tries on validation.
+    seed: seeds sampling, initial rotations and the train/validation query subsets.
+    device: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    progress: show tqdm progress bars.
+    """
+
+    method: str = "quantmla"
+    seq_len: int = 2048
+    batch_size: int = 4
+    train_seqs: int = 128
+    val_seqs: int = 32
+    steps_content: int = 300
+    steps_rope: int = 300
+    lr_content: float = 5e-3
+    lr_rope: float = 2e-2
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.1
+    query_tokens: int = 256
+    content_init: str = "best"
+    rope_init: str = "best"
+    learn_content_scales: bool = True
+    select_on_val: bool = True
+    smoothquant_alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    seed: int = 0
+    device: str = "auto"
+    progress: bool = True
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"CalibrationConfig.method={self.method!r}; choose one of {METHODS}")
+        if self.content_init not in CONTENT_INITS:
+            raise ValueError(f"CalibrationConfig.content_init={self.content_init!r}; choose one of {CONTENT_INITS}")
+        if self.rope_init not in ROPE_INITS:
+            raise ValueError(f"CalibrationConfig.rope_init={self.rope_init!r}; choose one of {ROPE_INITS}")
+        for name in ("seq_len", "batch_size", "train_seqs", "val_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"CalibrationConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("steps_content", "steps_rope", "query_tokens", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"CalibrationConfig.{name} must be an integer >= 0, got {v!r}")
+        for name in ("lr_content", "lr_rope"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CalibrationConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"CalibrationConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"CalibrationConfig.warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
+        alphas = tuple(float(a) for a in self.smoothquant_alphas)
+        if not alphas or any(not 0 <= a <= 1 for a in alphas):
+            raise ValueError(f"CalibrationConfig.smoothquant_alphas must be non-empty values in [0, 1], got {alphas}")
+        object.__setattr__(self, "smoothquant_alphas", alphas)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"CalibrationConfig.device={self.device!r}; use auto, cpu, cuda or cuda:N")
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"CalibrationConfig version {self.version} is not supported (expected {CONFIG_VERSION})")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["smoothquant_alphas"] = list(self.smoothquant_alphas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CalibrationConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown CalibrationConfig fields {sorted(unknown)}")
+        d = dict(d)
+        if "smoothquant_alphas" in d:
+            d["smoothquant_alphas"] = tuple(d["smoothquant_alphas"])
+        return cls(**d)

@@ -1,0 +1,126 @@
+"""The function-aligned objectives of QuantMLA, computed in fp32 from one attention layer's input hidden states.
+
+* Content: the normalized error of the attention output (before ``o_proj``'s bias) when the cached latent is
+  replaced by ``QDQ(c T) T^-1`` -- exactly what the fused model computes from a quantized cache. The error
+  enters both the matching (``q_lat . c``) and the aggregation (``P c``), which is why the output, not the latent,
+  is the target.
+* RoPE: the normalized error of the positional logits ``q_pe . k_pe`` (causal pairs) when the cached RoPE key is
+  replaced by ``QDQ(k_pe z) / z`` -- equivalently ``(q_pe z/|z|^2) . QDQ(k_pe z)``, what the fused model computes.
+
+Both are normalized mean squared errors (NMSE: squared error over squared reference, summed over the batch), so
+their values are comparable across layers and with the analysis module. Rounding passes gradients straight
+through (STE): ``x + (QDQ(x) - x).detach()``; the per-group scale and offset are treated as constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+from quantmla.mla.reference import absorb_query, absorbed_attention, expand_output, project_latent, project_queries
+from quantmla.mla.rope import apply_rope
+from quantmla.mla.spec import MLASpec
+from quantmla.mla.weights import MLALayerWeights
+from quantmla.quant.quantize import fake_quantize
+from quantmla.quant.spec import QuantSpec
+
+
+def ste_fake_quantize(x: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """Quantize-dequantize with a straight-through gradient (identity when ``spec`` is None)."""
+    if spec is None:
+        return x
+    with torch.no_grad():
+        xq = fake_quantize(x.detach(), spec)
+    return x + (xq - x).detach()
+
+
+@dataclass
+class LayerInputs:
+    """What both objectives need for a batch, all fp32 and without gradient.
+
+    q_lat [B, H, Tq, Dc], q_pe [B, H, Tq, Dr] (rotated, cache layout), c [B, S, Dc], k_pe [B, S, Dr] (rotated,
+    cache layout), mask [Tq, S] (True = the query may attend the key), ref_out [B, Tq, D] (attention output
+    through ``o_proj`` without bias, computed lazily).
+    """
+
+    q_lat: torch.Tensor
+    q_pe: torch.Tensor
+    c: torch.Tensor
+    k_pe: torch.Tensor
+    mask: torch.Tensor
+    ref_out: torch.Tensor | None = None
+
+
+def sample_queries(seq_len: int, n: int, gen: torch.Generator | None) -> torch.Tensor | None:
+    """Sorted positions of ``n`` distinct query tokens (None = all, when ``n`` is 0 or >= ``seq_len``)."""
+    if n <= 0 or n >= seq_len:
+        return None
+    return torch.randperm(seq_len, generator=gen)[:n].sort().values
+
+
+@torch.no_grad()
+def layer_inputs(
+    w: MLALayerWeights,
+    spec: MLASpec,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    query_index: torch.Tensor | None = None,
+) -> LayerInputs:
+    """Project ``hidden`` [B, S, D] through the layer; ``cos``/``sin`` [1 or B, S, Dr/2]; queries at
+    ``query_index`` [Tq] (None = all S)."""
+    hidden = hidden.to(w.o_proj.dtype)
+    s = hidden.shape[1]
+    q_nope, q_pe = project_queries(w, spec, hidden)  # [B, H, S, Dn], [B, H, S, Dr] (unrotated)
+    c, k_pe = project_latent(w, spec, hidden)  # [B, S, Dc], [B, S, Dr]
+    cos, sin = cos[:, :s].float(), sin[:, :s].float()
+    pairing, out = spec.rope_pairing, spec.rope_cache_pairing
+    q_pe = apply_rope(q_pe.float(), cos[:, None], sin[:, None], pairing, out)
+    k_pe = apply_rope(k_pe.float(), cos, sin, pairing, out)
+    qpos = torch.arange(s, device=hidden.device) if query_index is None else query_index.to(hidden.device)
+    q_nope, q_pe = q_nope[:, :, qpos], q_pe[:, :, qpos]
+    mask = torch.arange(s, device=hidden.device)[None, :] <= qpos[:, None]  # [Tq, S]
+    return LayerInputs(absorb_query(q_nope.float(), w.w_uk.float()), q_pe, c.float(), k_pe, mask)
+
+
+def attention_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec, c: torch.Tensor, k_pe: torch.Tensor):
+    """``o_proj`` (no bias) of the attention of ``x``'s queries over the latent ``c`` [B, S, Dc] and ``k_pe``."""
+    o_lat = absorbed_attention(x.q_lat, x.q_pe, c, k_pe, spec.softmax_scale, x.mask)  # [B, H, Tq, Dc]
+    return F.linear(expand_output(o_lat, w.w_uv.float()), w.o_proj.float())  # [B, Tq, D]
+
+
+def _nmse(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return err.pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30)
+
+
+def reference_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec) -> torch.Tensor:
+    if x.ref_out is None:
+        with torch.no_grad():
+            x.ref_out = attention_output(x, w, spec, x.c, x.k_pe)
+    return x.ref_out
+
+
+def content_objective(
+    x: LayerInputs, w: MLALayerWeights, spec: MLASpec, t: ContentTransform | None, qspec: QuantSpec | None
+) -> torch.Tensor:
+    """Attention-output NMSE with the latent cached as ``QDQ(c T)`` (RoPE path exact)."""
+    ref = reference_output(x, w, spec)
+    qdq = lambda y: ste_fake_quantize(y, qspec)  # noqa: E731
+    c_hat = qdq(x.c) if t is None else t.roundtrip(x.c, qdq)
+    return _nmse(attention_output(x, w, spec, c_hat, x.k_pe) - ref, ref)
+
+
+def rope_objective(x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec: QuantSpec | None) -> torch.Tensor:
+    """Positional-logit NMSE over causal pairs with the RoPE key cached as ``QDQ(k_pe z)``."""
+    pairing = spec.rope_cache_pairing
+    if r is None:
+        k_hat = ste_fake_quantize(x.k_pe, qspec)
+    else:
+        k_hat = r.key_inverse(ste_fake_quantize(r.key(x.k_pe, pairing), qspec), pairing)
+    m = x.mask.to(x.q_pe.dtype)  # [Tq, S]
+    ref = torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe) * m
+    err = torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat - x.k_pe) * m
+    return _nmse(err, ref)

@@ -1,0 +1,487 @@
+"""Layer-by-layer calibration: capture each attention layer's inputs, learn (or set) its transforms, fold them.
+
+:func:`calibrate_model` walks the decoder blocks in order. For each block it moves only that block to the
+accelerator, runs the calibration sequences through it (the block's inputs are the previous block's outputs,
+already fused -- fusion preserves full precision, so they equal the original model's), records the hidden states
+that enter each of its attention modules with forward pre-hooks, and then, per attention module and path,
+builds the transform the configured method asks for, folds it into the weights in place and moves the block back.
+Memory on the accelerator: one block plus one batch of activations; the banks of captured hidden states live on
+the CPU in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantmla.calibrate import baselines
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.fuse import fold_transforms, latent_norm_gain
+from quantmla.calibrate.objectives import content_objective, layer_inputs, rope_objective, sample_queries
+from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+from quantmla.mla.rope import cos_sin_from_position_embeddings
+from quantmla.mla.spec import MLASpec, UnsupportedModelError
+from quantmla.mla.weights import MLALayerWeights, extract_layer_weights, iter_mla_attention
+from quantmla.quant.formats import CacheFormat, get_format
+
+# ---- report --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerReport:
+    """Validation NMSE of each candidate transform per path, the chosen one, and the training curve ends."""
+
+    layer: int
+    content: dict = field(default_factory=dict)
+    rope: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class CalibrationReport:
+    method: str
+    format: str
+    config: dict
+    num_train: int
+    num_val: int
+    seq_len: int
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> dict:
+        """Mean validation NMSE per path: the identity (RTN) and the chosen transform."""
+        out: dict[str, Any] = {"method": self.method, "format": self.format, "layers": len(self.layers)}
+        for path in ("content", "rope"):
+            rows = [getattr(r, path) for r in self.layers if getattr(r, path)]
+            if rows:
+                out[f"{path}_val_identity"] = sum(r["val_identity"] for r in rows) / len(rows)
+                out[f"{path}_val_chosen"] = sum(r["val_chosen"] for r in rows) / len(rows)
+        out["seconds"] = round(self.seconds, 2)
+        return out
+
+
+# ---- devices, banks, capture ---------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU (checked only when called, never at import)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+def _token_bank(calib_token_batches: Any, config: CalibrationConfig) -> torch.Tensor:
+    if isinstance(calib_token_batches, torch.Tensor):
+        tokens = calib_token_batches
+    else:
+        parts = [torch.as_tensor(b) for b in calib_token_batches]
+        if not parts:
+            raise ValueError("no calibration tokens given")
+        tokens = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts])
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"calibration tokens must be integer [N, T], got {tuple(tokens.shape)} {tokens.dtype}")
+    need = config.train_seqs + config.val_seqs
+    if tokens.shape[0] < need:
+        raise ValueError(
+            f"need {need} calibration sequences ({config.train_seqs} train + {config.val_seqs} validation, disjoint), "
+            f"got {tokens.shape[0]}; provide more text or lower train_seqs/val_seqs"
+        )
+    return tokens[:need, : config.seq_len].long()
+
+
+def _decoder_blocks(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedModelError(f"{type(model).__name__}: cannot find the decoder blocks (model.model.layers)")
+    return base, layers
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first_block_inputs(
+    model: nn.Module, tokens: torch.Tensor, batch: int, device: torch.device
+) -> tuple[torch.Tensor, dict]:
+    """Hidden states entering block 0 for every sequence ([N, T, D] on the CPU) and the block's other kwargs."""
+    base, layers = _decoder_blocks(model)
+    store: dict[str, Any] = {}
+
+    def hook(_mod, args, kwargs):
+        store["h"] = args[0] if args else kwargs["hidden_states"]
+        store["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    others = [m for name, m in base.named_children() if name != "layers"]
+    homes = [_device_of(m) for m in others]
+    for m in others:
+        m.to(device)
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    hs, kwargs = [], None
+    try:
+        for i in range(0, tokens.shape[0], batch):
+            try:
+                with torch.no_grad():
+                    base(input_ids=tokens[i : i + batch].to(device), use_cache=False)
+            except _Stop:
+                pass
+            hs.append(store["h"].detach().cpu())
+            if kwargs is None:
+                kwargs = store["kw"]
+    finally:
+        handle.remove()
+        for m, home in zip(others, homes, strict=True):
+            if home is not None:
+                m.to(home)
+    kwargs = dict(kwargs or {})
+    for k in ("cache", "past_key_values", "past_key_value"):
+        if k in kwargs:
+            kwargs[k] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return torch.cat(hs), kwargs
+
+
+def _device_of(m: nn.Module) -> torch.device | None:
+    for p in m.parameters():
+        return p.device
+    for b in m.buffers():
+        return b.device
+    return None
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_to(v, device) for v in x)
+    if isinstance(x, list):
+        return [_to(v, device) for v in x]
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _slice_batch(x: Any, i: int, j: int, n: int) -> Any:
+    """Slice tensors whose leading dim is the batch (``n``) to ``[i:j]``; leave broadcast (size-1) ones."""
+    if isinstance(x, torch.Tensor):
+        return x[i:j] if x.dim() > 0 and x.shape[0] == n and n > 1 else x
+    if isinstance(x, tuple):
+        return tuple(_slice_batch(v, i, j, n) for v in x)
+    if isinstance(x, dict):
+        return {k: _slice_batch(v, i, j, n) for k, v in x.items()}
+    return x
+
+
+@torch.no_grad()
+def _run_block(
+    block: nn.Module, attns: list[nn.Module], h: torch.Tensor, kwargs: dict, batch: int, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+    """Run ``h`` [N, T, D] through ``block``; return its outputs and each attention module's inputs (CPU)."""
+    captured: list[list[torch.Tensor]] = [[] for _ in attns]
+    pos: dict[str, Any] = {}
+
+    def make_hook(k):
+        def hook(_mod, args, kw):
+            x = args[0] if args else kw["hidden_states"]
+            captured[k].append(x.detach().cpu())
+            if "pe" not in pos and kw.get("position_embeddings") is not None:
+                pos["pe"] = _to(kw["position_embeddings"], torch.device("cpu"))
+
+        return hook
+
+    handles = [a.register_forward_pre_hook(make_hook(k), with_kwargs=True) for k, a in enumerate(attns)]
+    outs = []
+    kw_dev = _to(kwargs, device)
+    try:
+        for i in range(0, h.shape[0], batch):
+            out = block(h[i : i + batch].to(device), **kw_dev)
+            out = out[0] if isinstance(out, tuple) else out
+            outs.append(out.detach().cpu())
+    finally:
+        for hd in handles:
+            hd.remove()
+    if "pe" not in pos:
+        raise UnsupportedModelError("the attention modules did not receive position_embeddings; unsupported model")
+    return torch.cat(outs), [torch.cat(c) for c in captured], pos["pe"]
+
+
+# ---- per-layer learning --------------------------------------------------------------------------------------
+
+
+def warmup_cosine(steps: int, warmup_frac: float):
+    """LambdaLR factor: linear warmup over ``warmup_frac * steps`` steps, then cosine decay to 0."""
+    warm = max(1, int(round(warmup_frac * steps))) if warmup_frac > 0 else 0
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        rest = max(1, steps - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / rest)))
+
+    return f
+
+
+@dataclass
+class LayerBanks:
+    """One attention module's calibration data: input hidden states (CPU) and per-pair RoPE angles."""
+
+    train: torch.Tensor  # [Ntrain, T, D]
+    val: torch.Tensor  # [Nval, T, D]
+    cos: torch.Tensor  # [1, T, Dr/2]
+    sin: torch.Tensor  # [1, T, Dr/2]
+
+
+class LayerProblem:
+    """The objectives of one attention module on its banks, evaluated on ``device`` in fp32."""
+
+    def __init__(
+        self,
+        w: MLALayerWeights,
+        spec: MLASpec,
+        banks: LayerBanks,
+        fmt: CacheFormat,
+        config: CalibrationConfig,
+        device: torch.device,
+        seed: int,
+    ):
+        self.w, self.spec, self.banks, self.fmt, self.config, self.device = w, spec, banks, fmt, config, device
+        self.cos, self.sin = banks.cos.to(device), banks.sin.to(device)
+        self.seed = seed
+        seq = banks.val.shape[1]
+        g = torch.Generator().manual_seed(seed + 1)
+        self.val_queries = [sample_queries(seq, config.query_tokens, g) for _ in range(self._val_batches())]
+
+    def _val_batches(self) -> int:
+        return math.ceil(self.banks.val.shape[0] / self.config.batch_size)
+
+    def inputs(self, hidden: torch.Tensor, qidx: torch.Tensor | None):
+        return layer_inputs(self.w, self.spec, hidden.to(self.device), self.cos, self.sin, qidx)
+
+    def loss(self, path: str, x, transform) -> torch.Tensor:
+        if path == "content":
+            return content_objective(x, self.w, self.spec, transform, self.fmt.content)
+        return rope_objective(x, self.spec, transform, self.fmt.rope)
+
+    @torch.no_grad()
+    def validate(self, path: str, transforms: dict[str, nn.Module | None]) -> dict[str, float]:
+        """Validation NMSE (pooled over the bank) of every candidate, on fixed query subsets."""
+        b = self.config.batch_size
+        tot = {k: 0.0 for k in transforms}
+        for n, i in enumerate(range(0, self.banks.val.shape[0], b)):
+            x = self.inputs(self.banks.val[i : i + b], self.val_queries[n])
+            for k, t in transforms.items():
+                tot[k] += float(self.loss(path, x, t))
+        nb = self._val_batches()
+        return {k: v / nb for k, v in tot.items()}
+
+    def train(self, path: str, transform: nn.Module, steps: int, lr: float, desc: str) -> list[float]:
+        """AdamW (weight decay from the config), warmup + cosine; returns the training losses."""
+        params = [p for p in transform.parameters() if p.requires_grad]
+        if not params or steps == 0:
+            return []
+        cfg = self.config
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, cfg.warmup_frac))
+        gen = torch.Generator().manual_seed(self.seed + (0 if path == "content" else 7919))
+        n, seq = self.banks.train.shape[:2]
+        losses = []
+        bar = _progress(range(steps), desc, cfg.progress)
+        for _ in bar:
+            idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
+            x = self.inputs(self.banks.train[idx], sample_queries(seq, cfg.query_tokens, gen))
+            loss = self.loss(path, x, transform)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(nmse=f"{losses[-1]:.3e}")
+        return losses
+
+
+def _progress(it: Iterable, desc: str, enabled: bool):
+    if not enabled:
+        return it
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return it
+    return tqdm(it, desc=desc, leave=False)
+
+
+def calibrate_attention(
+    attn: nn.Module,
+    spec: MLASpec,
+    fmt: CacheFormat,
+    banks: LayerBanks,
+    config: CalibrationConfig,
+    device: torch.device,
+    layer: int,
+) -> tuple[ContentTransform | None, RopeTransform | None, LayerReport]:
+    """Build one attention module's transforms with ``config.method`` (not folded yet) and report them."""
+    t0 = time.time()
+    w = extract_layer_weights(attn).to(device=device, dtype=torch.float32)
+    prob = LayerProblem(w, spec, banks, fmt, config, device, seed=config.seed * 100003 + layer * 97)
+    rep = LayerReport(layer=layer)
+    pairs = spec.qk_rope_head_dim // 2
+    content: ContentTransform | None = None
+    rope: RopeTransform | None = None
+    method = config.method
+    if fmt.content is not None:
+        ident = ContentTransform.identity(attn.kv_lora_rank, latent_norm_gain(attn))
+        closed = _content_candidates(attn, prob, method, config, layer)
+        content, rep.content = _path("content", prob, method, config, layer, ident, closed)
+    if fmt.rope is not None:
+        closed = _rope_candidates(prob, method, config, layer, pairs)
+        rope, rep.rope = _path("rope", prob, method, config, layer, RopeTransform.identity(pairs), closed)
+    rep.seconds = time.time() - t0
+    return content, rope, rep
+
+
+def _content_candidates(attn, prob: LayerProblem, method: str, config, layer: int) -> dict[str, nn.Module]:
+    """The closed-form content transforms a method considers (the identity is always evaluated too)."""
+    out: dict[str, nn.Module] = {}
+    if method == "quarot" or (method == "quantmla" and config.content_init in ("best", "hadamard")):
+        out["hadamard"] = baselines.quarot_content(attn, seed=config.seed + layer)
+    if method == "smoothquant" or (method == "quantmla" and config.content_init == "best"):
+        stats = baselines.latent_absmax(prob)
+        for a in config.smoothquant_alphas:
+            out[f"smooth(alpha={a:g})"] = baselines.smoothquant_content(attn, stats, a)
+    return out
+
+
+def _rope_candidates(prob: LayerProblem, method: str, config, layer: int, pairs: int) -> dict[str, nn.Module]:
+    out: dict[str, nn.Module] = {}
+    if method == "quarot":
+        out["pair_rotation"] = baselines.quarot_rope(pairs, seed=config.seed + layer)
+    if method == "smoothquant" or (method == "quantmla" and config.rope_init == "best"):
+        kmax, qmax = baselines.rope_absmax(prob)
+        for a in config.smoothquant_alphas:
+            out[f"smooth(alpha={a:g})"] = baselines.smoothquant_rope(kmax, qmax, a)
+    return out
+
+
+def _path(path: str, prob: LayerProblem, method: str, config, layer: int, identity: nn.Module, closed: dict):
+    """Evaluate the closed-form candidates on validation; for QuantMLA learn from the best one; choose.
+
+    RTN keeps the identity; the baselines keep their best closed-form candidate (for QuaRot the only one); QuantMLA
+    keeps the learned transform unless (``select_on_val``) its start or the identity validates better.
+    """
+    dev = prob.device
+    cands: dict[str, nn.Module] = {"identity": identity.to(dev), **{k: v.to(dev) for k, v in closed.items()}}
+    val = prob.validate(path, cands)
+    info: dict[str, Any] = {}
+    if method == "rtn":
+        name = "identity"
+    elif method in ("quarot", "smoothquant"):
+        name = min(closed, key=lambda k: val[k])
+    else:
+        init_name = min(cands, key=lambda k: val[k])
+        start = cands[init_name]
+        if path == "content":
+            learned = start.learnable(rotation=True, scales=config.learn_content_scales).to(dev)
+            steps, lr = config.steps_content, config.lr_content
+        else:
+            learned = start.learnable().to(dev)
+            steps, lr = config.steps_rope, config.lr_rope
+        losses = prob.train(path, learned, steps, lr, f"layer {layer} {path}")
+        info.update(init=init_name, steps=len(losses))
+        info.update(train_first=losses[0] if losses else None, train_last=losses[-1] if losses else None)
+        cands["learned"] = learned
+        val.update(prob.validate(path, {"learned": learned}))
+        name = "learned"
+        if config.select_on_val and val[init_name] < val["learned"]:
+            name = init_name
+    info.update(val=dict(val), val_identity=val["identity"], chosen=name, val_chosen=val[name])
+    return cands[name].cpu(), info
+
+
+# ---- the entry point -----------------------------------------------------------------------------------------
+
+
+def calibrate_model(
+    model: nn.Module,
+    fmt: CacheFormat | str,
+    calib_token_batches: torch.Tensor | Iterable[torch.Tensor],
+    config: CalibrationConfig | None = None,
+) -> CalibrationReport:
+    """Calibrate every MLA attention layer of ``model`` for the cache format ``fmt`` and fold the transforms in
+    place (the model's full-precision outputs are unchanged).
+
+    ``calib_token_batches``: token ids, one tensor [N, T] or an iterable of [b, T] tensors; the first
+    ``config.train_seqs`` sequences form the training bank and the next ``config.val_seqs`` the validation bank.
+    Returns a :class:`CalibrationReport` (validation NMSE per layer and path for the identity and the chosen
+    transform).
+    """
+    config = config or CalibrationConfig()
+    fmt = get_format(fmt)
+    spec = MLASpec.from_config(model.config)
+    fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
+    device = resolve_device(config.device)
+    tokens = _token_bank(calib_token_batches, config)
+    n_train = config.train_seqs
+    t_start = time.time()
+    report = CalibrationReport(
+        config.method, fmt.name, config.to_dict(), n_train, config.val_seqs, int(tokens.shape[1])
+    )
+    was_training = model.training
+    model.eval()
+    _, blocks = _decoder_blocks(model)
+    attn_of_block = _attention_by_block(model, blocks)
+    h, block_kwargs = _first_block_inputs(model, tokens, config.batch_size, device)
+    for b, block in enumerate(_progress(blocks, "calibrate", config.progress)):
+        home = _device_of(block)
+        block.to(device)
+        try:
+            attns = attn_of_block[b]
+            h_next, attn_inputs, pe = _run_block(block, attns, h, block_kwargs, config.batch_size, device)
+            cos, sin = cos_sin_from_position_embeddings(pe)
+            cos, sin = cos[:1].float(), sin[:1].float()  # [1, T, Dr/2]: same positions for every sequence
+            for attn, x in zip(attns, attn_inputs, strict=True):
+                banks = LayerBanks(x[:n_train], x[n_train:], cos, sin)
+                content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
+                fold_transforms(attn, spec, content, rope)
+                report.layers.append(rep)
+            h = h_next
+        finally:
+            if home is not None:
+                block.to(home)
+    model.train(was_training)
+    report.seconds = time.time() - t_start
+    return report
+
+
+def _attention_by_block(model: nn.Module, blocks: nn.ModuleList) -> list[list[nn.Module]]:
+    attns = [a for _, a in iter_mla_attention(model)]
+    out = []
+    for block in blocks:
+        members = {id(m) for m in block.modules()}
+        out.append([a for a in attns if id(a) in members])
+    if sum(len(a) for a in out) != len(attns):
+        raise UnsupportedModelError("some MLA attention modules are outside model.model.layers")
+    return out
+
+
+__all__ = [
+    "CalibrationReport",
+    "LayerReport",
+    "calibrate_attention",
+    "calibrate_model",
+    "resolve_device",
+    "warmup_cosine",
+]
