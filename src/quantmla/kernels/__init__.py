@@ -1,1 +1,24 @@
-"""quantmla.kernels"""
+"""Attention kernels over the paged, packed MLA cache: Triton fast paths beside fp32 torch references.
+
+- :mod:`quantmla.kernels.paged`: the page layout (documented byte by byte) and :class:`PagedMLACache`
+- :mod:`quantmla.kernels.reference`: fp32 torch decode / chunked-prefill attention (the oracles)
+- :mod:`quantmla.kernels.triton_writer`: fused quantize + pack + BF16-buffer writer (Triton)
+- :mod:`quantmla.kernels.triton_decode`: split-K decode attention + LSE combine (Triton)
+- :mod:`quantmla.kernels.dispatch`: ``decode_attention(..., impl="auto"|"triton"|"torch")`` and overrides
+
+Importing this package does not import Triton or touch CUDA; the Triton modules load on first use.
+"""
+
+from quantmla.kernels.dispatch import decode_attention, force_impl, prefill_attention
+from quantmla.kernels.paged import PagedLayout, PagedMLACache
+from quantmla.kernels.reference import decode_attention_torch, prefill_attention_torch
+
+__all__ = [
+    "PagedLayout",
+    "PagedMLACache",
+    "decode_attention",
+    "decode_attention_torch",
+    "force_impl",
+    "prefill_attention",
+    "prefill_attention_torch",
+]
