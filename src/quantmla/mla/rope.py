@@ -21,7 +21,7 @@ attention factor that transformers multiplies into cos and sin). Angles are retu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ class RopeConfig:
     attention_factor: float | None = None
     truncate: bool = True
     partial_rotary_factor: float = 1.0
+    frequency_dim: int | None = None  # quantmla_mla: frequencies of a head this wide, tiled (default RoPE only)
 
     def __post_init__(self):
         if self.dim <= 0 or self.dim % 2:
@@ -75,6 +76,7 @@ class RopeConfig:
             attention_factor=_opt_float(rp.get("attention_factor")),
             truncate=bool(rp.get("truncate", True)),
             partial_rotary_factor=float(rp.get("partial_rotary_factor", 1.0)),
+            frequency_dim=_opt_int(get("rope_frequency_dim")),
         )
 
 
@@ -125,6 +127,11 @@ def _check_type(rc: RopeConfig) -> None:
 def rope_inv_freq(rc: RopeConfig) -> torch.Tensor:
     """Inverse frequencies [Dr/2] (fp32), one per rotation pair."""
     _check_type(rc)
+    if rc.frequency_dim:
+        if rc.rope_type != "default" or rc.dim % rc.frequency_dim:
+            raise ValueError(f"frequency_dim={rc.frequency_dim} needs default RoPE and to divide dim={rc.dim}")
+        sub = replace(rc, dim=rc.frequency_dim, frequency_dim=None)
+        return rope_inv_freq(sub).repeat(rc.dim // rc.frequency_dim)  # [Dr/2]
     dim = int(rc.dim * rc.partial_rotary_factor)
     pos_freqs = rc.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [Dr/2]
     if rc.rope_type == "default":
