@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from quantmla.compat import with_cache
 from quantmla.mla.attention import (
     attention_mask_to_bool,
     disable_absorbed_attention,
@@ -37,12 +38,12 @@ def model(request):
 @torch.no_grad()
 def _greedy_run(model, prompt, steps, cache, feed=None):
     """Prefill ``prompt`` then ``steps`` greedy decode steps; ``feed`` forces the tokens fed back (teacher forcing)."""
-    logits = [model(prompt, cache=cache).logits]
+    logits = [model(prompt, **with_cache(cache)).logits]
     tokens = []
     for i in range(steps):
         nxt = logits[-1][:, -1:].argmax(-1)  # [B, 1]
         tokens.append(nxt)
-        logits.append(model(nxt if feed is None else feed[i], cache=cache).logits)
+        logits.append(model(nxt if feed is None else feed[i], **with_cache(cache)).logits)
     return logits, tokens
 
 
@@ -177,7 +178,7 @@ def test_attention_module_accepts_both_cache_kwarg_names(model):
     pos = torch.arange(6)[None].expand(2, -1)
     pe = model.model.rotary_emb(hidden, pos)
     ref_cache = DynamicCache(config=model.config)
-    ref, _ = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None, cache=ref_cache)
+    ref, _ = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None, **with_cache(ref_cache))
     enable_absorbed_attention(model)
     for kwarg, cache in (("cache", DynamicCache(config=model.config)), ("past_key_values", StrictLegacyCache())):
         out, weights = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None, **{kwarg: cache})

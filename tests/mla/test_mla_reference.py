@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from quantmla.compat import with_cache
 from quantmla.mla.reference import (
     absorbed_attention,
     absorbed_attention_lse,
@@ -130,7 +131,7 @@ def model(request):
 
 def _module_forward(model, attn, hidden, pos, cache=None):
     pe = model.model.rotary_emb(hidden, pos)
-    out, _ = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None, cache=cache)
+    out, _ = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=None, **with_cache(cache))
     return out
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from quantmla.compat import with_cache
 from quantmla.mla.attention import enable_absorbed_attention
 from quantmla.mla.spec import MLASpec, UnsupportedModelError
 from quantmla.mla.tiny import TINY_MODELS, tiny_config, tiny_model
@@ -45,7 +46,7 @@ def test_cache_layers_are_indexed_by_layer_idx(name_model):
         for idx, attn in iter_mla_attention(model)
     ]
     cache = DynamicCache(config=model.config)
-    model(torch.randint(3, 100, (1, 5)), cache=cache)
+    model(torch.randint(3, 100, (1, 5)), **with_cache(cache))
     for h in hooks:
         h.remove()
     assert len(cache.layers) == spec.num_cache_layers == len(inputs)
