@@ -9,7 +9,8 @@
 
 Both are normalized mean squared errors (NMSE: squared error over squared reference, summed over the batch), so
 their values are comparable across layers and with the analysis module. Rounding passes gradients straight
-through (STE): ``x + (QDQ(x) - x).detach()``; the per-group scale and offset are treated as constants.
+through (STE) while the per-group step and offset stay differentiable functions of the input (LSQ-style, see
+:func:`ste_fake_quantize`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,37 @@ from quantmla.quant.spec import QuantSpec
 
 
 def ste_fake_quantize(x: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
-    """Quantize-dequantize with a straight-through gradient (identity when ``spec`` is None)."""
+    """Quantize-dequantize whose forward value is exactly :func:`fake_quantize` (what the cache will hold) and
+    whose gradient treats only the *rounding* as the identity (straight-through), LSQ-style.
+
+    Per group the step ``s`` and offset ``m`` are the differentiable min/max functions of ``x`` that the
+    quantizer uses, and ``q = u + (round(u) - u).detach()`` with ``u = (x - m) / s``, so ``x_hat = q s + m`` has
+    ``d x_hat / d x = 1`` for elements inside the range and ``d x_hat / d s = round(u) - u`` (the rounding
+    residual): a transform that shrinks a group's range is rewarded. (Passing the whole QDQ straight through
+    would make ``QDQ(x T) T^-1`` look like the identity to the gradient and leave ``T`` unlearnable.)
+    Identity when ``spec`` is None.
+    """
     if spec is None:
         return x
     with torch.no_grad():
-        xq = fake_quantize(x.detach(), spec)
-    return x + (xq - x).detach()
+        exact = fake_quantize(x.detach(), spec).to(x.dtype)
+    g = spec.group_size
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)  # [..., G, g]
+    if spec.symmetric:
+        qmax = (1 << (spec.bits - 1)) - 1
+        step = (xg.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-8)
+        u = xg / step
+        q = (u + (torch.round(u) - u).detach()).clamp(-qmax, qmax)
+        soft = q * step
+    else:
+        qmax = (1 << spec.bits) - 1
+        lo = xg.amin(dim=-1, keepdim=True)
+        step = ((xg.amax(dim=-1, keepdim=True) - lo) / qmax).clamp_min(1e-8)
+        u = (xg - lo) / step
+        q = (u + (torch.round(u) - u).detach()).clamp(0, qmax)
+        soft = q * step + lo
+    soft = soft.reshape(x.shape)
+    return soft + (exact - soft).detach()
 
 
 @dataclass

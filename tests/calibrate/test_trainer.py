@@ -1,0 +1,124 @@
+"""Learning: the straight-through estimator passes gradients, the config round-trips and validates, and transforms
+learned from the identity lower both objectives on held-out sequences of a model with outlier channels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.objectives import content_objective, layer_inputs, ste_fake_quantize
+from quantmla.calibrate.trainer import calibrate_model, warmup_cosine
+from quantmla.calibrate.transforms import ContentTransform
+from quantmla.mla.rope import cos_sin_from_position_embeddings
+from quantmla.mla.spec import MLASpec
+from quantmla.mla.tiny import tiny_model
+from quantmla.mla.weights import extract_layer_weights, iter_mla_attention
+from quantmla.quant.formats import CacheFormat
+from quantmla.quant.quantize import fake_quantize
+from quantmla.quant.spec import QuantSpec
+
+FMT = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
+
+
+def test_ste_forward_is_exact_and_gradient_is_straight_through_inside_the_range():
+    spec = QuantSpec(bits=2, group_size=32)
+    x = torch.randn(3, 64, requires_grad=True)
+    y = ste_fake_quantize(x, spec)
+    assert torch.equal(y, fake_quantize(x.detach(), spec))  # the forward value is what the cache stores
+    assert not torch.equal(y, x)
+    wts = torch.randn(3, 64)
+    (y * wts).sum().backward()
+    xg = x.detach().reshape(3, 2, 32)
+    extreme = (xg == xg.amax(-1, keepdim=True)) | (xg == xg.amin(-1, keepdim=True))
+    inner = ~extreme.reshape(3, 64)
+    torch.testing.assert_close(x.grad[inner], wts[inner])  # rounding is passed straight through
+    assert (x.grad[~inner] - wts[~inner]).abs().max() > 0  # the range (step, offset) carries gradient
+
+
+def test_content_objective_gradient_reaches_every_parameter():
+    model = tiny_model("deepseek_v3")
+    spec = MLASpec.from_config(model.config)
+    _, attn = next(iter_mla_attention(model))
+    w = extract_layer_weights(attn)
+    h = torch.randn(2, 24, model.config.hidden_size)
+    pos = torch.arange(24)[None]
+    cos, sin = cos_sin_from_position_embeddings(model.model.rotary_emb(h, pos))
+    x = layer_inputs(w, spec, h, cos, sin)
+    dc = attn.kv_lora_rank
+    t = ContentTransform.identity(dc, attn.kv_a_layernorm.weight)
+    with torch.no_grad():
+        t.gen.normal_(0, 0.01)  # away from the identity, where the rotation gradient can vanish by symmetry
+    loss = content_objective(x, w, spec, t, QuantSpec(bits=2, group_size=32))
+    loss.backward()
+    assert torch.isfinite(loss) and loss > 0
+    assert t.gen.grad.abs().sum() > 0 and t.log_v.grad.abs().sum() > 0
+    assert t.log_u.grad is None  # pinned to 1/g with a latent norm
+
+
+def test_config_roundtrip_and_validation():
+    cfg = CalibrationConfig(method="smoothquant", steps_content=10, smoothquant_alphas=[0.5, 1.0])
+    assert CalibrationConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.smoothquant_alphas == (0.5, 1.0)
+    d = CalibrationConfig().to_dict()
+    assert (d["seq_len"], d["batch_size"], d["train_seqs"], d["val_seqs"]) == (2048, 4, 128, 32)
+    assert (d["steps_content"], d["steps_rope"], d["weight_decay"], d["warmup_frac"]) == (300, 300, 0.0, 0.1)
+    for bad in (dict(method="gptq"), dict(batch_size=0), dict(warmup_frac=1.0), dict(device="tpu")):
+        with pytest.raises(ValueError):
+            CalibrationConfig(**bad)
+    with pytest.raises(ValueError, match="unknown"):
+        CalibrationConfig.from_dict({"nope": 1})
+
+
+def test_warmup_then_cosine():
+    f = warmup_cosine(100, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.5, abs=0.02) and f(99) < 0.01
+
+
+def _outlier_model():
+    """A tiny model whose latent and RoPE key have a few large channels, as trained MLA models do."""
+    model = tiny_model("deepseek_v3", num_hidden_layers=1)
+    with torch.no_grad():
+        for _, attn in iter_mla_attention(model):
+            attn.kv_a_layernorm.weight[:4] *= 8.0
+            dc = attn.kv_lora_rank
+            attn.kv_a_proj_with_mqa.weight[dc : dc + 2] *= 8.0  # one interleaved frequency pair
+    return model
+
+
+def test_learned_transforms_beat_identity_on_held_out_data():
+    torch.manual_seed(0)
+    model = _outlier_model()
+    tokens = torch.randint(3, 128, (24, 64), generator=torch.Generator().manual_seed(0))
+    cfg = CalibrationConfig(
+        seq_len=64,
+        train_seqs=16,
+        val_seqs=8,
+        steps_content=60,
+        steps_rope=60,
+        query_tokens=32,
+        content_init="identity",
+        rope_init="identity",
+        select_on_val=False,
+        progress=False,
+    )
+    with torch.no_grad():
+        ref = model(tokens[:2]).logits
+    report = calibrate_model(model, FMT, tokens, cfg)
+    for layer in report.layers:
+        for path in (layer.content, layer.rope):
+            assert path["chosen"] == "learned" and path["init"] == "identity"
+            assert path["val"]["learned"] < 0.9 * path["val"]["identity"], path
+    with torch.no_grad():  # folding kept full precision
+        out = model(tokens[:2]).logits
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
+    s = report.summary()
+    assert s["content_val_chosen"] < s["content_val_identity"] and s["rope_val_chosen"] < s["rope_val_identity"]
+
+
+def test_too_few_sequences_is_a_clear_error():
+    model = tiny_model("deepseek_v2")
+    cfg = CalibrationConfig(seq_len=16, train_seqs=4, val_seqs=2, progress=False)
+    with pytest.raises(ValueError, match="calibration sequences"):
+        calibrate_model(model, FMT, torch.randint(3, 128, (5, 16)), cfg)
