@@ -58,6 +58,8 @@ def _write_path(
     K: tl.constexpr = 8 // BITS  # codes per byte = planes
     W: tl.constexpr = D // K  # plane width = packed bytes per token
     NG: tl.constexpr = D // GROUP
+    QMAX_S: tl.constexpr = (1 << (BITS - 1)) - 1  # symmetric code range [-QMAX_S, QMAX_S]
+    QMAX_A: tl.constexpr = (1 << BITS) - 1  # asymmetric code range [0, QMAX_A]
     pl = tl.arange(0, K)[:, None]  # [K, 1]
     j = tl.arange(0, WP)[None, :]  # [1, WP]
     inb = (j < W) & (pl < K)  # [K, WP]
@@ -69,32 +71,28 @@ def _write_path(
     for gi in tl.static_range(NG):
         sel = inb & (gid == gi)
         if SYM:
-            qmax_s: tl.constexpr = (1 << (BITS - 1)) - 1
             amax = tl.max(tl.max(tl.where(sel, tl.abs(x), 0.0), axis=1), axis=0)
-            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(amax, qmax_s * 1.0), 1e-8))
+            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(amax, QMAX_S * 1.0), 1e-8))
             tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
             s_e = tl.where(sel, s16.to(tl.float32), s_e)
         else:
-            qmax_a: tl.constexpr = (1 << BITS) - 1
             lo = tl.min(tl.min(tl.where(sel, x, float("inf")), axis=1), axis=0)
             hi = tl.max(tl.max(tl.where(sel, x, float("-inf")), axis=1), axis=0)
             o16 = _round_down_f16(lo)
-            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(hi - o16.to(tl.float32), qmax_a * 1.0), 1e-8))
+            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(hi - o16.to(tl.float32), QMAX_A * 1.0), 1e-8))
             tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
             tl.store(meta_ptr + (OROW + gi) * P, o16, mask=valid)
             s_e = tl.where(sel, s16.to(tl.float32), s_e)
             m_e = tl.where(sel, o16.to(tl.float32), m_e)
     s_e = tl.where(inb, s_e, 1.0)
     if SYM:
-        qm: tl.constexpr = (1 << (BITS - 1)) - 1
         y = tl.math.div_rn(x, s_e)
         q = (y + 12582912.0) - 12582912.0  # round half to even
-        q = tl.minimum(tl.maximum(q, -qm * 1.0), qm * 1.0) + (1 << (BITS - 1))
+        q = tl.minimum(tl.maximum(q, -QMAX_S * 1.0), QMAX_S * 1.0) + (1 << (BITS - 1))
     else:
-        qa: tl.constexpr = (1 << BITS) - 1
         y = tl.math.div_rn(x - m_e, s_e)
         q = (y + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(q, 0.0), qa * 1.0)
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX_A * 1.0)
     codes = q.to(tl.int32) << (pl * BITS)  # [K, WP]
     packed = tl.sum(codes, axis=0)  # disjoint bit fields: sum == or
     jj = tl.arange(0, WP)
@@ -268,4 +266,5 @@ def write_triton(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int]
         SINK=sink.shape[1],
         LOCAL=local.shape[1],
         num_warps=4,
+        enable_fp_fusion=False,  # no FMA contraction: the arithmetic must round exactly as torch's
     )

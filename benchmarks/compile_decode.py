@@ -1,0 +1,104 @@
+"""Compile the decode/writer Triton kernels for sm_90 without a GPU and print registers, spills, shared memory.
+
+Lets us catch compile errors and register spills on a CPU machine before spending GPU time::
+
+    python benchmarks/compile_decode.py [--warps 8] [--stages 2] [--block-n 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from quantmla.kernels import triton_decode, triton_writer
+from quantmla.kernels.paged import PagedLayout
+from quantmla.quant.formats import get_format
+
+PTR = {
+    "QL": "*bf16", "QP": "*bf16", "POOL8": "*u8", "POOL16": "*fp16", "POOLBF": "*bf16", "BT": "*i32", "LENS": "*i32",
+    "SINKB": "*bf16", "LOCB": "*bf16", "PO": "*fp32", "PL": "*fp32", "O": "*fp32", "LSE": "*fp32", "C": "*bf16",
+    "KP": "*bf16", "START": "*i32", "NNEW": "*i32",
+}  # fmt: skip
+FLOATS = {"qk_scale"}
+
+
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in PTR:
+            sig[name] = PTR[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                           "num_stages": num_stages})
+
+
+def resources(k) -> str:
+    """Registers / stack / local memory / shared memory of a compiled kernel (``cuobjdump -res-usage``)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        return f"smem={k.metadata.shared} (no resource report)"
+    return f"regs={m[1]} stack={m[2]} local={m[4]} smem={k.metadata.shared}"
+
+
+def decode_constexprs(fmt_name: str, block_n: int) -> dict:
+    fmt = get_format(fmt_name)
+    L = PagedLayout(fmt)
+    c = triton_decode._spec_args(fmt.content, 512, L.content_scale_row, L.content_offset_row)
+    r = triton_decode._spec_args(fmt.rope, 64, L.rope_scale_row, L.rope_offset_row)
+    return dict(
+        PAGE_BYTES=L.page_bytes, C_OFF=L.content_offset, R_OFF=L.rope_offset, M_OFF=L.meta_offset, P=64,
+        BLOCK_N=block_n, DC=512, DR=64, BLOCK_H=16, QUANT=fmt.is_quantized, CBITS=c[0], CSYM=c[1], CG=c[2],
+        CSROW=c[3], COROW=c[4], RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
+        SINK=4 if fmt.is_quantized else 0, LOCAL=128 if fmt.is_quantized else 0, SINK_PAD=16, INTERP=False,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--formats", default="bf16,c8r8,c4r8,c4r4,c2r4")
+    ap.add_argument("--writer", action="store_true")
+    a = ap.parse_args()
+    for f in a.formats.split(","):
+        k = compile_kernel(triton_decode._decode_kernel, decode_constexprs(f, a.block_n), a.warps, a.stages)
+        print(f"decode {f:5s} warps={a.warps} stages={a.stages} block_n={a.block_n}: {resources(k)}")
+    k = compile_kernel(triton_decode._combine_kernel, {"DC": 512, "DCP": 512, "NSP": 16}, 4, 1)
+    print(f"combine: {resources(k)}")
+    if a.writer:
+        for f in a.formats.split(","):
+            fmt = get_format(f)
+            L = PagedLayout(fmt)
+            c = triton_writer._path_args(fmt.content, 512, L.content_scale_row, L.content_offset_row)
+            r = triton_writer._path_args(fmt.rope, 64, L.rope_scale_row, L.rope_offset_row)
+            ce = dict(
+                PAGE_BYTES=L.page_bytes, C_OFF=L.content_offset, R_OFF=L.rope_offset, M_OFF=L.meta_offset, P=64,
+                DC=512, DR=64, CBITS=c[0], CGROUP=c[1], CSYM=c[2], CSROW=c[3], COROW=c[4], RBITS=r[0],
+                RGROUP=r[1], RSYM=r[2], RSROW=r[3], ROROW=r[4], CWP=c[5], RWP=r[5], DCP=512, DRP=64, SINK=4,
+                LOCAL=128,
+            )  # fmt: skip
+            k = compile_kernel(triton_writer._writer_kernel, ce, 4, 1)
+            print(f"writer {f:5s}: {resources(k)}")
+
+
+if __name__ == "__main__":
+    main()
