@@ -1,0 +1,124 @@
+"""The fused checkpoint: loading it with from_pretrained gives the in-memory fused model's logits, it records the
+cache format and calibration config, an existing directory is never overwritten without force, and a failed
+save leaves nothing behind. Also the ``quantmla calibrate`` command end to end on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantmla.calibrate import cli
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.fuse import QUANT_CONFIG_NAME, load_quant_config, make_quant_config, save_fused
+from quantmla.calibrate.trainer import calibrate_model
+from quantmla.mla.tiny import tiny_model
+from quantmla.quant.formats import CacheFormat
+from quantmla.quant.spec import QuantSpec
+
+FMT = CacheFormat("c4r4-tiny", QuantSpec(bits=4, group_size=32), QuantSpec(bits=4, group_size=16))
+CFG = CalibrationConfig(method="quarot", seq_len=32, train_seqs=4, val_seqs=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    model = tiny_model("glm4_moe_lite")
+    tokens = torch.randint(3, 128, (6, 32), generator=torch.Generator().manual_seed(0))
+    report = calibrate_model(model, FMT, tokens, CFG)
+    return model, report
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_roundtrip_gives_the_same_logits(fused, tmp_path):
+    model, report = fused
+    out = save_fused(model, tmp_path / "ckpt", make_quant_config(FMT, CFG, "quarot", report))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=1e-6)
+    assert any(p.suffix == ".safetensors" for p in out.iterdir())
+    qc = load_quant_config(out)
+    assert CacheFormat.from_dict(qc["cache_format"]) == FMT
+    assert CalibrationConfig.from_dict(qc["calibration"]) == CFG
+    assert qc["method"] == "quarot" and qc["report_summary"]["layers"] == 2
+
+
+def test_refuses_to_overwrite_without_force(fused, tmp_path):
+    model, _ = fused
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="force"):
+        save_fused(model, out, make_quant_config(FMT))
+    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    save_fused(model, out, make_quant_config(FMT), force=True)
+    assert not (out / "keep.txt").exists() and (out / QUANT_CONFIG_NAME).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directories left
+
+
+def test_failed_save_leaves_nothing(fused, tmp_path, monkeypatch):
+    model, _ = fused
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(model, "save_pretrained", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_fused(model, out, make_quant_config(FMT), force=True)
+    assert (out / "keep.txt").read_text() == "old"  # the previous checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(FileExistsError):
+        save_fused(model, out, make_quant_config(FMT))
+
+
+def test_calibrate_command(tmp_path, monkeypatch):
+    model = tiny_model("deepseek_v2")
+    ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(3))
+    ref = _logits(model, ids)
+    monkeypatch.setattr(cli, "load_model", lambda d, dtype: (model, None))
+    monkeypatch.setattr(
+        cli, "calibration_tokens", lambda tok, cfg, corpus: torch.randint(3, 128, (cfg.train_seqs + cfg.val_seqs, 24))
+    )
+    import quantmla.quant.formats as formats
+
+    monkeypatch.setattr(formats, "get_format", lambda name: FMT)
+    parser = argparse.ArgumentParser()
+    cli.add_calibrate_args(parser.add_subparsers(dest="command"))
+    out = tmp_path / "fused"
+    argv = [
+        "calibrate",
+        "--model",
+        str(tmp_path),
+        "--out",
+        str(out),
+        "--seq-len",
+        "24",
+        "--train-seqs",
+        "3",
+        "--val-seqs",
+        "2",
+        "--steps",
+        "3",
+        "--query-tokens",
+        "8",
+        "--no-progress",
+    ]
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    qc = json.loads((out / QUANT_CONFIG_NAME).read_text())
+    assert qc["method"] == "quantmla" and qc["calibration"]["steps_rope"] == 3
+    rep = json.loads((out / "calibration_report.json").read_text())
+    assert len(rep["layers"]) == 2 and rep["layers"][0]["content"]["steps"] == 3
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-5)  # fusion kept full precision
+    with pytest.raises(SystemExit, match="already exists"):
+        args.func(parser.parse_args(argv))
