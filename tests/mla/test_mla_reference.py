@@ -156,3 +156,22 @@ def test_layer_forward_matches_transformers_module(model):
         # what we would cache is what the model caches (same latent, same RoPE column layout)
         torch.testing.assert_close(c_kv, cache.layers[layer_idx].keys[:, 0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k_pe, cache.layers[layer_idx].values[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_layer_forward_with_padding_mask_matches_transformers_module():
+    """Left padding: the module gets transformers' additive mask, the reference the equivalent bool mask."""
+    model = tiny_model("deepseek_v2", seed=4)
+    spec = MLASpec.from_config(model.config)
+    _, attn = next(iter(iter_mla_attention(model)))
+    hidden = torch.randn(2, 7, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    allowed = causal_mask(7, 7)[None, None].repeat(2, 1, 1, 1)  # [B, 1, T, S]
+    allowed[0, :, :, :3] = False  # row 0: 3 padding tokens on the left
+    allowed[0, :, :3, 0] = True  # no empty rows (the reference gives zeros there, eager softmax a uniform mean)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    pos = torch.arange(7)[None].expand(2, -1)
+    pe = model.model.rotary_emb(hidden, pos)
+    ref, _ = attn(hidden_states=hidden, position_embeddings=pe, attention_mask=additive)
+    cos, sin = rope_cos_sin(spec.rope, pos)
+    out, _, _ = absorbed_layer_forward(extract_layer_weights(attn), spec, hidden, cos, sin, mask=allowed)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -13,7 +13,8 @@ and ``v = c_kv W_UV^T``. Everything here computes in fp32 (float64 inputs stay f
 
 Masks: ``None`` means causal with the T queries being the last T of the S keys (query t sees keys
 ``0 .. S - T + t``); otherwise a bool tensor broadcastable to [B, H, T, S], True = attend. A row with no key to
-attend to yields zeros (and log-sum-exp ``-inf``), never NaN.
+attend to yields zeros (and log-sum-exp ``-inf``), never NaN. Every one of the S keys passed in must be finite,
+masked ones included (a masked key gets weight 0, and 0 * NaN is NaN): pass only the valid tokens of a cache.
 """
 
 from __future__ import annotations
