@@ -165,3 +165,41 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="pairing"):
         apply_rope(torch.zeros(4), torch.zeros(2), torch.zeros(2), "bogus")
     assert math.isclose(rope_attention_factor(RopeConfig(dim=8)), 1.0)
+
+
+V2_LITE_JSON = {  # the RoPE / attention fields of DeepSeek-V2-Lite's config.json (legacy rope_scaling format)
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
+
+
+def test_v2_lite_config_json_matches_transformers():
+    """A raw config.json dict (legacy ``rope_scaling``) gives the same RoPE and softmax scale as transformers."""
+    from transformers import DeepseekV2Config
+
+    spec = MLASpec.from_config(V2_LITE_JSON)
+    config = DeepseekV2Config(**{k: v for k, v in V2_LITE_JSON.items() if k != "model_type"})
+    rotary = ds2.DeepseekV2RotaryEmbedding(config)
+    torch.testing.assert_close(rope_inv_freq(spec.rope), rotary.inv_freq, rtol=1e-7, atol=0)
+    assert rope_attention_factor(spec.rope) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    scaling = ds2.yarn_apply_mscale(config.rope_parameters, (128 + 64) ** -0.5)
+    assert spec.softmax_scale == pytest.approx(scaling, rel=1e-12)
+    assert spec.rope_pairing == spec.rope_cache_pairing == "interleaved"
