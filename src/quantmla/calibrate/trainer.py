@@ -441,29 +441,39 @@ def calibrate_model(
     )
     was_training = model.training
     model.eval()
+    for attn, x, cos, sin in iter_attention_inputs(model, tokens, config.batch_size, device, config.progress):
+        banks = LayerBanks(x[:n_train], x[n_train:], cos, sin)
+        content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
+        fold_transforms(attn, spec, content, rope)
+        report.layers.append(rep)
+    model.train(was_training)
+    report.seconds = time.time() - t_start
+    return report
+
+
+def iter_attention_inputs(
+    model: nn.Module, tokens: torch.Tensor, batch_size: int, device: torch.device, progress: bool = False
+):
+    """Yield ``(attention_module, inputs [N, T, D] on the CPU, cos [1, T, Dr/2], sin)`` for every MLA attention
+    module in order, running the sequences ``tokens`` [N, T] block by block with only the current block on
+    ``device``. The consumer may modify the module (e.g. fold transforms) before asking for the next one, as long
+    as the block's full-precision function is unchanged: the next block's inputs are computed beforehand."""
     _, blocks = _decoder_blocks(model)
     attn_of_block = _attention_by_block(model, blocks)
-    h, block_kwargs = _first_block_inputs(model, tokens, config.batch_size, device)
-    for b, block in enumerate(_progress(blocks, "calibrate", config.progress)):
+    h, block_kwargs = _first_block_inputs(model, tokens, batch_size, device)
+    for b, block in enumerate(_progress(blocks, "layers", progress)):
         home = _device_of(block)
         block.to(device)
         try:
-            attns = attn_of_block[b]
-            h_next, attn_inputs, pe = _run_block(block, attns, h, block_kwargs, config.batch_size, device)
+            h_next, attn_inputs, pe = _run_block(block, attn_of_block[b], h, block_kwargs, batch_size, device)
             cos, sin = cos_sin_from_position_embeddings(pe)
-            cos, sin = cos[:1].float(), sin[:1].float()  # [1, T, Dr/2]: same positions for every sequence
-            for attn, x in zip(attns, attn_inputs, strict=True):
-                banks = LayerBanks(x[:n_train], x[n_train:], cos, sin)
-                content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
-                fold_transforms(attn, spec, content, rope)
-                report.layers.append(rep)
+            cos, sin = cos[:1].float(), sin[:1].float()  # same positions for every sequence
+            for attn, x in zip(attn_of_block[b], attn_inputs, strict=True):
+                yield attn, x, cos, sin
             h = h_next
         finally:
             if home is not None:
                 block.to(home)
-    model.train(was_training)
-    report.seconds = time.time() - t_start
-    return report
 
 
 def _attention_by_block(model: nn.Module, blocks: nn.ModuleList) -> list[list[nn.Module]]:
@@ -482,6 +492,7 @@ __all__ = [
     "LayerReport",
     "calibrate_attention",
     "calibrate_model",
+    "iter_attention_inputs",
     "resolve_device",
     "warmup_cosine",
 ]
