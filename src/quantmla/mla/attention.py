@@ -117,20 +117,28 @@ def _latent(attn: nn.Module, spec: MLASpec, hidden: torch.Tensor) -> tuple[torch
     return c_kv, k_pe
 
 
-def _attend(attn, spec, cache, cache_style, q_lat, q_pe, c_kv, k_pe, attention_mask, scale, kwargs) -> torch.Tensor:
+def _update_plain_cache(cache, cache_style: str, layer_idx: int, c_kv, k_pe, kwargs: dict):
+    """``cache.update`` with the model's own 4-D tensors, called the way this transformers version calls it.
+
+    Returns every cached ``c_kv`` [B, S, Dc] and ``k_pe`` [B, S, Dr].
+    """
+    c4, p4 = c_kv[:, None], k_pe[:, None]  # [B, 1, T, Dc], [B, 1, T, Dr] as the model hands them over
+    if cache_style == "cache":  # transformers >= 5.24
+        c4, p4 = cache.update(c4, p4, layer_idx, kwargs=kwargs)
+    else:  # transformers 5.17: update(k, v, layer_idx)
+        c4, p4 = cache.update(c4, p4, layer_idx)
+    return c4[:, 0], p4[:, 0]
+
+
+def _attend(attn, cache, cache_style, q_lat, q_pe, c_kv, k_pe, attention_mask, scale, kwargs) -> torch.Tensor:
     """``o_lat`` [B, H, T, Dc] after storing the new tokens in ``cache`` (if any)."""
     layer = None if cache is None else get_mla_layer(cache, attn.layer_idx)
-    if layer is not None:
+    if layer is not None:  # the cache speaks the absorbed protocol
         layer.write(c_kv, k_pe)
         mask = attention_mask_to_bool(attention_mask, layer.get_seq_length())
         return layer.attend(q_lat, q_pe, scale, mask)
     if cache is not None:
-        c4, p4 = c_kv[:, None], k_pe[:, None]  # [B, 1, T, Dc], [B, 1, T, Dr] as the model hands them over
-        if cache_style == "cache":
-            c4, p4 = cache.update(c4, p4, attn.layer_idx, kwargs=kwargs)
-        else:
-            c4, p4 = cache.update(c4, p4, attn.layer_idx)
-        c_kv, k_pe = c4[:, 0], p4[:, 0]
+        c_kv, k_pe = _update_plain_cache(cache, cache_style, attn.layer_idx, c_kv, k_pe, kwargs)
     mask = attention_mask_to_bool(attention_mask, c_kv.shape[1])
     return absorbed_attention(q_lat, q_pe, c_kv, k_pe, scale, mask)
 
@@ -153,7 +161,7 @@ def _absorbed_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwa
     w_uk, w_uv = _up_projections(self, spec)
     scale = float(getattr(self, "scaling", spec.softmax_scale))
     q_lat = absorb_query(q_nope, w_uk)  # [B, H, T, Dc] fp32
-    o_lat = _attend(self, spec, cache, cache_style, q_lat, q_pe, c_kv, k_pe, attention_mask, scale, kwargs)
+    o_lat = _attend(self, cache, cache_style, q_lat, q_pe, c_kv, k_pe, attention_mask, scale, kwargs)
     out = expand_output(o_lat, w_uv).to(hidden_states.dtype)  # [B, T, H * Dv]
     return self.o_proj(out), None
 
