@@ -13,10 +13,39 @@ from quantmla.mla.spec import MLASpec
 from quantmla.mla.tiny import TINY_MODELS, tiny_model
 from quantmla.mla.weights import iter_mla_attention
 
-VARIANTS = [*TINY_MODELS, "no_latent_norm"]
+VARIANTS = [*TINY_MODELS, "no_latent_norm", "quantmla_mla"]
+
+
+def _quantmla_mla():
+    """Our converted-model class: no latent norm, rotate-half RoPE with tiled frequencies, q_proj and kv_a biases."""
+    mla_model = pytest.importorskip("quantmla.models.mla_model")
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.mla.tiny import tiny_config
+
+    kw = tiny_config("deepseek_v3_half").to_dict()
+    for k in ("model_type", "architectures", "transformers_version"):
+        kw.pop(k, None)
+    kw.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        latent_norm=False,
+        rope_frequency_dim=8,
+        q_bias=True,
+        attention_bias=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(mla_model.QuantMLAConfig(**kw)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.05)
+    return model
 
 
 def _model(name: str):
+    if name == "quantmla_mla":
+        return _quantmla_mla()
     if name == "no_latent_norm":
         m = tiny_model("deepseek_v3")
         for _, attn in iter_mla_attention(m):
@@ -50,8 +79,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _cache_tensors(model, ids):
     from transformers import DynamicCache
 
+    from quantmla.compat import with_cache
+
     cache = DynamicCache(config=model.config)
-    model(ids, cache=cache, use_cache=True)
+    model(ids, use_cache=True, **with_cache(cache))
     return [(layer.keys[:, 0].clone(), layer.values[:, 0].clone()) for layer in cache.layers]
 
 
