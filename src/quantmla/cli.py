@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(sub, "quantmla.models.cli", "add_convert_args")
     _optional(sub, "quantmla.eval.cli", "add_eval_args")
     _optional(sub, "quantmla.calibrate.cli", "add_calibrate_args")
+    _optional(sub, "quantmla.analysis.cli", "add_analyze_args")
     return p
 
 
