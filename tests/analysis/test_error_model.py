@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantmla.analysis.error_model import analyze_model, intervene, layer_response, plot_atlas
+from quantmla.compat import with_cache
 from quantmla.mla.rope import cos_sin_from_position_embeddings
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.tiny import tiny_model
@@ -49,7 +50,8 @@ def test_matches_the_module_forward(name):
     with torch.no_grad():
         ref = attn(h, position_embeddings=pe, attention_mask=mask)[0] - bias
         for path, value in (("content", got.content_out_nmse), ("rope", got.rope_out_nmse)):
-            out = attn(h, position_embeddings=pe, attention_mask=mask, cache=_InjectCache(path, 1e-3))[0] - bias
+            inject = with_cache(_InjectCache(path, 1e-3))
+            out = attn(h, position_embeddings=pe, attention_mask=mask, **inject)[0] - bias
             want = float((out - ref).pow(2).sum() / ref.pow(2).sum())
             assert value == pytest.approx(want, rel=2e-3), path
     assert got.content_response == pytest.approx(got.content_out_nmse / 1e-3)
