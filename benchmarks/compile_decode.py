@@ -41,8 +41,9 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
         else:
             sig[name] = "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                           "num_stages": num_stages})
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
 
 
 def resources(k) -> str:
@@ -68,6 +69,7 @@ def decode_constexprs(fmt_name: str, block_n: int) -> dict:
         BLOCK_N=block_n, DC=512, DR=64, BLOCK_H=16, QUANT=fmt.is_quantized, CBITS=c[0], CSYM=c[1], CG=c[2],
         CSROW=c[3], COROW=c[4], RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
         SINK=4 if fmt.is_quantized else 0, LOCAL=128 if fmt.is_quantized else 0, SINK_PAD=16, INTERP=False,
+        RELOAD=True, BUFFERS=False,
     )  # fmt: skip
 
 

@@ -1,0 +1,135 @@
+"""Decode attention: the Triton kernels against the fp32 torch reference, and the reference itself against an
+independent dense computation; chunked prefill over the quantized cache.
+
+Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cores; the reference is fp32):
+``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995; ``lse``: |err| <= 3e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmla.kernels import decode_attention, prefill_attention
+from quantmla.kernels.reference import decode_attention_torch
+from quantmla.quant.formats import CachePolicy
+from quantmla.quant.quantize import fake_quantize
+
+from .helpers import DEVICE, assert_close, make_cache
+
+FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
+O_TOL = dict(atol=3e-2, rtol=3e-2, min_cos=0.9995)
+SCALE = 0.125
+
+
+def _q(B, H, dc, dr, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, dc, generator=g).to(DEVICE), torch.randn(B, H, dr, generator=g).to(DEVICE))
+
+
+def _check(cache, H, splits=None, seed=0):
+    q_lat, q_pe = _q(cache.batch, H, cache.kv_lora_rank, cache.rope_dim, seed)
+    ref, ref_lse = decode_attention(q_lat, q_pe, cache, SCALE, impl="torch", return_lse=True)
+    out, lse = decode_attention(q_lat, q_pe, cache, SCALE, impl="triton", return_lse=True, num_splits=splits)
+    assert_close(out, ref, name=f"o_lat {cache.fmt.name}", **O_TOL)
+    assert_close(lse, ref_lse, atol=3e-2, rtol=0, min_cos=0.999, name=f"lse {cache.fmt.name}")
+    return out, lse
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_decode_hostile_lengths(name):
+    """Lengths 0, 1, 17, 127, 128, 129 in one batch; shuffled pages; NaN everywhere unwritten; 3 heads."""
+    cache, _, _ = make_cache(name, [0, 1, 17, 127, 128, 129], seed=1)
+    out, lse = _check(cache, H=3, splits=3)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))  # empty sequence
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c2r4"])
+@pytest.mark.parametrize("batch,heads", [(1, 5), (7, 1)])
+def test_decode_batches_and_heads(name, batch, heads):
+    lens = [33, 70, 2, 16, 64, 5, 48][:batch]
+    cache, _, _ = make_cache(name, lens, seed=batch)
+    _check(cache, H=heads)
+
+
+@pytest.mark.parametrize("name", ["c4r4", "bf16"])
+def test_decode_default_policy_window(name):
+    """sink 4 / local 128 / page 64: lengths around the window edge."""
+    cache, _, _ = make_cache(name, [127, 128, 129, 200], policy=CachePolicy(), seed=3)
+    _check(cache, H=2, splits=2)
+
+
+def test_decode_16_heads_default_split():
+    cache, _, _ = make_cache("c4r8", [150, 90], seed=4)
+    _check(cache, H=16)
+
+
+def _dense_reference(cache, c, k, q_lat, q_pe, scale):
+    """Independent of PagedMLACache.read_*: fake-quantize the inputs, BF16-round the sink/window tokens."""
+    fmt = cache.fmt
+    outs = []
+    for b, n in enumerate(cache.lengths()):
+        x = torch.cat(
+            [
+                fake_quantize(c[b, :n].float(), fmt.content) if fmt.content else c[b, :n].bfloat16().float(),
+                fake_quantize(k[b, :n].float(), fmt.rope) if fmt.rope else k[b, :n].bfloat16().float(),
+            ],
+            -1,
+        )
+        if fmt.is_quantized:
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[: min(n, cache.policy.sink)] = True
+            keep[max(0, n - cache.policy.local) :] = True
+            x[keep] = torch.cat([c[b, :n], k[b, :n]], -1)[keep].bfloat16().float()
+        s = torch.cat([q_lat[b], q_pe[b]], -1).float() @ x.T * scale
+        outs.append(torch.softmax(s, -1) @ x[:, : c.shape[-1]])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c2r4", "c8r8", "bf16"])
+def test_reference_matches_dense_long(name):
+    """The torch reference at 4097 tokens (and 1) against a dense computation from the raw inputs."""
+    cache, c, k = make_cache(name, [4097, 1], policy=CachePolicy(), chunks=2, seed=6, device="cpu")
+    q_lat, q_pe = (t.cpu() for t in _q(2, 3, 128, 32))
+    out = decode_attention_torch(q_lat, q_pe, cache, SCALE)
+    torch.testing.assert_close(out, _dense_reference(cache, c, k, q_lat, q_pe, SCALE), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_over_quantized_cache():
+    """Chunked prefill appending to an existing cache: row t equals decode at that length for the last row,
+    and a dense causal computation for all rows."""
+    policy = CachePolicy(sink=4, local=16, page_size=16)
+    cache, c, k = make_cache("c4r4", [40, 25], policy=policy, seed=7, device="cpu")
+    T = 9
+    g = torch.Generator().manual_seed(1)
+    c2, k2 = torch.randn(2, T, 128, generator=g), torch.randn(2, T, 32, generator=g)
+    n_new = [T, 4]
+    cache.write(c2, k2, n_new, impl="torch")
+    q_lat, q_pe = torch.randn(2, 3, T, 128, generator=g), torch.randn(2, 3, T, 32, generator=g)
+    o = prefill_attention(q_lat, q_pe, cache, SCALE, n_new)
+    assert o.shape == (2, 3, T, 128) and torch.all(o[1, :, 4:] == 0)
+    last = decode_attention_torch(torch.stack([q_lat[0, :, T - 1], q_lat[1, :, 3]]),
+                                  torch.stack([q_pe[0, :, T - 1], q_pe[1, :, 3]]), cache, SCALE)  # fmt: skip
+    torch.testing.assert_close(o[0, :, T - 1], last[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o[1, :, 3], last[1], rtol=1e-5, atol=1e-5)
+    for b in range(2):
+        n = cache.lengths()[b]
+        kv = cache.read_tokens(b)
+        for t in range(n_new[b]):
+            upto = n - n_new[b] + t + 1
+            q = torch.cat([q_lat[b, :, t], q_pe[b, :, t]], -1)
+            want = torch.softmax(q @ kv[:upto].T * SCALE, -1) @ kv[:upto, :128]
+            torch.testing.assert_close(o[b, :, t], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", FORMATS)
+def test_gpu_deepseek_shapes_long(name):
+    """DeepSeek-V2-Lite shapes, default policy, lengths up to 4097, Triton writer and decode on the GPU."""
+    lens = [4097, 0, 1, 129, 1000]
+    cache, _, _ = make_cache(name, lens, dc=512, dr=64, policy=CachePolicy(), writer="triton", device="cuda")
+    ref_cache, _, _ = make_cache(name, lens, dc=512, dr=64, policy=CachePolicy(), writer="torch", device="cpu")
+    assert torch.equal(cache.pool.cpu(), ref_cache.pool)  # CPU torch reference, bit for bit
+    _check(cache, H=16)
+    _check(cache, H=7, splits=5)

@@ -1,0 +1,86 @@
+"""Paged layout bytes, the torch writer (against the quant module directly) and the fused Triton writer
+(bit for bit against the torch writer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmla.kernels.paged import PagedLayout, PagedMLACache
+from quantmla.quant.formats import CachePolicy, get_format
+from quantmla.quant.quantize import fake_quantize
+
+from .helpers import DEVICE, make_cache
+
+FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
+PAGE_BYTES = {"bf16": 73728, "c8r8": 37504, "c4r8": 21632, "c4r4": 19712, "c2r4": 11520}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_layout_bytes_deepseek_shapes(name):
+    L = PagedLayout(get_format(name))
+    assert L.page_bytes == PAGE_BYTES[name]
+    assert L.bytes_per_token() == get_format(name).bytes_per_token(512, 64)
+    assert L.rope_offset % 16 == 0 and L.meta_offset % 16 == 0 and L.page_bytes % 16 == 0
+
+
+def test_layout_meta_rows_c4r4():
+    L = PagedLayout(get_format("c4r4"))
+    assert (L.content_scale_row, L.content_offset_row, L.rope_scale_row, L.rope_offset_row, L.meta_rows) == (
+        0, 4, 8, 9, 10,
+    )  # fmt: skip
+    L8 = PagedLayout(get_format("c8r8"))  # symmetric: no offsets
+    assert (L8.rope_scale_row, L8.meta_rows) == (4, 5)
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c2r4", "c8r8", "bf16"])
+def test_reference_writer_reads_back_fake_quantized(name):
+    lens = [0, 1, 17, 40]
+    cache, c, k = make_cache(name, lens, chunks=3)
+    fmt = cache.fmt
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        got = cache.read_packed(b, torch.arange(n))
+        want_c = fake_quantize(c[b, :n].float(), fmt.content) if fmt.content else c[b, :n].bfloat16().float()
+        want_r = fake_quantize(k[b, :n].float(), fmt.rope) if fmt.rope else k[b, :n].bfloat16().float()
+        torch.testing.assert_close(got, torch.cat([want_c, want_r], -1), rtol=0, atol=0)
+        if fmt.is_quantized:  # sink and local ring hold BF16 copies
+            s = min(n, cache.n_sink)
+            assert torch.equal(cache.sink[b, :s].float(), torch.cat([c[b, :s], k[b, :s]], -1).bfloat16().float())
+            for pos in range(max(0, n - cache.n_local), n):
+                row = torch.cat([c[b, pos], k[b, pos]]).bfloat16()
+                assert torch.equal(cache.local[b, pos % cache.n_local], row)
+
+
+def test_reserve_out_of_pages_is_clear():
+    cache = PagedMLACache("c4r4", 1, 64, kv_lora_rank=128, rope_dim=32, policy=CachePolicy(page_size=16), num_pages=2)
+    with pytest.raises(RuntimeError, match="out of cache pages"):
+        cache.write(torch.randn(1, 40, 128), torch.randn(1, 40, 32), impl="torch")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_writer_bit_exact(name):
+    """Prefill chunks and single decode tokens with ragged counts; pool, sink and ring equal byte for byte."""
+    lens = [0, 1, 9, 37]
+    kw = dict(chunks=3, seed=5)
+    ref, c, k = make_cache(name, lens, writer="torch", **kw)
+    tri, _, _ = make_cache(name, lens, writer="triton", **kw)
+    assert torch.equal(ref.block_table, tri.block_table)
+    assert torch.equal(ref.pool, tri.pool)
+    assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))
+    assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
+    # one more decode token per sequence
+    x, y = torch.randn(4, 1, 128, device=DEVICE) * 5, torch.randn(4, 1, 32, device=DEVICE)
+    x[0, 0, :] = 0.25  # constant groups (scale clamps to its floor)
+    ref.write(x, y, impl="torch")
+    tri.write(x, y, impl="triton")
+    assert torch.equal(ref.pool, tri.pool)
+    assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
+
+
+def test_triton_writer_bf16_inputs_exact():
+    lens = [20, 3]
+    ref, _, _ = make_cache("c4r4", lens, writer="torch", dtype=torch.bfloat16, seed=2)
+    tri, _, _ = make_cache("c4r4", lens, writer="triton", dtype=torch.bfloat16, seed=2)
+    assert torch.equal(ref.pool, tri.pool)
