@@ -31,6 +31,11 @@ def add_analyze_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--query-tokens", type=int, default=256)
     p.add_argument("--interventions", default="", help="comma-separated: sign,token_permutation,isotropic")
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="also validate the first-order predictor (operator traces x error allocation)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.set_defaults(func=run_analyze)
@@ -61,6 +66,13 @@ def run_analyze(args) -> int:
     rep.save_json(out / "error_model.json")
     for lv in rep.levels:
         plot_atlas(rep, out / f"atlas_nmse{lv:g}.png", lv)
+    if args.predict:
+        from quantmla.analysis.predictor import predict_model
+
+        pred = predict_model(model, tokens, args.format, levels, args.batch_size, args.query_tokens, args.device)
+        with open(out / "predictor.json", "w") as f:
+            json.dump(pred.to_dict(), f, indent=2)
+        print(json.dumps(pred.metrics))
     print(out)
     print(json.dumps(rep.model_level()))
     return 0
