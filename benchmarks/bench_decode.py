@@ -350,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--checks-only", action="store_true")
     ap.add_argument("--tune", action="store_true", help="pick warps/stages/splits on two shapes first")
     ap.add_argument("--tuning", default=None, help="JSON dict overriding triton_decode.TUNING")
     args = ap.parse_args(argv)
@@ -364,13 +365,16 @@ def main(argv=None) -> int:
 
     copy_gbps = copy_bandwidth()
     log(f"{dev}  torch {torch.__version__}  triton {triton.__version__}  copy {copy_gbps:.0f} GB/s")
+    if args.tuning:
+        triton_decode.TUNING.update(json.loads(args.tuning))
+        triton_decode.TUNING_BF16.update(json.loads(args.tuning))
     checks: list[dict] = []
     if not args.skip_checks:
         ok = gpu_checks(checks)
         log(f"GPU correctness checks: {'ALL OK' if ok else 'FAILURES'}")
+    if args.checks_only:
+        return 0 if all(c["ok"] for c in checks) else 1
     timer = Timer()
-    if args.tuning:
-        triton_decode.TUNING.update(json.loads(args.tuning))
     tuned = None
     if args.tune:
         tuned = tune(timer, max(10, args.reps // 2))
