@@ -480,7 +480,8 @@ def decode_attention_triton(
     _decode_kernel[(B, ns)](*args, 0, **consts, BUFFERS=False, num_warps=tun["num_warps"],
                             num_stages=tun["num_stages"])  # fmt: skip
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        _decode_kernel[(B, 1)](*args, ns, **consts, BUFFERS=True, num_warps=4, num_stages=1)
+        # (8 warps: with 4, Triton 3.6 emits an illegal memory access for the BF16 tiles of this kernel)
+        _decode_kernel[(B, 1)](*args, ns, **consts, BUFFERS=True, num_warps=8, num_stages=1)
     _combine_kernel[(B, H)](
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
         num_warps=4,
