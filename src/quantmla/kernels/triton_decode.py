@@ -472,7 +472,7 @@ def decode_attention_triton(
         QUANT=quant,
         CBITS=c[0], CSYM=c[1], CG=c[2], CSROW=c[3], COROW=c[4],
         RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
-        SINK=cache.n_sink, LOCAL=cache.n_local, SINK_PAD=max(16, triton.next_power_of_2(max(1, cache.n_sink))),
+        SINK=cache.n_sink, LOCAL=cache.n_local, SINK_PAD=max(64, triton.next_power_of_2(max(1, cache.n_sink))),
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         RELOAD=tun["reload"],
     )  # fmt: skip
@@ -480,7 +480,7 @@ def decode_attention_triton(
     _decode_kernel[(B, ns)](*args, 0, **consts, BUFFERS=False, num_warps=tun["num_warps"],
                             num_stages=tun["num_stages"])  # fmt: skip
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        # (8 warps: with 4, Triton 3.6 emits an illegal memory access for the BF16 tiles of this kernel)
+        # (the sink tile is padded to 64 tokens: a 16-token tile made Triton 3.6 emit an illegal memory access)
         _decode_kernel[(B, 1)](*args, ns, **consts, BUFFERS=True, num_warps=8, num_stages=1)
     _combine_kernel[(B, H)](
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
