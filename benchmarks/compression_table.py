@@ -30,18 +30,35 @@ def main() -> None:
             base = cache_bytes("bf16", kv_lora_rank=dc, rope_dim=dr, num_layers=layers, context=ctx, policy=policy)
             for name in FORMATS:
                 b = cache_bytes(name, kv_lora_rank=dc, rope_dim=dr, num_layers=layers, context=ctx, policy=policy)
-                rows.append({"model": m, "context": label, "format": name, "bytes": b.total,
-                             "gib": b.total / 2**30, "compression": base.total / b.total})
+                rows.append(
+                    {
+                        "model": m,
+                        "context": label,
+                        "format": name,
+                        "bytes": b.total,
+                        "gib": b.total / 2**30,
+                        "compression": base.total / b.total,
+                    }
+                )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"date": datetime.date.today().isoformat(), "commit": commit, "device": "n/a (computed byte count)",
-            "policy": {"sink": policy.sink, "local": policy.local, "page_size": policy.page_size}, "batch": 1}
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "device": "n/a (computed byte count)",
+        "policy": {"sink": policy.sink, "local": policy.local, "page_size": policy.page_size},
+        "batch": 1,
+    }
     out = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compression.json.tmp"), "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=2)
     os.replace(os.path.join(out, "compression.json.tmp"), os.path.join(out, "compression.json"))
-    lines = [f"# Cache bytes per sequence (batch 1), sink 4 / local 128, page 64 — {meta['date']}, commit {commit}",
-             "", "GiB per sequence (compression vs BF16).", ""]
+    lines = [
+        f"# Cache bytes per sequence (batch 1), sink 4 / local 128, page 64 — {meta['date']}, commit {commit}",
+        "",
+        "GiB per sequence (compression vs BF16).",
+        "",
+    ]
     for m in MODELS:
         lines += [f"## {m}", "", "| format | " + " | ".join(CONTEXTS) + " |", "|---" * (len(CONTEXTS) + 1) + "|"]
         for name in FORMATS:

@@ -233,7 +233,7 @@ def _decode_kernel(
     QUANT: tl.constexpr,
     CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
-    SINK: tl.constexpr, LOCAL: tl.constexpr, SINK_PAD: tl.constexpr, INTERP: tl.constexpr, RELOAD: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr, RELOAD: tl.constexpr,
     BUFFERS: tl.constexpr,
 ):  # fmt: skip
     SUB: tl.constexpr = DC // 4
@@ -331,23 +331,22 @@ def _decode_kernel(
         b2 = q2.to(tl.bfloat16)
         b3 = q3.to(tl.bfloat16)
         br = qr.to(tl.bfloat16)
-        if SINK > 0:
-            spos = tl.arange(0, SINK_PAD)
-            svalid = spos < tl.minimum(n, SINK)
-            crow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, spos, 0) * (DC + DR)
+        # one runtime loop over tiles (tile 0: sink buffer, then the local ring) so that every tile reuses the same
+        # shared-memory buffers (unrolled, the tiles overflowed shared memory under Triton 3.6)
+        idx = tl.arange(0, BLOCK_N)
+        n_local_tiles = (LOCAL + BLOCK_N - 1) // BLOCK_N
+        for t in range(0, 1 + n_local_tiles):
+            svalid = (idx < tl.minimum(n, SINK)) & (t == 0)
+            li = (t - 1) * BLOCK_N + idx
+            pos = n - LOCAL + li
+            lvalid = (li >= 0) & (li < LOCAL) & (pos >= SINK) & (pos >= 0) & (t > 0)
+            srow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, idx, 0) * (DC + DR)
+            lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
+            crow = tl.where(t == 0, srow, lrow)
+            valid = svalid | lvalid
             m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
-                m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, svalid, DC, DR, INTERP
+                m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, valid, DC, DR, INTERP
             )
-        if LOCAL > 0:
-            for i in tl.static_range(0, LOCAL, BLOCK_N):
-                idx = i + tl.arange(0, BLOCK_N)
-                pos = n - LOCAL + idx
-                lvalid = (idx < LOCAL) & (pos >= SINK) & (pos >= 0)
-                slot = tl.where(lvalid, pos, 0) % LOCAL
-                crow = LOCB + b.to(tl.int64) * stride_lb + slot * (DC + DR)
-                m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
-                    m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, lvalid, DC, DR, INTERP
-                )
     # -- normalized partial output and its log2-sum-exp
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -457,6 +456,8 @@ def decode_attention_triton(
     c = _spec_args(fmt.content, Dc, L.content_scale_row, L.content_offset_row)
     r = _spec_args(fmt.rope, Dr, L.rope_scale_row, L.rope_offset_row)
     block_n = min(tun["block_n"], P)
+    if cache.n_sink > block_n:
+        raise ValueError(f"the Triton decode kernel reads the sink in one tile: sink={cache.n_sink} > {block_n}")
     args = (
         q_lat, q_pe,
         cache.pool, cache.pool.view(torch.float16), cache.pool.view(torch.bfloat16),
@@ -472,7 +473,7 @@ def decode_attention_triton(
         QUANT=quant,
         CBITS=c[0], CSYM=c[1], CG=c[2], CSROW=c[3], COROW=c[4],
         RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
-        SINK=cache.n_sink, LOCAL=cache.n_local, SINK_PAD=max(64, triton.next_power_of_2(max(1, cache.n_sink))),
+        SINK=cache.n_sink, LOCAL=cache.n_local,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         RELOAD=tun["reload"],
     )  # fmt: skip
@@ -480,7 +481,6 @@ def decode_attention_triton(
     _decode_kernel[(B, ns)](*args, 0, **consts, BUFFERS=False, num_warps=tun["num_warps"],
                             num_stages=tun["num_stages"])  # fmt: skip
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        # (the sink tile is padded to 64 tokens: a 16-token tile made Triton 3.6 emit an illegal memory access)
         _decode_kernel[(B, 1)](*args, ns, **consts, BUFFERS=True, num_warps=8, num_stages=1)
     _combine_kernel[(B, H)](
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
