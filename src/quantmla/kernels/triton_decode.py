@@ -234,7 +234,6 @@ def _decode_kernel(
     CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
     SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr, RELOAD: tl.constexpr,
-    BUFFERS: tl.constexpr,
 ):  # fmt: skip
     SUB: tl.constexpr = DC // 4
     b = tl.program_id(0)
@@ -267,7 +266,7 @@ def _decode_kernel(
     else:
         lo = 0
         hi = n
-    if not BUFFERS:
+    if True:  # (pages of this split)
         pg0 = lo // P + sp * PPS
         pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
         if QUANT:
@@ -323,30 +322,6 @@ def _decode_kernel(
                     m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
                         m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, rrow, valid, DC, DR, INTERP
                     )
-    else:
-        # the BF16 sink and local-window tokens of a quantized cache
-        qr = tl.load(qpb + tl.arange(0, DR)[:, None], mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
-        b0 = q0.to(tl.bfloat16)
-        b1 = q1.to(tl.bfloat16)
-        b2 = q2.to(tl.bfloat16)
-        b3 = q3.to(tl.bfloat16)
-        br = qr.to(tl.bfloat16)
-        # one runtime loop over tiles (tile 0: sink buffer, then the local ring) so that every tile reuses the same
-        # shared-memory buffers (unrolled, the tiles overflowed shared memory under Triton 3.6)
-        idx = tl.arange(0, BLOCK_N)
-        n_local_tiles = (LOCAL + BLOCK_N - 1) // BLOCK_N
-        for t in range(0, 1 + n_local_tiles):
-            svalid = (idx < tl.minimum(n, SINK)) & (t == 0)
-            li = (t - 1) * BLOCK_N + idx
-            pos = n - LOCAL + li
-            lvalid = (li >= 0) & (li < LOCAL) & (pos >= SINK) & (pos >= 0) & (t > 0)
-            srow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, idx, 0) * (DC + DR)
-            lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
-            crow = tl.where(t == 0, srow, lrow)
-            valid = svalid | lvalid
-            m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
-                m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, crow + DC, valid, DC, DR, INTERP
-            )
     # -- normalized partial output and its log2-sum-exp
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -358,6 +333,88 @@ def _decode_kernel(
     tl.store(ob + SUB, (o1 + f1[None, :]) * inv_l[None, :], mask=hm[None, :])
     tl.store(ob + 2 * SUB, (o2 + f2[None, :]) * inv_l[None, :], mask=hm[None, :])
     tl.store(ob + 3 * SUB, (o3 + f3[None, :]) * inv_l[None, :], mask=hm[None, :])
+
+
+@triton.jit
+def _softmax_rows(acc, valid, m_i, l_i):
+    """Online-softmax step on row-major scores ``acc [BLOCK_H, BLOCK_N]``."""
+    acc = tl.where(valid[None, :], acc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(acc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(acc - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _buffers_kernel(
+    QL, QP, SINKB, LOCB, LENS, PO, PL, qk_scale,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_sb, stride_lb,
+    H, NS_TOTAL, SP,
+    BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """The BF16 sink + local-window tokens of a quantized cache: one program per sequence, partial slot ``SP``.
+
+    Row-major tiles (heads along M, ``mma.sync``): the transposed wgmma form of :func:`_bf16_tile` read out of
+    bounds of shared memory in this kernel under Triton 3.6 (compute-sanitizer), so this one stays simple."""
+    SUB: tl.constexpr = DC // 4
+    b = tl.program_id(0)
+    n = tl.load(LENS + b)
+    hs = tl.arange(0, BLOCK_H)
+    hm = hs < H
+    cs = tl.arange(0, SUB)[None, :]
+    qb = QL + b.to(tl.int64) * stride_qlb + hs[:, None] * stride_qlh + cs
+    q0 = (tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)  # [BLOCK_H, SUB]
+    q1 = (tl.load(qb + SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
+    q2 = (tl.load(qb + 2 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
+    q3 = (tl.load(qb + 3 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
+    qpb = QP + b.to(tl.int64) * stride_qpb + hs[:, None] * stride_qph + tl.arange(0, DR)[None, :]
+    qr = (tl.load(qpb, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    o0 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o1 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o2 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o3 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    idx = tl.arange(0, BLOCK_N)
+    n_local_tiles = (LOCAL + BLOCK_N - 1) // BLOCK_N
+    for t in range(0, 1 + n_local_tiles):  # tile 0: the sink buffer; then the local ring
+        svalid = (idx < tl.minimum(n, SINK)) & (t == 0)
+        li = (t - 1) * BLOCK_N + idx
+        pos = n - LOCAL + li
+        lvalid = (li >= 0) & (li < LOCAL) & (pos >= SINK) & (pos >= 0) & (t > 0)
+        srow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, idx, 0) * (DC + DR)
+        lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
+        crow = tl.where(t == 0, srow, lrow)
+        valid = svalid | lvalid
+        vm = valid[:, None]
+        k0 = tl.load(crow[:, None] + cs, mask=vm, other=0.0)  # [BLOCK_N, SUB] bf16
+        k1 = tl.load(crow[:, None] + SUB + cs, mask=vm, other=0.0)
+        k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
+        k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
+        kr = tl.load(crow[:, None] + DC + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        acc = _bdot(q0, tl.trans(k0), acc, INTERP)
+        acc = _bdot(q1, tl.trans(k1), acc, INTERP)
+        acc = _bdot(q2, tl.trans(k2), acc, INTERP)
+        acc = _bdot(q3, tl.trans(k3), acc, INTERP)
+        acc = _bdot(qr, tl.trans(kr), acc, INTERP)
+        p, alpha, m_i, l_i = _softmax_rows(acc, valid, m_i, l_i)
+        pb = p.to(tl.bfloat16)
+        o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
+        o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
+        o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
+        o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    row = (b.to(tl.int64) * NS_TOTAL + SP) * H + hs
+    tl.store(PL + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=hm)
+    ob = PO + row[:, None] * DC + cs
+    tl.store(ob, o0 * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + SUB, o1 * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 2 * SUB, o2 * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 3 * SUB, o3 * inv_l[:, None], mask=hm[:, None])
 
 
 @triton.jit
@@ -456,8 +513,8 @@ def decode_attention_triton(
     c = _spec_args(fmt.content, Dc, L.content_scale_row, L.content_offset_row)
     r = _spec_args(fmt.rope, Dr, L.rope_scale_row, L.rope_offset_row)
     block_n = min(tun["block_n"], P)
-    if cache.n_sink > block_n:
-        raise ValueError(f"the Triton decode kernel reads the sink in one tile: sink={cache.n_sink} > {block_n}")
+    if cache.n_sink > 64:
+        raise ValueError(f"the Triton decode kernel reads the sink in one 64-token tile: sink={cache.n_sink} > 64")
     args = (
         q_lat, q_pe,
         cache.pool, cache.pool.view(torch.float16), cache.pool.view(torch.bfloat16),
@@ -478,10 +535,15 @@ def decode_attention_triton(
         RELOAD=tun["reload"],
     )  # fmt: skip
     # packed (or BF16) pages: one program per (sequence, split)
-    _decode_kernel[(B, ns)](*args, 0, **consts, BUFFERS=False, num_warps=tun["num_warps"],
-                            num_stages=tun["num_stages"])  # fmt: skip
+    _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        _decode_kernel[(B, 1)](*args, ns, **consts, BUFFERS=True, num_warps=8, num_stages=1)
+        _buffers_kernel[(B,)](
+            q_lat, q_pe, cache.sink, cache.local, cache.seq_lens, po, pl, softmax_scale * LOG2E,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.sink.stride(0),
+            cache.local.stride(0), H, ns_total, ns,
+            BLOCK_N=64, DC=Dc, DR=Dr, BLOCK_H=consts["BLOCK_H"], SINK=cache.n_sink, LOCAL=cache.n_local,
+            INTERP=consts["INTERP"], num_warps=8,
+        )  # fmt: skip
     _combine_kernel[(B, H)](
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
         num_warps=4,
