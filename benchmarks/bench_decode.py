@@ -246,12 +246,9 @@ def bench_config(B: int, N: int, formats: list[str], timer: Timer, reps: int, wi
 def tune(timer: Timer, reps: int) -> dict:
     """Try a few (warps, stages, waves, block_n) settings on C4R4 and BF16 at two shapes; keep the best sum."""
     variants = []
-    for nw in (8,):  # 4 warps: Triton 3.6 emits an illegal memory access for the BF16 tiles
-        for bn in (32, 64):
-            for reload in (True, False):
-                for st in (1, 2):
-                    variants.append({"num_warps": nw, "num_stages": st, "waves": 2.0, "block_n": bn, "min_pages": 4,
-                                     "reload": reload})  # fmt: skip
+    for st in (1, 2, 3):
+        for waves in (1.0, 2.0, 4.0):
+            variants.append({"num_warps": 8, "num_stages": st, "waves": waves, "block_n": 64, "min_pages": 4})
     scores = {}
     for B, N in ((32, 32768),):
         kv = torch.randn(B, N, DC + DR, device="cuda", dtype=torch.bfloat16)

@@ -69,7 +69,6 @@ def decode_constexprs(fmt_name: str, block_n: int) -> dict:
         BLOCK_N=block_n, DC=512, DR=64, BLOCK_H=16, QUANT=fmt.is_quantized, CBITS=c[0], CSYM=c[1], CG=c[2],
         CSROW=c[3], COROW=c[4], RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
         SINK=4 if fmt.is_quantized else 0, LOCAL=128 if fmt.is_quantized else 0, INTERP=False,
-        RELOAD=True,
     )  # fmt: skip
 
 

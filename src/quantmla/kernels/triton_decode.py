@@ -44,14 +44,13 @@ def _magic(b16, MASK: tl.constexpr):
 
 @triton.jit
 def _softmax_update(acc, valid, m_i, l_i):
-    """Masked online-softmax step (base 2) on transposed scores ``acc [BLOCK_N, BLOCK_H]``:
-    returns (p, alpha, m_new, l_new)."""
-    acc = tl.where(valid[:, None], acc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(acc, axis=0))
+    """Masked online-softmax step (base 2): returns (p, alpha, m_new, l_new)."""
+    acc = tl.where(valid[None, :], acc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(acc, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(acc - m_safe[None, :])
-    l_new = l_i * alpha + tl.sum(p, axis=0)
+    p = tl.exp2(acc - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
@@ -76,45 +75,19 @@ def _scale_pair(
 
 
 @triton.jit
-def _score_part(acc, qT, qsum, k, s, mo):
-    """acc [BLOCK_N, BLOCK_H] += s' * (k . q + mo * sum(q)) for one sub-tile (k [BLOCK_N, W], qT [W, BLOCK_H])."""
-    d = tl.dot(k, qT)  # [BLOCK_N, BLOCK_H] fp32
-    return acc + (d + mo[:, None] * qsum[None, :]) * s[:, None]
+def _score_part(acc, q16, qsum, k, s, mo):
+    d = tl.dot(q16, tl.trans(k))  # [BLOCK_H, BLOCK_N] fp32
+    return acc + (d + qsum[:, None] * mo[None, :]) * s[None, :]
 
 
 @triton.jit
 def _out_part(o, f, p, alpha, k, s, mo):
-    """o [W, BLOCK_H] (transposed output of one sub-tile), f [BLOCK_H] (its offset part)."""
     smax = tl.max(s, axis=0)
     inv = tl.where(smax > 0, 1.0 / tl.where(smax > 0, smax, 1.0), 0.0)
-    pw = (p * (s * inv)[:, None]).to(tl.float16)  # [BLOCK_N, BLOCK_H]
-    o = o * alpha[None, :] + tl.dot(tl.trans(k), pw) * smax
-    f = f * alpha + tl.sum(pw.to(tl.float32) * mo[:, None], axis=0) * smax
+    pw = (p * (s * inv)[None, :]).to(tl.float16)  # [BLOCK_H, BLOCK_N]
+    o = o * alpha[:, None] + tl.dot(pw, k) * smax
+    f = f * alpha + tl.sum(pw.to(tl.float32) * mo[None, :], axis=1) * smax
     return o, f
-
-
-@triton.jit
-def _content_codes(cptr, CBITS: tl.constexpr, SUB: tl.constexpr):
-    """The four content sub-tiles [BLOCK_N, SUB] as fp16 ``1024 + c * 2^sh`` from the packed bytes."""
-    if CBITS == 8:
-        k0 = _magic(tl.load(cptr).to(tl.int16), 0xFF)
-        k1 = _magic(tl.load(cptr + SUB).to(tl.int16), 0xFF)
-        k2 = _magic(tl.load(cptr + 2 * SUB).to(tl.int16), 0xFF)
-        k3 = _magic(tl.load(cptr + 3 * SUB).to(tl.int16), 0xFF)
-    elif CBITS == 4:
-        a0 = tl.load(cptr).to(tl.int16)
-        a1 = tl.load(cptr + SUB).to(tl.int16)
-        k0 = _magic(a0, 0x0F)
-        k1 = _magic(a1, 0x0F)
-        k2 = _magic(a0, 0xF0)
-        k3 = _magic(a1, 0xF0)
-    else:
-        a0 = tl.load(cptr).to(tl.int16)
-        k0 = _magic(a0, 0x03)
-        k1 = _magic(a0, 0x0C)
-        k2 = _magic(a0, 0x30)
-        k3 = _magic(a0, 0xC0)
-    return k0, k1, k2, k3
 
 
 @triton.jit
@@ -125,7 +98,6 @@ def _packed_tile(
     C_OFF: tl.constexpr, R_OFF: tl.constexpr, P: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
-    RELOAD: tl.constexpr,
 ):  # fmt: skip
     SUB: tl.constexpr = DC // 4
     CB: tl.constexpr = DC * CBITS // 8  # packed content bytes per token
@@ -133,16 +105,30 @@ def _packed_tile(
     cptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, SUB)[None, :]  # [BLOCK_N, SUB]
     rptr = base8 + R_OFF + rows[:, None] * RB + tl.arange(0, RB)[None, :]  # [BLOCK_N, RB]
     # -- content codes -> k0..k3 (fp16, 1024 + c * 2^sh), shifts sh0..sh3
-    k0, k1, k2, k3 = _content_codes(cptr, CBITS, SUB)
     if CBITS == 8:
+        k0 = _magic(tl.load(cptr).to(tl.int16), 0xFF)
+        k1 = _magic(tl.load(cptr + SUB).to(tl.int16), 0xFF)
+        k2 = _magic(tl.load(cptr + 2 * SUB).to(tl.int16), 0xFF)
+        k3 = _magic(tl.load(cptr + 3 * SUB).to(tl.int16), 0xFF)
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
     elif CBITS == 4:
+        a0 = tl.load(cptr).to(tl.int16)
+        a1 = tl.load(cptr + SUB).to(tl.int16)
+        k0 = _magic(a0, 0x0F)
+        k1 = _magic(a1, 0x0F)
+        k2 = _magic(a0, 0xF0)
+        k3 = _magic(a1, 0xF0)
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 4
         SH3: tl.constexpr = 4
     else:
+        a0 = tl.load(cptr).to(tl.int16)
+        k0 = _magic(a0, 0x03)
+        k1 = _magic(a0, 0x0C)
+        k2 = _magic(a0, 0x30)
+        k3 = _magic(a0, 0xC0)
         SH1: tl.constexpr = 2
         SH2: tl.constexpr = 4
         SH3: tl.constexpr = 6
@@ -150,7 +136,7 @@ def _packed_tile(
     s1, mo1 = _scale_pair(mptr, rows, valid, CSROW + SUB // CG, COROW + SUB // CG, CSYM, CBITS, SH1, P)
     s2, mo2 = _scale_pair(mptr, rows, valid, CSROW + 2 * SUB // CG, COROW + 2 * SUB // CG, CSYM, CBITS, SH2, P)
     s3, mo3 = _scale_pair(mptr, rows, valid, CSROW + 3 * SUB // CG, COROW + 3 * SUB // CG, CSYM, CBITS, SH3, P)
-    acc = tl.zeros([rows.shape[0], q0.shape[1]], dtype=tl.float32)
+    acc = tl.zeros([q0.shape[0], rows.shape[0]], dtype=tl.float32)
     acc = _score_part(acc, q0, qs0, k0, s0, mo0)
     acc = _score_part(acc, q1, qs1, k1, s1, mo1)
     acc = _score_part(acc, q2, qs2, k2, s2, mo2)
@@ -169,12 +155,6 @@ def _packed_tile(
         acc = _score_part(acc, qrA, qsA, krA, srA, morA)
         acc = _score_part(acc, qrB, qsB, krB, srB, morB)
     p, alpha, m_i, l_i = _softmax_update(acc, valid, m_i, l_i)
-    if RELOAD:
-        # re-read the tile's bytes (an L1 hit) and unpack again for the output product: otherwise Triton keeps
-        # the unpacked tile live in two register layouts across the softmax and spills
-        # (the zero offset depends on the softmax so that the compiler neither merges nor hoists the re-read)
-        zero = (tl.min(alpha, axis=0) < 0).to(tl.int32)
-        k0, k1, k2, k3 = _content_codes(cptr + zero, CBITS, SUB)
     o0, f0 = _out_part(o0, f0, p, alpha, k0, s0, mo0)
     o1, f1 = _out_part(o1, f1, p, alpha, k1, s1, mo1)
     o2, f2 = _out_part(o2, f2, p, alpha, k2, s2, mo2)
@@ -203,18 +183,18 @@ def _bf16_tile(m_i, l_i, o0, o1, o2, o3, q0, q1, q2, q3, qr, crow, rrow, valid, 
     k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
     k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
     kr = tl.load(rrow[:, None] + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
-    acc = tl.zeros([crow.shape[0], q0.shape[1]], dtype=tl.float32)  # scores^T [BLOCK_N, BLOCK_H]
-    acc = _bdot(k0, q0, acc, INTERP)
-    acc = _bdot(k1, q1, acc, INTERP)
-    acc = _bdot(k2, q2, acc, INTERP)
-    acc = _bdot(k3, q3, acc, INTERP)
-    acc = _bdot(kr, qr, acc, INTERP)
+    acc = tl.zeros([q0.shape[0], crow.shape[0]], dtype=tl.float32)
+    acc = _bdot(q0, tl.trans(k0), acc, INTERP)
+    acc = _bdot(q1, tl.trans(k1), acc, INTERP)
+    acc = _bdot(q2, tl.trans(k2), acc, INTERP)
+    acc = _bdot(q3, tl.trans(k3), acc, INTERP)
+    acc = _bdot(qr, tl.trans(kr), acc, INTERP)
     p, alpha, m_i, l_i = _softmax_update(acc, valid, m_i, l_i)
     pb = p.to(tl.bfloat16)
-    o0 = _bdot(tl.trans(k0), pb, o0 * alpha[None, :], INTERP)
-    o1 = _bdot(tl.trans(k1), pb, o1 * alpha[None, :], INTERP)
-    o2 = _bdot(tl.trans(k2), pb, o2 * alpha[None, :], INTERP)
-    o3 = _bdot(tl.trans(k3), pb, o3 * alpha[None, :], INTERP)
+    o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
+    o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
+    o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
+    o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
     return m_i, l_i, o0, o1, o2, o3
 
 
@@ -233,7 +213,7 @@ def _decode_kernel(
     QUANT: tl.constexpr,
     CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
-    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr, RELOAD: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     SUB: tl.constexpr = DC // 4
     b = tl.program_id(0)
@@ -241,21 +221,19 @@ def _decode_kernel(
     n = tl.load(LENS + b)
     hs = tl.arange(0, BLOCK_H)
     hm = hs < H
-    # everything is transposed (tokens / channels along rows, heads along columns) so that the tensor-core
-    # tiles have M = BLOCK_N tokens (scores) or SUB channels (output) and N = BLOCK_H heads
-    cs = tl.arange(0, SUB)[:, None]
-    qb = QL + b.to(tl.int64) * stride_qlb + hs[None, :] * stride_qlh + cs
-    q0 = tl.load(qb, mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale  # q^T [SUB, BLOCK_H]
-    q1 = tl.load(qb + SUB, mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(qb + 2 * SUB, mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
-    q3 = tl.load(qb + 3 * SUB, mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
-    qpb = QP + b.to(tl.int64) * stride_qpb + hs[None, :] * stride_qph
+    cs = tl.arange(0, SUB)[None, :]
+    qb = QL + b.to(tl.int64) * stride_qlb + hs[:, None] * stride_qlh + cs
+    q0 = tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_H, SUB]
+    q1 = tl.load(qb + SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(qb + 2 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    q3 = tl.load(qb + 3 * SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+    qpb = QP + b.to(tl.int64) * stride_qpb + hs[:, None] * stride_qph
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    o0 = tl.zeros([SUB, BLOCK_H], dtype=tl.float32)  # o^T of channels [0, SUB)
-    o1 = tl.zeros([SUB, BLOCK_H], dtype=tl.float32)
-    o2 = tl.zeros([SUB, BLOCK_H], dtype=tl.float32)
-    o3 = tl.zeros([SUB, BLOCK_H], dtype=tl.float32)
+    o0 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o1 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o2 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
+    o3 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
     f0 = tl.zeros([BLOCK_H], dtype=tl.float32)
     f1 = tl.zeros([BLOCK_H], dtype=tl.float32)
     f2 = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -266,28 +244,28 @@ def _decode_kernel(
     else:
         lo = 0
         hi = n
-    if True:  # (pages of this split)
+    if sp < NSPLIT:  # (always: the BF16 sink/local tokens have their own kernel)
         pg0 = lo // P + sp * PPS
         pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
         if QUANT:
             RB: tl.constexpr = DR * RBITS // 8
-            qrA = tl.load(qpb + tl.arange(0, RB)[:, None], mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
+            qrA = tl.load(qpb + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
             h0 = q0.to(tl.float16)
             h1 = q1.to(tl.float16)
             h2 = q2.to(tl.float16)
             h3 = q3.to(tl.float16)
             hA = qrA.to(tl.float16)
-            qs0 = tl.sum(h0.to(tl.float32), axis=0)
-            qs1 = tl.sum(h1.to(tl.float32), axis=0)
-            qs2 = tl.sum(h2.to(tl.float32), axis=0)
-            qs3 = tl.sum(h3.to(tl.float32), axis=0)
-            qsA = tl.sum(hA.to(tl.float32), axis=0)
+            qs0 = tl.sum(h0.to(tl.float32), axis=1)
+            qs1 = tl.sum(h1.to(tl.float32), axis=1)
+            qs2 = tl.sum(h2.to(tl.float32), axis=1)
+            qs3 = tl.sum(h3.to(tl.float32), axis=1)
+            qsA = tl.sum(hA.to(tl.float32), axis=1)
             if RBITS == 4:
-                qrB = tl.load(qpb + RB + tl.arange(0, RB)[:, None], mask=hm[None, :], other=0.0)
+                qrB = tl.load(qpb + RB + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0)
                 hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
             else:
                 hB = hA
-            qsB = tl.sum(hB.to(tl.float32), axis=0)
+            qsB = tl.sum(hB.to(tl.float32), axis=1)
             for pg in range(pg0, pg1):
                 page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
                 base8 = POOL8 + page * PAGE_BYTES
@@ -301,10 +279,9 @@ def _decode_kernel(
                         h0, h1, h2, h3, qs0, qs1, qs2, qs3, hA, hB, qsA, qsB,
                         base8, mptr, rows, valid,
                         C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
-                        RELOAD,
                     )  # fmt: skip
         else:
-            qr = tl.load(qpb + tl.arange(0, DR)[:, None], mask=hm[None, :], other=0.0).to(tl.float32) * qk_scale
+            qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
             b0 = q0.to(tl.bfloat16)
             b1 = q1.to(tl.bfloat16)
             b2 = q2.to(tl.bfloat16)
@@ -328,11 +305,11 @@ def _decode_kernel(
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     row = (b.to(tl.int64) * NS_TOTAL + sp + SP_OFF) * H + hs  # [BLOCK_H]
     tl.store(PL + row, lse, mask=hm)
-    ob = PO + row[None, :] * DC + cs  # [SUB, BLOCK_H]
-    tl.store(ob, (o0 + f0[None, :]) * inv_l[None, :], mask=hm[None, :])
-    tl.store(ob + SUB, (o1 + f1[None, :]) * inv_l[None, :], mask=hm[None, :])
-    tl.store(ob + 2 * SUB, (o2 + f2[None, :]) * inv_l[None, :], mask=hm[None, :])
-    tl.store(ob + 3 * SUB, (o3 + f3[None, :]) * inv_l[None, :], mask=hm[None, :])
+    ob = PO + row[:, None] * DC + cs
+    tl.store(ob, (o0 + f0[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + SUB, (o1 + f1[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 2 * SUB, (o2 + f2[:, None]) * inv_l[:, None], mask=hm[:, None])
+    tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
 
 
 @triton.jit
@@ -356,8 +333,8 @@ def _buffers_kernel(
 ):  # fmt: skip
     """The BF16 sink + local-window tokens of a quantized cache: one program per sequence, partial slot ``SP``.
 
-    Row-major tiles (heads along M, ``mma.sync``): the transposed wgmma form of :func:`_bf16_tile` read out of
-    bounds of shared memory in this kernel under Triton 3.6 (compute-sanitizer), so this one stays simple."""
+    A runtime loop over 64-token tiles (tile 0: the sink buffer, then the local ring); an unrolled loop and a
+    16-token sink tile both made Triton 3.6 read out of bounds of shared memory (seen with compute-sanitizer)."""
     SUB: tl.constexpr = DC // 4
     b = tl.program_id(0)
     n = tl.load(LENS + b)
@@ -454,7 +431,7 @@ def _num_sms(device: torch.device) -> int:
 
 # tuning knobs (the benchmark may override them): programs per SM targeted by the split heuristic, the
 # fewest pages one split should cover, tokens per tile, warps and pipeline stages.
-TUNING = {"waves": 2.0, "min_pages": 4, "block_n": 64, "num_warps": 8, "num_stages": 2, "reload": True}
+TUNING = {"waves": 2.0, "min_pages": 4, "block_n": 64, "num_warps": 8, "num_stages": 2}
 TUNING_BF16 = dict(TUNING)  # the BF16 kernel's own settings
 
 
@@ -532,7 +509,6 @@ def decode_attention_triton(
         RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
         SINK=cache.n_sink, LOCAL=cache.n_local,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-        RELOAD=tun["reload"],
     )  # fmt: skip
     # packed (or BF16) pages: one program per (sequence, split)
     _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
