@@ -453,24 +453,17 @@ def convert_model(model, tokenizer, cc: ConvertConfig = ConvertConfig(), *, cali
 @torch.no_grad()
 def _init_latent_norm_gain(model, ids: torch.Tensor) -> None:
     """Set each ``kv_a_layernorm`` gain to the mean per-token RMS of its (un-normalized) latent, so that at
-    least the average latent scale is preserved before healing."""
-    rms = {}
+    least the average latent scale is preserved before healing. One forward: a pre-hook sets layer i's gain
+    from its input before the norm runs, so layer i+1 already sees layer i's final gain."""
 
-    def hook(i):
-        def fn(mod, inp, out):
-            x = inp[0].double()
-            nz = x.shape[-1]
-            rms[i] = (x.pow(2).sum(-1) / nz).sqrt().mean().item()
-
-        return fn
+    def pre_hook(mod, inp):
+        x = inp[0].double()
+        mod.weight.fill_(x.pow(2).mean(-1).sqrt().mean().item())
 
     layers = model.model.layers
-    hs = [layer.self_attn.kv_a_layernorm.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    hs = [layer.self_attn.kv_a_layernorm.register_forward_pre_hook(pre_hook) for layer in layers]
     try:
-        # run layer by layer: the gain of layer i changes the input of layer i+1
-        for i, layer in enumerate(layers):
-            model(ids[None], use_cache=False)
-            layer.self_attn.kv_a_layernorm.weight.fill_(rms[i])
+        model(ids[None], use_cache=False)
     finally:
         for h in hs:
             h.remove()

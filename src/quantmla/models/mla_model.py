@@ -57,7 +57,7 @@ class QuantMLAConfig(DeepseekV3Config):
 def rope_inv_freq(config) -> torch.Tensor:
     """Inverse RoPE frequencies [qk_rope_head_dim / 2] (fp32) of a ``quantmla_mla`` config (tiled, see above)."""
     base = float(config.rope_parameters["rope_theta"])
-    dim = config.rope_frequency_dim or config.qk_rope_head_dim
+    dim = getattr(config, "rope_frequency_dim", None) or config.qk_rope_head_dim
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [dim / 2]
     return inv.repeat(config.qk_rope_head_dim // dim)  # [qk_rope_head_dim / 2]
 
@@ -66,13 +66,14 @@ class QuantMLARotaryEmbedding(_dsv3.DeepseekV3RotaryEmbedding):
     """DeepSeek-V3 rotary embedding whose default frequencies are tiled per ``rope_frequency_dim``."""
 
     def __init__(self, config):
-        if config.rope_parameters.get("rope_type", "default") != "default" and config.rope_frequency_dim:
+        if config.rope_parameters.get("rope_type", "default") != "default" and getattr(config, "rope_frequency_dim", 0):
             raise ValueError("quantmla_mla: rope_frequency_dim is only supported with rope_type 'default'")
         super().__init__(config)
 
     @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        return rope_inv_freq(config), 1.0
+    def compute_default_rope_parameters(config, device=None, *args, **kwargs) -> tuple[torch.Tensor, float]:
+        inv = rope_inv_freq(config)
+        return (inv if device is None else inv.to(device)), 1.0
 
 
 class QuantMLAPreTrainedModel(_dsv3.DeepseekV3PreTrainedModel):
@@ -82,10 +83,10 @@ class QuantMLAPreTrainedModel(_dsv3.DeepseekV3PreTrainedModel):
 
 def _patch(model: nn.Module, config: QuantMLAConfig) -> None:
     """Swap in the switched-off latent norm and the tiled rotary embedding after the stock constructor."""
-    if not config.latent_norm:
+    if not getattr(config, "latent_norm", True):
         for layer in model.layers:
             layer.self_attn.kv_a_layernorm = nn.Identity()
-    if config.q_bias:
+    if getattr(config, "q_bias", False):
         if config.q_lora_rank is not None:
             raise ValueError("quantmla_mla: q_bias needs q_lora_rank=None")
         for layer in model.layers:
