@@ -244,7 +244,7 @@ def _decode_kernel(
     else:
         lo = 0
         hi = n
-    if sp < NSPLIT:  # (always: the BF16 sink/local tokens have their own kernel)
+    if sp < NSPLIT:  # (always true: the BF16 sink/local tokens have their own kernel)
         pg0 = lo // P + sp * PPS
         pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
         if QUANT:
@@ -331,10 +331,11 @@ def _buffers_kernel(
     BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
     SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """The BF16 sink + local-window tokens of a quantized cache: one program per sequence, partial slot ``SP``.
+    """The BF16 sink + local-window tokens of a quantized cache: one program per (sequence, 64-token tile), tile 0
+    the sink buffer, tiles 1.. the local ring; tile ``t`` writes partial slot ``SP + t``.
 
-    A runtime loop over 64-token tiles (tile 0: the sink buffer, then the local ring); an unrolled loop and a
-    16-token sink tile both made Triton 3.6 read out of bounds of shared memory (seen with compute-sanitizer)."""
+    Row-major tiles (heads along M): a transposed, unrolled variant and a 16-token sink tile made Triton 3.6 read
+    out of bounds of shared memory (seen with compute-sanitizer)."""
     SUB: tl.constexpr = DC // 4
     b = tl.program_id(0)
     n = tl.load(LENS + b)
@@ -355,37 +356,36 @@ def _buffers_kernel(
     o2 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
     o3 = tl.zeros([BLOCK_H, SUB], dtype=tl.float32)
     idx = tl.arange(0, BLOCK_N)
-    n_local_tiles = (LOCAL + BLOCK_N - 1) // BLOCK_N
-    for t in range(0, 1 + n_local_tiles):  # tile 0: the sink buffer; then the local ring
-        svalid = (idx < tl.minimum(n, SINK)) & (t == 0)
-        li = (t - 1) * BLOCK_N + idx
-        pos = n - LOCAL + li
-        lvalid = (li >= 0) & (li < LOCAL) & (pos >= SINK) & (pos >= 0) & (t > 0)
-        srow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, idx, 0) * (DC + DR)
-        lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
-        crow = tl.where(t == 0, srow, lrow)
-        valid = svalid | lvalid
-        vm = valid[:, None]
-        k0 = tl.load(crow[:, None] + cs, mask=vm, other=0.0)  # [BLOCK_N, SUB] bf16
-        k1 = tl.load(crow[:, None] + SUB + cs, mask=vm, other=0.0)
-        k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
-        k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
-        kr = tl.load(crow[:, None] + DC + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
-        acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        acc = _bdot(q0, tl.trans(k0), acc, INTERP)
-        acc = _bdot(q1, tl.trans(k1), acc, INTERP)
-        acc = _bdot(q2, tl.trans(k2), acc, INTERP)
-        acc = _bdot(q3, tl.trans(k3), acc, INTERP)
-        acc = _bdot(qr, tl.trans(kr), acc, INTERP)
-        p, alpha, m_i, l_i = _softmax_rows(acc, valid, m_i, l_i)
-        pb = p.to(tl.bfloat16)
-        o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
-        o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
-        o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
-        o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
+    t = tl.program_id(1)  # tile 0: the sink buffer; tiles 1..: the local ring
+    svalid = ((idx < tl.minimum(n, SINK)) & (t == 0)) != 0  # (`!= 0`: interpreter mask typing)
+    li = (t - 1) * BLOCK_N + idx
+    pos = n - LOCAL + li
+    lvalid = ((li >= 0) & (li < LOCAL) & (pos >= SINK) & (pos >= 0) & (t > 0)) != 0
+    srow = SINKB + b.to(tl.int64) * stride_sb + tl.where(svalid, idx, 0) * (DC + DR)
+    lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
+    crow = tl.where(t == 0, srow, lrow)
+    valid = svalid | lvalid
+    vm = valid[:, None]
+    k0 = tl.load(crow[:, None] + cs, mask=vm, other=0.0)  # [BLOCK_N, SUB] bf16
+    k1 = tl.load(crow[:, None] + SUB + cs, mask=vm, other=0.0)
+    k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
+    k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
+    kr = tl.load(crow[:, None] + DC + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    acc = _bdot(q0, tl.trans(k0), acc, INTERP)
+    acc = _bdot(q1, tl.trans(k1), acc, INTERP)
+    acc = _bdot(q2, tl.trans(k2), acc, INTERP)
+    acc = _bdot(q3, tl.trans(k3), acc, INTERP)
+    acc = _bdot(qr, tl.trans(kr), acc, INTERP)
+    p, alpha, m_i, l_i = _softmax_rows(acc, valid, m_i, l_i)
+    pb = p.to(tl.bfloat16)
+    o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
+    o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
+    o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
+    o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    row = (b.to(tl.int64) * NS_TOTAL + SP) * H + hs
+    row = (b.to(tl.int64) * NS_TOTAL + SP + t) * H + hs
     tl.store(PL + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=hm)
     ob = PO + row[:, None] * DC + cs
     tl.store(ob, o0 * inv_l[:, None], mask=hm[:, None])
@@ -431,8 +431,9 @@ def _num_sms(device: torch.device) -> int:
 
 # tuning knobs (the benchmark may override them): programs per SM targeted by the split heuristic, the
 # fewest pages one split should cover, tokens per tile, warps and pipeline stages.
-TUNING = {"waves": 2.0, "min_pages": 4, "block_n": 64, "num_warps": 8, "num_stages": 2}
-TUNING_BF16 = dict(TUNING)  # the BF16 kernel's own settings
+# (measured on the H200, benchmarks/results/decode_h200.md: 8 warps; 3 stages packed / 2 BF16; 4 programs per SM)
+TUNING = {"waves": 4.0, "min_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
+TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
 
 
 def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
@@ -475,7 +476,8 @@ def decode_attention_triton(
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
-    ns_total = ns + (1 if quant else 0)
+    n_buf_tiles = 1 + math.ceil(cache.n_local / 64) if quant else 0  # sink tile + local-ring tiles
+    ns_total = ns + n_buf_tiles
     dev = q_lat.device
     if q_lat.stride(-1) != 1:
         q_lat = q_lat.contiguous()
@@ -513,7 +515,7 @@ def decode_attention_triton(
     # packed (or BF16) pages: one program per (sequence, split)
     _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        _buffers_kernel[(B,)](
+        _buffers_kernel[(B, n_buf_tiles)](
             q_lat, q_pe, cache.sink, cache.local, cache.seq_lens, po, pl, softmax_scale * LOG2E,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.sink.stride(0),
             cache.local.stride(0), H, ns_total, ns,
