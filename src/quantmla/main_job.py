@@ -23,7 +23,7 @@ def add_run_args(sub) -> None:
     p = sub.add_parser("run", help="the main job on the embedded default (no arguments needed)")
     p.add_argument("--model", help="a local MLA model directory instead of the embedded default")
     p.add_argument("--tiny", action="store_true", help="use a tiny random-init DeepSeek-V3 (seconds, no real text)")
-    p.add_argument("--tokens", type=int, default=512, help="held-out tokens to score (default 512)")
+    p.add_argument("--tokens", type=int, default=1024, help="held-out tokens to score (default 1024)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
     p.add_argument("--out", help="write the results as JSON to this path")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
@@ -32,9 +32,11 @@ def add_run_args(sub) -> None:
 
 def _embedded_model():
     """(model, tokenizer, description) of the embedded real MLA model, or raise with a clear message."""
-    from quantmla.models.convert import load_default_mla_model
+    from quantmla.models.convert import converted_model_dir, load_model
 
-    return load_default_mla_model()
+    path = converted_model_dir()  # converts on first use (seconds), then cached
+    model, tok = load_model(path)
+    return model, tok, f"SmolLM2-135M-Instruct converted to MLA (RoRoPE, no healing): {path}"
 
 
 def _tiny():
@@ -48,56 +50,51 @@ def _held_out_ids(tok, n: int, vocab: int):
 
     if tok is None:
         return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
-    from quantmla.data.corpus import load_split
+    from quantmla.data.corpus import token_stream
 
-    text = load_split("test")
-    ids = tok(text[: n * 12], return_tensors="pt").input_ids[:, :n]
-    if ids.shape[1] < n:
-        raise SystemExit(f"error: held-out text gave only {ids.shape[1]} tokens, need {n}")
-    return ids
+    return token_stream(tok, split="test", n_tokens=n)[None, :]  # [1, n]
 
 
 def score_formats(model, ids, formats, policy=None) -> list[dict]:
-    """Teacher-forced prefill + token-by-token decode of the second half through each cache format."""
+    """Next-token logits of every position through each cache format, against the model's own forward.
+
+    The model runs in absorbed form over ``QuantMLACache``; its per-query mixed-precision policy makes one
+    prefill forward see exactly what token-by-token decoding would see (tested), so a single forward per
+    format scores every position as if it had been decoded.
+    """
     import torch
-    from transformers import DynamicCache
 
     from quantmla.cache.hf import QuantMLACache
     from quantmla.compat import with_cache
+    from quantmla.mla.attention import disable_absorbed_attention, enable_absorbed_attention
 
-    half = ids.shape[1] // 2
-
-    def run(cache):
-        logits = []
-        with torch.no_grad():
-            o = model(ids[:, :half], use_cache=True, **with_cache(cache))
-            logits.append(o.logits[:, -1])
-            for i in range(half, ids.shape[1] - 1):
-                o = model(ids[:, i : i + 1], use_cache=True, **with_cache(cache))
-                logits.append(o.logits[:, -1])
-        return torch.stack(logits, 1).float()  # [1, N - half, V]
-
-    ref = run(DynamicCache(config=model.config))
-    target = ids[:, half:]
+    with torch.no_grad():
+        ref = model(ids).logits.float()  # transformers' own attention, no cache: [1, N, V]
+    target = ids[:, 1:]
     rows = []
-    for name in formats:
-        cache = QuantMLACache(model.config, name, policy)
-        t0 = time.perf_counter()
-        lg = run(cache)
-        dt = time.perf_counter() - t0
-        nll = torch.nn.functional.cross_entropy(lg[0], target[0])
-        rep = cache.memory_report()
-        rows.append(
-            {
-                "format": cache.fmt.name,
-                "logit_nmse": float(((lg - ref) ** 2).mean() / (ref**2).mean()),
-                "top1_agreement": float((lg.argmax(-1) == ref.argmax(-1)).float().mean()),
-                "perplexity": math.exp(float(nll)),
-                "cache_bytes_bf16_model": rep["physical_bytes_bf16_model"],
-                "compression_vs_bf16": rep["compression_vs_bf16"],
-                "seconds_cpu": dt,
-            }
-        )
+    enable_absorbed_attention(model)
+    try:
+        for name in formats:
+            cache = QuantMLACache(model.config, name, policy)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                lg = model(ids, use_cache=True, **with_cache(cache)).logits.float()
+            dt = time.perf_counter() - t0
+            nll = torch.nn.functional.cross_entropy(lg[0, :-1], target[0])
+            rep = cache.memory_report()
+            rows.append(
+                {
+                    "format": cache.fmt.name,
+                    "logit_nmse": float(((lg - ref) ** 2).mean() / (ref**2).mean()),
+                    "top1_agreement": float((lg.argmax(-1) == ref.argmax(-1)).float().mean()),
+                    "perplexity": math.exp(float(nll)),
+                    "cache_bytes_bf16_model": rep["physical_bytes_bf16_model"],
+                    "compression_vs_bf16": rep["compression_vs_bf16"],
+                    "seconds_cpu": dt,
+                }
+            )
+    finally:
+        disable_absorbed_attention(model)
     return rows
 
 
@@ -131,7 +128,7 @@ def run_main_job(args) -> int:
     print(f"   {desc}")
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     ids = _held_out_ids(tok, args.tokens, model.config.vocab_size)
-    print(f"== 3. {ids.shape[1]} held-out tokens: prefill half, decode the rest token by token, per format")
+    print(f"== 3. {ids.shape[1]} held-out tokens through each cache format (absorbed attention, per-query policy)")
     rows = score_formats(model, ids, formats)
     print(f"   {'format':6} {'logit NMSE':>11} {'top-1 agree':>11} {'ppl':>8} {'cache MB':>9} {'vs BF16':>8}")
     for r in rows:
