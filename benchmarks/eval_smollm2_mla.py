@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--heal-steps", type=int, default=0, help="heal variant b for this many steps first (GPU)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new work after this many seconds")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--models", default="smollm2-gqa,smollm2-mla-a", help="which models (b ones need --variant-b)")
+    p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     if a.threads:
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
         del teacher
         healed = (student.eval(), tok)
 
-    plan = [("smollm2-gqa", ("bf16",)), ("smollm2-mla-a", formats)]
+    wanted = set(a.models.split(","))
+    plan = [(k, f) for k, f in (("smollm2-mla-a", formats), ("smollm2-gqa", ("bf16",))) if k in wanted]
     if a.variant_b:
         plan.append(("smollm2-mla-b", ("bf16",)))
         if healed is not None:
@@ -149,11 +152,12 @@ def main(argv=None) -> int:
     for kind, fmts in plan:  # stage 1: perplexity everywhere
         models[kind] = loader(kind)
         for fmt in fmts:
-            unit(kind, *models[kind], fmt, ("ppl",), ())
+            if not a.no_ppl:
+                unit(kind, *models[kind], fmt, ("ppl",), ())
     for L in a.lengths:  # stage 2: retrieval, shortest contexts first
         for kind, fmts in plan:
             for fmt in fmts:
-                unit(kind, *models[kind], fmt, (a.tasks,), (L,))
+                unit(kind, *models[kind], fmt, tuple(a.tasks.split(",")), (L,))
     save()
     print(open(os.path.splitext(a.out)[0] + ".md").read())
     return 0

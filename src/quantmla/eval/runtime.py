@@ -98,8 +98,9 @@ def forward_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_ids=()) -> list[int]:
-    """Greedy continuation (token ids) of one prompt ``input_ids`` [1, T] through ``cache``."""
+def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_ids=(), stop=None) -> list[int]:
+    """Greedy continuation (token ids) of one prompt ``input_ids`` [1, T] through ``cache``; ends at an EOS
+    token, after ``max_new_tokens`` or when ``stop(generated_ids)`` is true."""
     logits = forward_logits(model, input_ids, cache)[:, -1]  # [1, V]
     out: list[int] = []
     eos = set(int(e) for e in eos_ids)
@@ -108,6 +109,8 @@ def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, 
         if nxt in eos:
             break
         out.append(nxt)
+        if stop is not None and stop(out):
+            break
         logits = forward_logits(model, torch.tensor([[nxt]], device=input_ids.device), cache)[:, -1]
     return out
 
