@@ -2,20 +2,19 @@
 independent dense computation; chunked prefill over the quantized cache.
 
 Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cores; the reference is fp32):
-``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995; ``lse``: |err| <= 3e-2.
+``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995; ``lse``: |err| <= 3e-2 + 1e-2 |ref| (bf16 q; the interpreter even truncates to bf16).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernels_testutil import DEVICE, assert_close, make_cache
 
 from quantmla.kernels import decode_attention, prefill_attention
 from quantmla.kernels.reference import decode_attention_torch
 from quantmla.quant.formats import CachePolicy
 from quantmla.quant.quantize import fake_quantize
-
-from .helpers import DEVICE, assert_close, make_cache
 
 FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
 O_TOL = dict(atol=3e-2, rtol=3e-2, min_cos=0.9995)
@@ -32,7 +31,7 @@ def _check(cache, H, splits=None, seed=0):
     ref, ref_lse = decode_attention(q_lat, q_pe, cache, SCALE, impl="torch", return_lse=True)
     out, lse = decode_attention(q_lat, q_pe, cache, SCALE, impl="triton", return_lse=True, num_splits=splits)
     assert_close(out, ref, name=f"o_lat {cache.fmt.name}", **O_TOL)
-    assert_close(lse, ref_lse, atol=3e-2, rtol=0, min_cos=0.999, name=f"lse {cache.fmt.name}")
+    assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2, min_cos=0.999, name=f"lse {cache.fmt.name}")
     return out, lse
 
 

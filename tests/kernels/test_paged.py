@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_testutil import DEVICE, make_cache
 
 from quantmla.kernels.paged import PagedLayout, PagedMLACache
 from quantmla.quant.formats import CachePolicy, get_format
 from quantmla.quant.quantize import fake_quantize
-
-from .helpers import DEVICE, make_cache
 
 FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
 PAGE_BYTES = {"bf16": 73728, "c8r8": 37504, "c4r8": 21632, "c4r4": 19712, "c2r4": 11520}

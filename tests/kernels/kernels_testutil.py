@@ -17,12 +17,12 @@ def make_cache(fmt, lens, *, dc=128, dr=32, policy=None, seed=0, dtype=torch.flo
     policy = policy or CachePolicy(sink=4, local=16, page_size=16)
     g = torch.Generator().manual_seed(seed)
     B, N = len(lens), max(max(lens), 1)
-    c = torch.randn(B, N, dc, generator=g) * torch.linspace(0.1, 4.0, dc)  # uneven channel ranges
-    k = torch.randn(B, N, dr, generator=g) * 2
-    c[:, ::7, :] += 3.0  # shifted groups (asymmetric ranges)
-    pages = sum(-(-n // policy.page_size) for n in lens) + 3
+    c = torch.randn(B, N, dc, generator=g) * torch.linspace(0.1, 2.0, dc)  # uneven channel ranges
+    k = torch.randn(B, N, dr, generator=g) * 1.5
+    c[:, ::7, :16] += 2.0  # shifted channels (asymmetric group ranges)
+    pages = sum(-(-(n + 16) // policy.page_size) for n in lens) + 3  # room to append 16 more per sequence
     cache = PagedMLACache(
-        fmt, B, N, kv_lora_rank=dc, rope_dim=dr, policy=policy, num_pages=pages, device=device, shuffle=True,
+        fmt, B, N + 16, kv_lora_rank=dc, rope_dim=dr, policy=policy, num_pages=pages, device=device, shuffle=True,
         seed=seed, fill_byte=0xFF, pad_page=pages - 1,
     )  # fmt: skip
     c, k = c.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype)
