@@ -2,7 +2,8 @@
 independent dense computation; chunked prefill over the quantized cache.
 
 Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cores; the reference is fp32):
-``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995; ``lse``: |err| <= 3e-2 + 1e-2 |ref| (bf16 q; the interpreter even truncates to bf16).
+``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995;
+``lse``: |err| <= 3e-2 + 1e-2 |ref| (bf16 q; the interpreter even truncates to bf16).
 """
 
 from __future__ import annotations
