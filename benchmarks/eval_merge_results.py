@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     if os.path.exists(a.out) and not a.force:
         raise SystemExit(f"{a.out} exists; pass --force")
     write_result(obj, a.out, force=True)
-    ge = gpu["env"]
+    ge, gc = gpu["env"], gpu["runs"][0]["config"]
     md = [
         "# SmolLM2-135M-Instruct: original GQA vs RoRoPE MLA conversion, full-precision vs RTN cache formats",
         "",
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         f"torch {ge['torch']}, transformers {ge['transformers']}; "
         f"`{gpu['command']}`; {gpu['elapsed_s']} s including conversion and healing.",
         "",
-        f"Perplexity: {gpu['runs'][0]['config']['ppl_tokens']} tokens, context {gpu['runs'][0]['config']['ppl_context']}. "
+        f"Perplexity: {gc['ppl_tokens']} tokens, context {gc['ppl_context']}. "
         "Retrieval: depths 0.1, 0.3, 0.5, 0.7, 0.9 x 2 samples = 10 per cell.",
         "",
         format_table(gpu["runs"]),
