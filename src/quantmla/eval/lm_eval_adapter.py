@@ -87,6 +87,9 @@ class QuantMLALM(_LMBase):
                 context, continuation = context[:-n_sp], context[-n_sp:] + continuation
             ctx = self._enc(context) if context else [self._prefix_token()]
             cont = self._enc(continuation)
+            if not cont:  # empty continuation: probability 1
+                out.append((0.0, True))
+                continue
             ids = (ctx + cont)[-(self.max_length + 1) :]
             lp, tgt = self._logprobs(ids)
             lp, tgt = lp[-len(cont) :], tgt[-len(cont) :]
