@@ -429,18 +429,26 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-# tuning knobs (the benchmark may override them): programs per SM targeted by the split heuristic, the
-# fewest pages one split should cover, tokens per tile, warps and pipeline stages.
-# (measured on the H200, benchmarks/results/decode_h200.md: 8 warps; 3 stages packed / 2 BF16; 4 programs per SM)
-TUNING = {"waves": 4.0, "min_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
+# tuning knobs (the benchmark may override them). Measured on the H200 (benchmarks/results/decode_h200*.md):
+# 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
+TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
 
 
 def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
-    """Split-K factor: about ``waves`` programs per SM in total, each covering at least ``min_pages`` pages."""
+    """Split-K factor.
+
+    At most ``waves`` programs per SM in total. Within that, a split covers ``full_pages`` pages once the splits
+    alone fill one wave, but never more than ``min_pages`` pages while they would not: one program walks its
+    pages serially (a few microseconds each), while many tiny splits cost partial writes and a long combine.
+    On the H200, batch 1 at 128K: 512 splits of 4 pages took 212 us, 128 splits of 16 pages 90 us; batch 1 at
+    1K: 1 split of 16 pages 53 us, 4 splits of 4 pages 20 us."""
     t = tuning or TUNING
-    target = max(1, math.ceil(t["waves"] * _num_sms(device) / max(1, batch)))
-    return max(1, min(target, math.ceil(max_pages / t["min_pages"])))
+    sms = _num_sms(device)
+    b = max(1, batch)
+    fill = max(1, math.ceil(t["waves"] * sms / b))
+    one_wave = min(math.ceil(sms / b), math.ceil(max_pages / t["min_pages"]))
+    return max(1, min(fill, max(math.ceil(max_pages / t["full_pages"]), one_wave)))
 
 
 def _spec_args(spec, width: int, srow: int, orow: int | None) -> tuple:
