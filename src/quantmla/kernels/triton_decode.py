@@ -1,11 +1,13 @@
 """Triton decode attention over the paged MLA cache: packed low-bit formats and the BF16 baseline.
 
-One program per (sequence, split) handles *all* heads of that sequence (``BLOCK_H`` rows of the tensor-core
-tiles) over a contiguous range of its pages (split-K / flash-decoding); for a quantized format one extra
-program per sequence reads the sink and local-window tokens from their BF16 buffers. Each program keeps an
-online softmax (base 2) and writes a normalized partial output and its log-sum-exp; a second kernel combines
-the partials with one global softmax. Tokens in the packed range ``[sink, n - local)`` are read from the
-pages, every other valid token from BF16, so all valid tokens share one softmax.
+Three launches. ``_decode_kernel``: one program per (sequence, split) handles *all* heads of that sequence
+(``BLOCK_H`` = 16 rows of the ``mma`` tiles, heads along M) over a contiguous range of its pages (split-K /
+flash-decoding). ``_buffers_kernel`` (quantized formats only): one program per (sequence, 64-token tile) of
+the BF16 sink and local-window buffers. Each program keeps an online softmax (base 2) and writes a normalized
+partial output and its log2-sum-exp; ``_combine_kernel`` merges the partials of a sequence into one global
+softmax. Tokens in the packed range ``[sink, n - local)`` are read from the pages, every other valid token
+from BF16, so all valid tokens share one softmax. The BF16 format runs ``_decode_kernel`` on BF16 pages
+(``QUANT=False``): our baseline of the same design.
 
 Dequantization happens in registers and costs two integer operations per code: a code ``c`` in bit field
 ``sh`` of its byte becomes the fp16 number ``1024 + c * 2^sh`` by masking the byte and OR-ing the exponent
@@ -17,6 +19,9 @@ outside the dot products, so the tensor cores multiply raw codes::
     o[h]        += sum_n p[h, n] s'[n] (k[n] + mo[n])                    (p * s' / max s' in fp16)
 
 The same reconstructed content tile ``k`` (registers) feeds the score product and the output product.
+Performance note (H200, see docs/kernels.md): the BF16 kernel runs at 3.5-3.8 TB/s at batch 32; the packed
+kernels are bound by the work around the tensor-core products (unpack, two operand-layout conversions of
+each tile through shared memory, per-token scaling), not by memory, and reach only ~0.4 TB/s.
 Symmetric specs use ``mo = -(1024 + 2^(bits-1) * 2^sh)``. Content is processed as four sub-tiles of
 ``Dc / 4`` channels (each inside one quantization group), RoPE as its bit planes.
 
@@ -244,61 +249,61 @@ def _decode_kernel(
     else:
         lo = 0
         hi = n
-    if sp < NSPLIT:  # (always true: the BF16 sink/local tokens have their own kernel)
-        pg0 = lo // P + sp * PPS
-        pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
-        if QUANT:
-            RB: tl.constexpr = DR * RBITS // 8
-            qrA = tl.load(qpb + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
-            h0 = q0.to(tl.float16)
-            h1 = q1.to(tl.float16)
-            h2 = q2.to(tl.float16)
-            h3 = q3.to(tl.float16)
-            hA = qrA.to(tl.float16)
-            qs0 = tl.sum(h0.to(tl.float32), axis=1)
-            qs1 = tl.sum(h1.to(tl.float32), axis=1)
-            qs2 = tl.sum(h2.to(tl.float32), axis=1)
-            qs3 = tl.sum(h3.to(tl.float32), axis=1)
-            qsA = tl.sum(hA.to(tl.float32), axis=1)
-            if RBITS == 4:
-                qrB = tl.load(qpb + RB + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0)
-                hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
-            else:
-                hB = hA
-            qsB = tl.sum(hB.to(tl.float32), axis=1)
-            for pg in range(pg0, pg1):
-                page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
-                base8 = POOL8 + page * PAGE_BYTES
-                mptr = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2
-                for sb in tl.static_range(P // BLOCK_N):
-                    rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
-                    pos = pg * P + rows
-                    valid = (pos >= lo) & (pos < hi)
-                    m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3 = _packed_tile(
-                        m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3,
-                        h0, h1, h2, h3, qs0, qs1, qs2, qs3, hA, hB, qsA, qsB,
-                        base8, mptr, rows, valid,
-                        C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
-                    )  # fmt: skip
+    # this split's pages (the BF16 sink/local tokens have their own kernel, _buffers_kernel)
+    pg0 = lo // P + sp * PPS
+    pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
+    if QUANT:
+        RB: tl.constexpr = DR * RBITS // 8
+        qrA = tl.load(qpb + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+        h0 = q0.to(tl.float16)
+        h1 = q1.to(tl.float16)
+        h2 = q2.to(tl.float16)
+        h3 = q3.to(tl.float16)
+        hA = qrA.to(tl.float16)
+        qs0 = tl.sum(h0.to(tl.float32), axis=1)
+        qs1 = tl.sum(h1.to(tl.float32), axis=1)
+        qs2 = tl.sum(h2.to(tl.float32), axis=1)
+        qs3 = tl.sum(h3.to(tl.float32), axis=1)
+        qsA = tl.sum(hA.to(tl.float32), axis=1)
+        if RBITS == 4:
+            qrB = tl.load(qpb + RB + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0)
+            hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
         else:
-            qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
-            b0 = q0.to(tl.bfloat16)
-            b1 = q1.to(tl.bfloat16)
-            b2 = q2.to(tl.bfloat16)
-            b3 = q3.to(tl.bfloat16)
-            br = qr.to(tl.bfloat16)
-            for pg in range(pg0, pg1):
-                page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
-                pbase = POOLBF + page * (PAGE_BYTES // 2)
-                for sb in tl.static_range(P // BLOCK_N):
-                    rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
-                    pos = pg * P + rows
-                    valid = (pos >= lo) & (pos < hi)
-                    crow = pbase + C_OFF // 2 + rows * DC
-                    rrow = pbase + R_OFF // 2 + rows * DR
-                    m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
-                        m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, rrow, valid, DC, DR, INTERP
-                    )
+            hB = hA
+        qsB = tl.sum(hB.to(tl.float32), axis=1)
+        for pg in range(pg0, pg1):
+            page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+            base8 = POOL8 + page * PAGE_BYTES
+            mptr = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2
+            for sb in tl.static_range(P // BLOCK_N):
+                rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
+                pos = pg * P + rows
+                valid = (pos >= lo) & (pos < hi)
+                m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3 = _packed_tile(
+                    m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3,
+                    h0, h1, h2, h3, qs0, qs1, qs2, qs3, hA, hB, qsA, qsB,
+                    base8, mptr, rows, valid,
+                    C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
+                )  # fmt: skip
+    else:
+        qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+        b0 = q0.to(tl.bfloat16)
+        b1 = q1.to(tl.bfloat16)
+        b2 = q2.to(tl.bfloat16)
+        b3 = q3.to(tl.bfloat16)
+        br = qr.to(tl.bfloat16)
+        for pg in range(pg0, pg1):
+            page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+            pbase = POOLBF + page * (PAGE_BYTES // 2)
+            for sb in tl.static_range(P // BLOCK_N):
+                rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
+                pos = pg * P + rows
+                valid = (pos >= lo) & (pos < hi)
+                crow = pbase + C_OFF // 2 + rows * DC
+                rrow = pbase + R_OFF // 2 + rows * DR
+                m_i, l_i, o0, o1, o2, o3 = _bf16_tile(
+                    m_i, l_i, o0, o1, o2, o3, b0, b1, b2, b3, br, crow, rrow, valid, DC, DR, INTERP
+                )
     # -- normalized partial output and its log2-sum-exp
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
