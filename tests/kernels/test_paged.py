@@ -78,8 +78,11 @@ def test_triton_writer_bit_exact(name):
     assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
 
 
-def test_triton_writer_bf16_inputs_exact():
-    lens = [20, 3]
+def test_triton_writer_bf16_inputs_long_chunk_exact():
+    """BF16 inputs; one prefill chunk longer than the local window (each ring slot must be written once)."""
+    lens = [40, 3]
     ref, _, _ = make_cache("c4r4", lens, writer="torch", dtype=torch.bfloat16, seed=2)
     tri, _, _ = make_cache("c4r4", lens, writer="triton", dtype=torch.bfloat16, seed=2)
     assert torch.equal(ref.pool, tri.pool)
+    assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))
+    assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
