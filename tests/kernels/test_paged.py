@@ -86,3 +86,16 @@ def test_triton_writer_bf16_inputs_long_chunk_exact():
     assert torch.equal(ref.pool, tri.pool)
     assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))
     assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
+
+
+def test_triton_writer_splits_long_chunks(monkeypatch):
+    """A chunk longer than one launch's token limit is written in several launches with the same bytes."""
+    from quantmla.kernels import triton_writer
+
+    monkeypatch.setattr(triton_writer, "MAX_TOKENS_PER_LAUNCH", 7)
+    lens = [30, 9]
+    ref, _, _ = make_cache("c2r4", lens, writer="torch", seed=4)
+    tri, _, _ = make_cache("c2r4", lens, writer="triton", seed=4)
+    assert torch.equal(ref.pool, tri.pool)
+    assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
+    assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))

@@ -206,11 +206,29 @@ def _path_args(spec, width: int, srow: int, orow: int | None) -> tuple:
     )
 
 
+MAX_TOKENS_PER_LAUNCH = 32768  # the grid's second dimension is limited to 65535 on CUDA
+
+
 def write_triton(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int], n_new: list[int]) -> None:
-    """Launch the writer for ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]`` (pages already reserved by the cache)."""
+    """Launch the writer for ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]`` (pages already reserved by the cache).
+
+    Long chunks go in launches of at most ``MAX_TOKENS_PER_LAUNCH`` tokens, in order; the local ring still ends
+    up holding the final window (a later launch overwrites what an earlier one left in the slots it covers)."""
     B, T, Dc = c_kv.shape
     if T == 0 or B == 0:
         return
+    step = MAX_TOKENS_PER_LAUNCH
+    if T > step:
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            sub = [max(0, min(k, t1) - t0) for k in n_new]
+            _write_launch(cache, c_kv[:, t0:t1], k_pe[:, t0:t1], [s + t0 for s in start], sub)
+        return
+    _write_launch(cache, c_kv, k_pe, start, n_new)
+
+
+def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int], n_new: list[int]) -> None:
+    B, T, Dc = c_kv.shape
     L = cache.layout
     fmt = cache.fmt
     if c_kv.stride(-1) != 1:
