@@ -26,10 +26,24 @@ def _strip_samples(run: dict) -> dict:
     return run
 
 
+def combined(*run_lists) -> list[dict]:
+    """All runs merged per (model, format): retrieval cells of later runs fill in / override earlier ones."""
+    out: dict[str, dict] = {}
+    for runs in run_lists:
+        for run in runs:
+            dst = out.setdefault(run["model"]["name"], {"model": run["model"], "results": {}})
+            for fmt, r in run["results"].items():
+                d = dst["results"].setdefault(fmt, {"cache": r["cache"]})
+                for task, by_len in r.get("retrieval", {}).items():
+                    d.setdefault("retrieval", {}).setdefault(task, {}).update(by_len)
+    return list(out.values())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", required=True)
-    p.add_argument("--cpu", nargs="*", default=[])
+    p.add_argument("--cpu", nargs="*", default=[], help="further result files (later runs), in order")
+    p.add_argument("--labels", nargs="*", default=[], help="a section title for each --cpu file")
     p.add_argument("--out", default="benchmarks/results/eval_smollm2_mla.json")
     p.add_argument("--gpu-commit", default="1a139aa", help="the commit whose code the GPU run used")
     p.add_argument("--force", action="store_true")
@@ -103,23 +117,30 @@ def main(argv=None) -> int:
     ]
     if gpu.get("heal"):
         md += ["", "Variant b healing: " + json.dumps(gpu["heal"])]
-    if cpu_runs:
-        ce = cpus[0]["env"]
+    for i, (c, label) in enumerate(zip(cpus, a.labels or [f"run {k + 2}" for k in range(len(cpus))], strict=False)):
+        runs = [_strip_samples(r) for r in c["runs"]]
+        ce = c["env"]
+        cfg = c["runs"][0]["config"] if c["runs"] else {}
         md += [
             "",
-            "## Run 2: CPU (retrieval at 512 for the low-bit formats, 1024 and 2048 for all)",
+            f"## Run {i + 2}: {label}",
             "",
-            f"{ce['date']}, {ce['platform']}, torch {ce['torch']}, transformers {ce['transformers']}, "
-            f"{ce['cpu_threads']} threads on a shared machine. Depths 0.1, 0.5, 0.9 x 1 sample = 3 per cell "
-            "(rough: one sample more or less is 33 points).",
+            f"{ce['date']}, {ce['device']}, torch {ce['torch']}, transformers {ce['transformers']}, "
+            f"{ce['cpu_threads']} CPU threads; `{c['command']}`; {c['elapsed_s']} s. Depths "
+            f"{', '.join(str(d) for d in cfg.get('depths', []))} x {cfg.get('n_per_depth')} sample(s) per cell.",
             "",
-            format_table(cpu_runs),
-            "",
-            "Commands: " + "; ".join(f"`{c['command']}` ({c['elapsed_s']} s)" for c in cpus) + ".",
+            format_table(runs) if runs else "(no results)",
         ]
-        nr = [x for c in cpus for x in c["not_run"]]
-        if nr:
-            md += ["", "Not run (CPU time budget): " + "; ".join(nr) + "."]
+        if c["not_run"]:
+            md += ["", "Not run (time budget): " + "; ".join(c["not_run"]) + "."]
+    png = os.path.splitext(a.out)[0] + ".png"
+    try:
+        from quantmla.eval.plot import plot_retrieval
+
+        plot_retrieval(combined(gpu["runs"], *[c["runs"] for c in cpus]), png)
+        md += ["", f"![retrieval accuracy vs context length]({os.path.basename(png)}) (all runs combined)"]
+    except ImportError:
+        pass
     write_result("\n".join(md) + "\n", os.path.splitext(a.out)[0] + ".md", force=True)
     print("\n".join(md))
     return 0
