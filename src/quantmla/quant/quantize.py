@@ -56,6 +56,12 @@ def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return r
 
 
+def _div(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x / d`` as an IEEE division on every device (CUDA turns division by a Python scalar into a
+    multiplication by its reciprocal, which rounds differently; the kernels match true division)."""
+    return x / torch.full_like(x, float(d))
+
+
 def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
     if not torch.is_floating_point(x):
         raise TypeError(f"can only quantize floating-point tensors, got {x.dtype}")
@@ -72,7 +78,7 @@ def quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     if spec.symmetric:
         qmax = (1 << (spec.bits - 1)) - 1
         absmax = xg.abs().amax(dim=-1)
-        scale = _round_up((absmax / qmax).clamp_min(_TINY), sd)  # [..., G]
+        scale = _round_up(_div(absmax, qmax).clamp_min(_TINY), sd)  # [..., G]
         q = torch.round(xg / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
         codes = (q + (1 << (spec.bits - 1))).to(torch.uint8)
         offset = None
@@ -81,7 +87,7 @@ def quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
         lo = xg.amin(dim=-1)
         hi = xg.amax(dim=-1)
         offset = _round_down(lo, sd)
-        scale = _round_up(((hi - offset.float()) / qmax).clamp_min(_TINY), sd)
+        scale = _round_up(_div(hi - offset.float(), qmax).clamp_min(_TINY), sd)
         q = torch.round((xg - offset.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, qmax)
         codes = q.to(torch.uint8)
     return codes.reshape(x.shape), scale, offset
