@@ -79,6 +79,29 @@ class LayerInputs:
     mask: torch.Tensor
     ref_out: torch.Tensor | None = None
 
+    def select(self, seqs: torch.Tensor, queries: torch.Tensor | None) -> LayerInputs:
+        """Sequences ``seqs`` and (of inputs built with every query) the query positions ``queries``."""
+        q_lat, q_pe, mask, ref = self.q_lat[seqs], self.q_pe[seqs], self.mask, None
+        if self.ref_out is not None:
+            ref = self.ref_out[seqs]
+        if queries is not None:
+            q_lat, q_pe, mask = q_lat[:, :, queries], q_pe[:, :, queries], mask[queries]
+            ref = None if ref is None else ref[:, queries]
+        return LayerInputs(q_lat, q_pe, self.c[seqs], self.k_pe[seqs], mask, ref)
+
+    @staticmethod
+    def cat(parts: list[LayerInputs]) -> LayerInputs:
+        """Concatenate along the batch (same query positions in every part)."""
+        ref = None if any(p.ref_out is None for p in parts) else torch.cat([p.ref_out for p in parts])
+        return LayerInputs(
+            torch.cat([p.q_lat for p in parts]),
+            torch.cat([p.q_pe for p in parts]),
+            torch.cat([p.c for p in parts]),
+            torch.cat([p.k_pe for p in parts]),
+            parts[0].mask,
+            ref,
+        )
+
 
 def sample_queries(seq_len: int, n: int, gen: torch.Generator | None) -> torch.Tensor | None:
     """Sorted positions of ``n`` distinct query tokens (None = all, when ``n`` is 0 or >= ``seq_len``)."""

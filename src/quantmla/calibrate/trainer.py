@@ -23,12 +23,21 @@ from torch import nn
 from quantmla.calibrate import baselines
 from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.fuse import fold_transforms, latent_norm_gain
-from quantmla.calibrate.objectives import content_objective, layer_inputs, rope_objective, sample_queries
+from quantmla.calibrate.objectives import (
+    LayerInputs,
+    content_objective,
+    layer_inputs,
+    reference_output,
+    rope_objective,
+    sample_queries,
+)
 from quantmla.calibrate.transforms import ContentTransform, RopeTransform
 from quantmla.mla.rope import cos_sin_from_position_embeddings
 from quantmla.mla.spec import MLASpec, UnsupportedModelError
 from quantmla.mla.weights import MLALayerWeights, extract_layer_weights, iter_mla_attention
 from quantmla.quant.formats import CacheFormat, get_format
+
+TRAIN_CACHE_BYTES = 1 << 30  # project the training bank once when its fp32 inputs (all queries) fit in this
 
 # ---- report --------------------------------------------------------------------------------------------------
 
@@ -264,6 +273,16 @@ class LayerProblem:
         seq = banks.val.shape[1]
         g = torch.Generator().manual_seed(seed + 1)
         self.val_queries = [sample_queries(seq, config.query_tokens, g) for _ in range(self._val_batches())]
+        self._train_inputs: LayerInputs | None = None
+        n, t, d = banks.train.shape
+        full_bytes = 4 * n * t * (spec.num_heads * (spec.cache_width + t) + 2 * spec.cache_width + d)
+        if full_bytes <= TRAIN_CACHE_BYTES:  # small problems: project the whole training bank once
+            parts = []
+            for i in range(0, n, config.batch_size):
+                x = self.inputs(banks.train[i : i + config.batch_size], None)
+                reference_output(x, w, spec)
+                parts.append(x)
+            self._train_inputs = LayerInputs.cat(parts)
 
     def _val_batches(self) -> int:
         return math.ceil(self.banks.val.shape[0] / self.config.batch_size)
@@ -302,7 +321,11 @@ class LayerProblem:
         bar = _progress(range(steps), desc, cfg.progress)
         for _ in bar:
             idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
-            x = self.inputs(self.banks.train[idx], sample_queries(seq, cfg.query_tokens, gen))
+            qidx = sample_queries(seq, cfg.query_tokens, gen)
+            if self._train_inputs is not None:
+                x = self._train_inputs.select(idx.to(self.device), None if qidx is None else qidx.to(self.device))
+            else:
+                x = self.inputs(self.banks.train[idx], qidx)
             loss = self.loss(path, x, transform)
             opt.zero_grad(set_to_none=True)
             loss.backward()
