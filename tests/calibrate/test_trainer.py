@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from quantmla.calibrate.config import CalibrationConfig
-from quantmla.calibrate.objectives import content_objective, layer_inputs, ste_fake_quantize
+from quantmla.calibrate.objectives import (
+    attention_output,
+    content_objective,
+    layer_inputs,
+    mixed_attention_output,
+    ste_fake_quantize,
+)
 from quantmla.calibrate.trainer import calibrate_model, warmup_cosine
 from quantmla.calibrate.transforms import ContentTransform
 from quantmla.mla.rope import cos_sin_from_position_embeddings
@@ -54,6 +60,27 @@ def test_content_objective_gradient_reaches_every_parameter():
     assert torch.isfinite(loss) and loss > 0
     assert t.gen.grad.abs().sum() > 0 and t.log_v.grad.abs().sum() > 0
     assert t.log_u.grad is None  # pinned to 1/g with a latent norm
+
+
+def test_mixed_policy_attention_reads_exact_protected_keys():
+    model = tiny_model("deepseek_v3")
+    spec = MLASpec.from_config(model.config)
+    _, attn = next(iter_mla_attention(model))
+    w = extract_layer_weights(attn)
+    s = 20
+    h = torch.randn(1, s, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = cos_sin_from_position_embeddings(model.model.rotary_emb(h, torch.arange(s)[None]))
+    x = layer_inputs(w, spec, h, cos, sin, sink=2, local=5)
+    c_hat, k_hat = x.c + 0.3 * torch.randn_like(x.c), x.k_pe + 0.3 * torch.randn_like(x.k_pe)
+    got = mixed_attention_output(x, w, spec, c_hat, k_hat)  # [1, S, D]
+    for t in (0, 6, 7, 19):  # independent: build each query's key set by hand, attend with the plain reference
+        quant = [j for j in range(t + 1) if j >= 2 and j <= t - 5]
+        c_t, k_t = x.c[:, : t + 1].clone(), x.k_pe[:, : t + 1].clone()
+        c_t[:, quant], k_t[:, quant] = c_hat[:, quant], k_hat[:, quant]
+        xt = layer_inputs(w, spec, h[:, : t + 1], cos, sin, torch.tensor([t]))
+        want = attention_output(xt, w, spec, c_t, k_t)[:, 0]
+        torch.testing.assert_close(got[:, t], want, rtol=1e-4, atol=1e-5)
+    assert x.quant_mask[19].sum() == 13 and not x.quant_mask[6].any()
 
 
 def test_config_roundtrip_and_validation():
@@ -107,6 +134,8 @@ def test_learned_transforms_beat_identity_on_held_out_data():
         query_tokens=32,
         content_init="identity",
         rope_init="identity",
+        sink=2,
+        local=8,
         select_on_val=False,
         progress=False,
     )

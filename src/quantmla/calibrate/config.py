@@ -40,6 +40,8 @@ class CalibrationConfig:
     warmup_frac: fraction of the steps with linear warmup, then cosine decay to 0.
     query_tokens: query positions sampled per sequence and step (all keys are always kept; 0 = every position).
         The objectives are averages over queries, so sampling keeps them unbiased at a fraction of the cost.
+    sink, local: the cache policy's full-precision tokens (first ``sink``; each query's last ``local``), which the
+        objectives read exactly, as the runtime does (match the CachePolicy you serve with; 0/0 = all quantized).
     content_init: where the content transform starts: ``best`` (whichever of the identity, QuaRot's Hadamard
         rotation and SmoothQuant's smoothing at each alpha has the lowest validation objective), ``hadamard`` or
         ``identity``.
@@ -65,6 +67,8 @@ class CalibrationConfig:
     weight_decay: float = 0.0
     warmup_frac: float = 0.1
     query_tokens: int = 256
+    sink: int = 4
+    local: int = 128
     content_init: str = "best"
     rope_init: str = "best"
     learn_content_scales: bool = True
@@ -86,7 +90,7 @@ class CalibrationConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CalibrationConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("steps_content", "steps_rope", "query_tokens", "seed"):
+        for name in ("steps_content", "steps_rope", "query_tokens", "seed", "sink", "local"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"CalibrationConfig.{name} must be an integer >= 0, got {v!r}")

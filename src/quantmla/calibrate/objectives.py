@@ -7,10 +7,11 @@
 * RoPE: the normalized error of the positional logits ``q_pe . k_pe`` (causal pairs) when the cached RoPE key is
   replaced by ``QDQ(k_pe z) / z`` -- equivalently ``(q_pe z/|z|^2) . QDQ(k_pe z)``, what the fused model computes.
 
-Both are normalized mean squared errors (NMSE: squared error over squared reference, summed over the batch), so
-their values are comparable across layers and with the analysis module. Rounding passes gradients straight
-through (STE) while the per-group step and offset stay differentiable functions of the input (LSQ-style, see
-:func:`ste_fake_quantize`).
+Keys the cache policy keeps in full precision (the first ``sink`` tokens and each query's last ``local`` tokens) are
+read exactly in both objectives, as at run time. Both are normalized mean squared errors (NMSE: squared error over
+squared reference, summed over the batch), so their values are comparable across layers and with the analysis
+module. Rounding passes gradients straight through (STE) while the per-group step and offset stay differentiable
+functions of the input (LSQ-style, see :func:`ste_fake_quantize`).
 """
 
 from __future__ import annotations
@@ -78,16 +79,18 @@ class LayerInputs:
     k_pe: torch.Tensor
     mask: torch.Tensor
     ref_out: torch.Tensor | None = None
+    quant_mask: torch.Tensor | None = None  # [Tq, S] True = the query reads the key's quantized copy
 
     def select(self, seqs: torch.Tensor, queries: torch.Tensor | None) -> LayerInputs:
         """Sequences ``seqs`` and (of inputs built with every query) the query positions ``queries``."""
-        q_lat, q_pe, mask, ref = self.q_lat[seqs], self.q_pe[seqs], self.mask, None
+        q_lat, q_pe, mask, ref, qm = self.q_lat[seqs], self.q_pe[seqs], self.mask, None, self.quant_mask
         if self.ref_out is not None:
             ref = self.ref_out[seqs]
         if queries is not None:
             q_lat, q_pe, mask = q_lat[:, :, queries], q_pe[:, :, queries], mask[queries]
             ref = None if ref is None else ref[:, queries]
-        return LayerInputs(q_lat, q_pe, self.c[seqs], self.k_pe[seqs], mask, ref)
+            qm = None if qm is None else qm[queries]
+        return LayerInputs(q_lat, q_pe, self.c[seqs], self.k_pe[seqs], mask, ref, qm)
 
     @staticmethod
     def cat(parts: list[LayerInputs]) -> LayerInputs:
@@ -100,6 +103,7 @@ class LayerInputs:
             torch.cat([p.k_pe for p in parts]),
             parts[0].mask,
             ref,
+            parts[0].quant_mask,
         )
 
 
@@ -118,9 +122,13 @@ def layer_inputs(
     cos: torch.Tensor,
     sin: torch.Tensor,
     query_index: torch.Tensor | None = None,
+    sink: int = 0,
+    local: int = 0,
 ) -> LayerInputs:
     """Project ``hidden`` [B, S, D] through the layer; ``cos``/``sin`` [1 or B, S, Dr/2]; queries at
-    ``query_index`` [Tq] (None = all S)."""
+    ``query_index`` [Tq] (None = all S). ``sink``/``local``: the cache policy's full-precision tokens -- the
+    first ``sink`` positions and, for a query at position t, the last ``local`` positions up to t -- which the
+    objectives leave unquantized, as the runtime does."""
     hidden = hidden.to(w.o_proj.dtype)
     s = hidden.shape[1]
     q_nope, q_pe = project_queries(w, spec, hidden)  # [B, H, S, Dn], [B, H, S, Dr] (unrotated)
@@ -131,13 +139,31 @@ def layer_inputs(
     k_pe = apply_rope(k_pe.float(), cos, sin, pairing, out)
     qpos = torch.arange(s, device=hidden.device) if query_index is None else query_index.to(hidden.device)
     q_nope, q_pe = q_nope[:, :, qpos], q_pe[:, :, qpos]
-    mask = torch.arange(s, device=hidden.device)[None, :] <= qpos[:, None]  # [Tq, S]
-    return LayerInputs(absorb_query(q_nope.float(), w.w_uk.float()), q_pe, c.float(), k_pe, mask)
+    kpos = torch.arange(s, device=hidden.device)[None, :]
+    mask = kpos <= qpos[:, None]  # [Tq, S]
+    quant = mask & (kpos >= sink) & (kpos <= qpos[:, None] - local)  # [Tq, S] read from the packed copy
+    return LayerInputs(absorb_query(q_nope.float(), w.w_uk.float()), q_pe, c.float(), k_pe, mask, None, quant)
 
 
 def attention_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec, c: torch.Tensor, k_pe: torch.Tensor):
     """``o_proj`` (no bias) of the attention of ``x``'s queries over the latent ``c`` [B, S, Dc] and ``k_pe``."""
     o_lat = absorbed_attention(x.q_lat, x.q_pe, c, k_pe, spec.softmax_scale, x.mask)  # [B, H, Tq, Dc]
+    return F.linear(expand_output(o_lat, w.w_uv.float()), w.o_proj.float())  # [B, Tq, D]
+
+
+def mixed_attention_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec, c_hat: torch.Tensor, k_hat):
+    """Like :func:`attention_output`, but where ``x.quant_mask`` is True the query reads the reconstructed
+    ``c_hat``/``k_hat`` and elsewhere the exact ``x.c``/``x.k_pe`` (the mixed-precision cache policy)."""
+    qm = x.quant_mask
+    if qm is None or bool(qm.eq(x.mask).all()):
+        return attention_output(x, w, spec, c_hat, k_hat)
+    exact = torch.einsum("bhtc,bsc->bhts", x.q_lat, x.c) + torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe)
+    quant = torch.einsum("bhtc,bsc->bhts", x.q_lat, c_hat) + torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat)
+    logits = torch.where(qm, quant, exact) * spec.softmax_scale
+    p = torch.softmax(logits.masked_fill(~x.mask, float("-inf")), dim=-1)  # [B, H, Tq, S]
+    p = torch.nan_to_num(p)
+    qf = qm.to(p.dtype)
+    o_lat = torch.einsum("bhts,bsc->bhtc", p * qf, c_hat) + torch.einsum("bhts,bsc->bhtc", p * (1 - qf), x.c)
     return F.linear(expand_output(o_lat, w.w_uv.float()), w.o_proj.float())  # [B, Tq, D]
 
 
@@ -159,7 +185,7 @@ def content_objective(
     ref = reference_output(x, w, spec)
     qdq = lambda y: ste_fake_quantize(y, qspec)  # noqa: E731
     c_hat = qdq(x.c) if t is None else t.roundtrip(x.c, qdq)
-    return _nmse(attention_output(x, w, spec, c_hat, x.k_pe) - ref, ref)
+    return _nmse(mixed_attention_output(x, w, spec, c_hat, x.k_pe) - ref, ref)
 
 
 def rope_objective(x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec: QuantSpec | None) -> torch.Tensor:
@@ -170,6 +196,7 @@ def rope_objective(x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec
     else:
         k_hat = r.key_inverse(ste_fake_quantize(r.key(x.k_pe, pairing), qspec), pairing)
     m = x.mask.to(x.q_pe.dtype)  # [Tq, S]
+    mq = m if x.quant_mask is None else x.quant_mask.to(x.q_pe.dtype)  # only keys read from the packed copy
     ref = torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe) * m
-    err = torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat - x.k_pe) * m
+    err = torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat - x.k_pe) * mq
     return _nmse(err, ref)

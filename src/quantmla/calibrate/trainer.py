@@ -288,7 +288,8 @@ class LayerProblem:
         return math.ceil(self.banks.val.shape[0] / self.config.batch_size)
 
     def inputs(self, hidden: torch.Tensor, qidx: torch.Tensor | None):
-        return layer_inputs(self.w, self.spec, hidden.to(self.device), self.cos, self.sin, qidx)
+        cfg = self.config
+        return layer_inputs(self.w, self.spec, hidden.to(self.device), self.cos, self.sin, qidx, cfg.sink, cfg.local)
 
     def loss(self, path: str, x, transform) -> torch.Tensor:
         if path == "content":
