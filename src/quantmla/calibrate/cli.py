@@ -49,6 +49,8 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lr-rope", type=float)
     p.add_argument("--query-tokens", type=int)
     p.add_argument("--seed", type=int)
+    p.add_argument("--sink", type=int, help="cache policy: leading tokens kept in BF16 (default 4)")
+    p.add_argument("--local", type=int, help="cache policy: recent tokens kept in BF16 (default 128)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument(
         "--dtype",
