@@ -106,6 +106,8 @@ def test_calibrate_command(tmp_path, monkeypatch):
         "3",
         "--val-seqs",
         "2",
+        "--local",
+        "4",
         "--steps",
         "3",
         "--query-tokens",
@@ -115,7 +117,7 @@ def test_calibrate_command(tmp_path, monkeypatch):
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     qc = json.loads((out / QUANT_CONFIG_NAME).read_text())
-    assert qc["method"] == "quantmla" and qc["calibration"]["steps_rope"] == 3
+    assert qc["method"] == "quantmla" and qc["calibration"]["steps_rope"] == 3 and qc["calibration"]["local"] == 4
     rep = json.loads((out / "calibration_report.json").read_text())
     assert len(rep["layers"]) == 2 and rep["layers"][0]["content"]["steps"] == 3
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

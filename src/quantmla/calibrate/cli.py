@@ -76,6 +76,8 @@ _FLAG_FIELDS = (
     "seed",
     "device",
     "method",
+    "sink",
+    "local",
 )
 
 
