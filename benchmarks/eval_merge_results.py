@@ -34,6 +34,8 @@ def combined(*run_lists) -> list[dict]:
             dst = out.setdefault(run["model"]["name"], {"model": run["model"], "results": {}})
             for fmt, r in run["results"].items():
                 d = dst["results"].setdefault(fmt, {"cache": r["cache"]})
+                if "ppl" in r:
+                    d["ppl"] = r["ppl"]
                 for task, by_len in r.get("retrieval", {}).items():
                     d.setdefault("retrieval", {}).setdefault(task, {}).update(by_len)
     return list(out.values())
@@ -99,6 +101,13 @@ def main(argv=None) -> int:
         "S1 = S-NIAH-1 (noise haystack, word key, 7-digit value), S2 = S-NIAH-2 (Shakespeare haystack, 7 digits), "
         "S3 = S-NIAH-3 (Shakespeare haystack, UUID), PK = passkey (noise haystack, 5 digits); cells = exact-match "
         "correct / samples at that context length (tokens, chat template included).",
+        "",
+        "## Summary: all runs combined",
+        "",
+        "Sample counts differ per cell (512: 10 for BF16 / C8R8 of run 1, 3 for C4R4 / C2R4 of run 3; 1024 and "
+        "2048: 3); see the runs below. A '-' was not run (CPU time; see 'Not run').",
+        "",
+        format_table(combined(gpu["runs"], *[c["runs"] for c in cpus])),
         "",
         "## Run 1: GPU (perplexity of every configuration; retrieval at 512)",
         "",
