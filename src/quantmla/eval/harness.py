@@ -190,5 +190,6 @@ def write_result(obj, path: str, *, force: bool = False) -> str:
         else:
             json.dump(obj, f, indent=1, sort_keys=False)
             f.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600
     os.replace(tmp, path)
     return path
