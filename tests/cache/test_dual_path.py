@@ -84,10 +84,13 @@ def test_every_token_quantized_exactly_once(chunks):
     layer = DualPathLayer(fmt, CachePolicy(4, 16))
     _write_chunks(layer, c, r, chunks)
     codes, scale, offset = quantize_codes(c, fmt.content)
-    assert torch.equal(unpack(layer.packed_c.codes, 4, DC), codes)
-    assert torch.equal(layer.packed_c.scale, scale) and torch.equal(layer.packed_c.offset, offset)
+    assert torch.equal(unpack(layer.packed_c.codes.data, 4, DC), codes)
+    assert torch.equal(layer.packed_c.scale.data, scale) and torch.equal(layer.packed_c.offset.data, offset)
     codes_r, _, _ = quantize_codes(r, fmt.rope)
-    assert torch.equal(unpack(layer.packed_r.codes, 4, DR), codes_r)
+    assert torch.equal(unpack(layer.packed_r.codes.data, 4, DR), codes_r)
+    # the working copy attention reads is exactly the dequantized packed store
+    c_deq, r_deq = layer.dequantized()
+    assert torch.equal(c_deq, layer.packed_c.dequantize()) and torch.equal(r_deq, layer.packed_r.dequantize())
 
 
 def test_read_is_the_newest_token_view():

@@ -26,44 +26,71 @@ from quantmla.quant.quantize import dequantize_codes, quantize_codes
 from quantmla.quant.spec import QuantSpec
 
 
+class _Growing:
+    """A [B, S, ...] tensor that grows along S by appends, with capacity doubling (amortized O(1) per token).
+
+    ``nbytes()`` counts the tokens held (the cache's size), not the spare capacity."""
+
+    def __init__(self, batch: int, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.buf = torch.empty(batch, 16, *tail, dtype=dtype, device=device)
+        self.n = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buf[:, : self.n]
+
+    def append(self, x: torch.Tensor) -> None:
+        need = self.n + x.shape[1]
+        if need > self.buf.shape[1]:
+            cap = max(need, 2 * self.buf.shape[1])
+            new = torch.empty(self.buf.shape[0], cap, *self.buf.shape[2:], dtype=self.buf.dtype, device=self.buf.device)
+            new[:, : self.n] = self.buf[:, : self.n]
+            self.buf = new
+        self.buf[:, self.n : need] = x
+        self.n = need
+
+    def select(self, index: torch.Tensor) -> None:
+        self.buf = self.buf[index]
+
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
 class _PackedPath:
-    """Growing packed storage of one path: codes [B, cap, D*b/8] uint8, scale/offset [B, cap, G]."""
+    """Packed storage of one path: codes [B, S, D*b/8] uint8, scale/offset [B, S, G], plus an fp32 working copy
+    of the dequantized values [B, S, D] that the torch reference attends over (scratch: a kernel reads the
+    packed codes instead; not counted as cache memory)."""
 
     def __init__(self, spec: QuantSpec, width: int, batch: int, device: torch.device):
         spec.check_width(width)
         self.spec, self.width = spec, width
         g = spec.num_groups(width)
         sd = spec.torch_scale_dtype
-        self.codes = torch.empty(batch, 0, spec.code_bytes(width), dtype=torch.uint8, device=device)
-        self.scale = torch.empty(batch, 0, g, dtype=sd, device=device)
-        self.offset = None if spec.symmetric else torch.empty(batch, 0, g, dtype=sd, device=device)
+        self.codes = _Growing(batch, (spec.code_bytes(width),), torch.uint8, device)
+        self.scale = _Growing(batch, (g,), sd, device)
+        self.offset = None if spec.symmetric else _Growing(batch, (g,), sd, device)
+        self.deq = _Growing(batch, (width,), torch.float32, device)
 
     def append(self, x: torch.Tensor) -> None:  # x: [B, T, D]
         codes, scale, offset = quantize_codes(x, self.spec)
-        self.codes = torch.cat([self.codes, pack(codes, self.spec.bits)], dim=1)
-        self.scale = torch.cat([self.scale, scale], dim=1)
+        self.codes.append(pack(codes, self.spec.bits))
+        self.scale.append(scale)
         if offset is not None:
-            self.offset = torch.cat([self.offset, offset], dim=1)
+            self.offset.append(offset)
+        self.deq.append(dequantize_codes(codes, scale, offset, self.spec))
 
-    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:  # -> fp32 [B, S, D]
-        sl = slice(start, end)
-        codes = unpack(self.codes[:, sl], self.spec.bits, self.width)
-        off = None if self.offset is None else self.offset[:, sl]
-        return dequantize_codes(codes, self.scale[:, sl], off, self.spec)
+    def dequantize(self) -> torch.Tensor:  # -> fp32 [B, S, D], from the packed codes
+        codes = unpack(self.codes.data, self.spec.bits, self.width)
+        off = None if self.offset is None else self.offset.data
+        return dequantize_codes(codes, self.scale.data, off, self.spec)
 
     def select(self, index: torch.Tensor) -> None:
-        self.codes, self.scale = self.codes[index], self.scale[index]
-        if self.offset is not None:
-            self.offset = self.offset[index]
-
-    def crop(self, length: int) -> None:
-        self.codes, self.scale = self.codes[:, :length], self.scale[:, :length]
-        if self.offset is not None:
-            self.offset = self.offset[:, :length]
+        for g in (self.codes, self.scale, self.offset, self.deq):
+            if g is not None:
+                g.select(index)
 
     def nbytes(self) -> int:
-        n = self.codes.nbytes + self.scale.nbytes
-        return n + (0 if self.offset is None else self.offset.nbytes)
+        return self.codes.nbytes() + self.scale.nbytes() + (0 if self.offset is None else self.offset.nbytes())
 
 
 class DualPathLayer:
@@ -85,10 +112,10 @@ class DualPathLayer:
         self.fmt.check_dims(dc, dr)
         self.batch, self.dc, self.dr = b, dc, dr
         self.dtype, self.device = c_kv.dtype, c_kv.device
-        empty = lambda w: torch.empty(b, 0, w, dtype=c_kv.dtype, device=c_kv.device)  # noqa: E731
+        grow = lambda w: _Growing(b, (w,), c_kv.dtype, c_kv.device)  # noqa: E731
         # Full-precision tensors of a path that is not quantized (BF16 format or e.g. C4R16).
-        self.full_c = empty(dc) if self.fmt.content is None else None
-        self.full_r = empty(dr) if self.fmt.rope is None else None
+        self.full_c = grow(dc) if self.fmt.content is None else None
+        self.full_r = grow(dr) if self.fmt.rope is None else None
         self.packed_c = None if self.fmt.content is None else _PackedPath(self.fmt.content, dc, b, c_kv.device)
         self.packed_r = None if self.fmt.rope is None else _PackedPath(self.fmt.rope, dr, b, c_kv.device)
         p = self.policy
@@ -128,14 +155,8 @@ class DualPathLayer:
         if t == 0:
             return
         s0 = self.length
-        if self.full_c is not None:
-            self.full_c = torch.cat([self.full_c, c_kv], dim=1)
-        else:
-            self.packed_c.append(c_kv)
-        if self.full_r is not None:
-            self.full_r = torch.cat([self.full_r, k_pe], dim=1)
-        else:
-            self.packed_r.append(k_pe)
+        (self.full_c or self.packed_c).append(c_kv)
+        (self.full_r or self.packed_r).append(k_pe)
         if self.fmt.is_quantized:
             both = torch.cat([c_kv, k_pe], dim=-1)  # [B, T, Dc + Dr]
             # Full-precision values this step's queries may read: the buffers as they were before this
@@ -157,9 +178,11 @@ class DualPathLayer:
 
     # -- reading -----------------------------------------------------------------------------------
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored token from its packed copy (full-precision paths as stored): fp32 [B, S, Dc], [B, S, Dr]."""
-        c = self.full_c.float() if self.full_c is not None else self.packed_c.dequantize()
-        r = self.full_r.float() if self.full_r is not None else self.packed_r.dequantize()
+        """Every stored token from its packed copy (full-precision paths as stored): fp32 [B, S, Dc], [B, S, Dr].
+
+        Read-only views of the working copies (equal, bit for bit, to unpacking and dequantizing the codes)."""
+        c = self.full_c.data.float() if self.full_c is not None else self.packed_c.deq.data
+        r = self.full_r.data.float() if self.full_r is not None else self.packed_r.deq.data
         return c, r
 
     def protected(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +197,7 @@ class DualPathLayer:
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache as the newest token sees it: [B, S, Dc], [B, S, Dr] in the incoming dtype."""
-        c, r = self.dequantized()
+        c, r = (t.clone() for t in self.dequantized())
         if self.fmt.is_quantized and self.length:
             pos, vals = self.protected()
             c[:, pos] = vals[..., : self.dc].float()
@@ -202,10 +225,8 @@ class DualPathLayer:
         if self.batch is None:
             return 0
         n = 0
-        for t in (self.full_c, self.full_r):
-            n += 0 if t is None else t.nbytes
-        for pp in (self.packed_c, self.packed_r):
-            n += 0 if pp is None else pp.nbytes()
+        for g in (self.full_c, self.full_r, self.packed_c, self.packed_r):
+            n += 0 if g is None else g.nbytes()
         if self.fmt.is_quantized:
             n += self.sink_buf.nbytes + self.local_buf.nbytes
         return n
@@ -213,11 +234,11 @@ class DualPathLayer:
     def select_batch(self, index: torch.Tensor) -> None:
         if self.batch is None:
             return
-        for name in ("full_c", "full_r", "sink_buf", "local_buf"):
+        for name in ("sink_buf", "local_buf"):
             t = getattr(self, name, None)
             if t is not None:
                 setattr(self, name, t[index])
-        for pp in (self.packed_c, self.packed_r):
-            if pp is not None:
-                pp.select(index)
+        for g in (self.full_c, self.full_r, self.packed_c, self.packed_r):
+            if g is not None:
+                g.select(index)
         self.batch = int(index.numel()) if index.dtype != torch.bool else int(index.sum())

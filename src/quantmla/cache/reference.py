@@ -39,28 +39,28 @@ def mixed_policy_attention(layer, q_lat: torch.Tensor, q_pe: torch.Tensor, scale
     allowed = causal_mask(t, s, dev) if mask is None else mask.to(dev).bool()
     allowed = allowed.expand(b, h, t, s) if allowed.dim() == 4 else allowed.expand(b, h, t, s)
 
-    def scores_of(c, r):  # -> [B, H, T, S]
+    def scores_of(c, r):  # -> [B, H, T, S']
         return (torch.einsum("bhtd,bsd->bhts", ql, c) + torch.einsum("bhtd,bsd->bhts", qr, r)) * scale
 
+    scores = scores_of(c_q, r_q)  # every token from its packed copy
     if not layer.fmt.is_quantized:
-        p = _softmax_masked(scores_of(c_q, r_q), allowed)
+        p = _softmax_masked(scores, allowed)
         return torch.einsum("bhts,bsd->bhtd", p, c_q)
 
-    # Full-precision copies available to this step (sink, local window before this write, new tokens).
+    # Full-precision copies available to this step (sink, local window before this write, new tokens): P columns.
     fp_pos, fp_vals = layer.fresh if layer.fresh is not None else layer.protected()
-    c_f, r_f = c_q.clone(), r_q.clone()
-    c_f[:, fp_pos] = fp_vals[..., :dc].float()
-    r_f[:, fp_pos] = fp_vals[..., dc:].float()
+    c_f, r_f = fp_vals[..., :dc].float(), fp_vals[..., dc:].float()  # [B, P, Dc], [B, P, Dr]
+    pol = layer.policy
+    q_pos = torch.arange(s - t, s, device=dev)[:, None]  # [T, 1]
+    j = torch.arange(s, device=dev)[None, :]
+    needs_full = (j < pol.sink) | (j > q_pos - pol.local)  # [T, S]
     avail = torch.zeros(s, dtype=torch.bool, device=dev)
     avail[fp_pos] = True
-    pol = layer.policy
-    j = torch.arange(s, device=dev)[None, :]
-    q_pos = torch.arange(s - t, s, device=dev)[:, None]
-    use_full = (j < pol.sink) | (j > q_pos - pol.local)  # [T, S]
-    if bool((use_full & ~avail[None, :] & allowed.any(dim=(0, 1))).any()):
+    if bool((needs_full & ~avail[None, :] & allowed.any(dim=(0, 1))).any()):
         raise RuntimeError("internal error: the policy asks for a full-precision copy that is not held")
-    use_full = use_full & avail[None, :]
-    scores = torch.where(use_full, scores_of(c_f, r_f), scores_of(c_q, r_q))
+    use = needs_full[:, fp_pos]  # [T, P]
+    scores[..., fp_pos] = torch.where(use, scores_of(c_f, r_f), scores[..., fp_pos])
     p = _softmax_masked(scores, allowed)
-    pf = p * use_full
-    return torch.einsum("bhts,bsd->bhtd", pf, c_f) + torch.einsum("bhts,bsd->bhtd", p - pf, c_q)
+    p_f = p[..., fp_pos] * use  # weights read from the full-precision copies [B, H, T, P]
+    p[..., fp_pos] -= p_f
+    return torch.einsum("bhts,bsd->bhtd", p, c_q) + torch.einsum("bhtp,bpd->bhtd", p_f, c_f)
