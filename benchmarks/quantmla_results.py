@@ -1,0 +1,166 @@
+"""QuantMLA vs RTN / SmoothQuant-MLA / QuaRot-MLA on the converted SmolLM2-MLA model, C4R4 and C2R4, plus the
+component ablation (paper Tables 1 and 3), on a CPU.
+
+For each (format, method): copy the model, calibrate it (``quantmla.calibrate``, preset ``cpu-fast`` unless
+overridden) with the serving policy, then evaluate the fused model through the quantized cache: perplexity on
+the held-out Shakespeare test split and needle retrieval where the full-precision model scores well (S-NIAH-1,
+S-NIAH-2 and passkey at 512 tokens). Writes ``benchmarks/results/quantmla_smollm2.{json,md}``.
+
+    python benchmarks/quantmla_results.py                 # ~30 min on 2 CPU cores
+    python benchmarks/quantmla_results.py --quick         # smaller budget, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _rows_plan(formats):
+    # (label, format, method, config overrides, cache sink/local)
+    plan = [("BF16", "bf16", None, {}, (4, 128))]
+    for f in formats:
+        plan += [
+            (f"{f.upper()} RTN", f, "rtn", {}, (4, 128)),
+            (f"{f.upper()} SmoothQuant-MLA", f, "smoothquant", {}, (4, 128)),
+            (f"{f.upper()} QuaRot-MLA", f, "quarot", {}, (4, 128)),
+            (f"{f.upper()} QuantMLA", f, "quantmla", {}, (4, 128)),
+        ]
+    return plan
+
+
+ABLATION = [
+    ("RTN, no protection (sink 0, local 0)", "rtn", {"sink": 0, "local": 0}, (0, 0)),
+    ("+ sink/local protection (4/128)", "rtn", {}, (4, 128)),
+    ("+ RoPE transform (positional QK objective)", "quantmla", {"content_init": "identity", "steps_content": 0},
+     (4, 128)),
+    ("+ content transform (attention-output objective) = QuantMLA", "quantmla", {}, (4, 128)),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="c4r4,c2r4")
+    ap.add_argument("--ppl-tokens", type=int, default=8192)
+    ap.add_argument("--ppl-context", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=2, help="needle samples per depth (depths 0.1, 0.5, 0.9)")
+    ap.add_argument("--lengths", default="512")
+    ap.add_argument("--preset", default="cpu-fast")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-ablation", action="store_true")
+    ap.add_argument("--tag", default="smollm2")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.ppl_tokens, args.samples = 2048, 1
+
+    from quantmla.calibrate.config import CalibrationConfig
+    from quantmla.calibrate.trainer import calibrate_model
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity
+    from quantmla.eval.retrieval import run_retrieval
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.convert import converted_model_dir, load_model
+
+    path = converted_model_dir()
+    base, tok = load_model(path)
+    ppl_ids = token_stream(tok, split="test", n_tokens=args.ppl_tokens)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+
+    def evaluate(model, fmt, sink, local):
+        cache = CacheSpec(fmt, sink, local)
+        t0 = time.time()
+        ppl = perplexity(model, ppl_ids, context=args.ppl_context, cache=cache).perplexity
+        summary, _ = run_retrieval(model, tok, tasks=("niah_single_1", "niah_single_2", "passkey"), lengths=lengths,
+                                   depths=(0.1, 0.5, 0.9), n_per_depth=args.samples, cache=cache, seed=0)
+        ret = {f"{t}@{n}": (v["correct"], v["n"]) for t, by in summary.items() for n, v in by.items()}
+        return {"ppl": ppl, "retrieval": ret, "eval_s": time.time() - t0}
+
+    def calibrated(fmt, method, overrides):
+        cfg = CalibrationConfig.preset(args.preset, method=method, device="cpu", progress=False, **overrides)
+        n = cfg.train_seqs + cfg.val_seqs
+        calib = token_stream(tok, split="calibration", n_tokens=n * cfg.seq_len).view(n, cfg.seq_len)
+        model = copy.deepcopy(base)
+        t0 = time.time()
+        rep = calibrate_model(model, fmt, calib, cfg)
+        return model, {"calib_s": time.time() - t0, "config": cfg.to_dict(), "summary": rep.summary()}
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    rows, ablation = [], []
+    for label, fmt, method, ov, (sink, local) in _rows_plan(formats):
+        model, info = (base, {}) if method is None else calibrated(fmt, method, {"sink": sink, "local": local, **ov})
+        res = {"label": label, "format": fmt, "method": method, **evaluate(model, fmt, sink, local), **info}
+        rows.append(res)
+        print(json.dumps({k: res[k] for k in ("label", "ppl", "retrieval")}), flush=True)
+        if fmt == "c4r4" and method == "quantmla":
+            ablation_full = res
+        if fmt == "c4r4" and method == "rtn":
+            ablation_rtn = res
+    if not args.no_ablation and "c4r4" in formats:
+        for label, method, ov, (sink, local) in ABLATION:
+            if method == "rtn" and (sink, local) == (4, 128):
+                res = dict(ablation_rtn)
+            elif method == "quantmla" and not ov:
+                res = dict(ablation_full)
+            else:
+                model, info = calibrated("c4r4", method, {"sink": sink, "local": local, **ov})
+                res = {**evaluate(model, "c4r4", sink, local), **info}
+            res["label"] = label
+            ablation.append(res)
+            print(json.dumps({k: res[k] for k in ("label", "ppl", "retrieval")}), flush=True)
+    write(rows, ablation, args)
+
+
+def write(rows, ablation, args) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+            "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
+            "torch": torch.__version__, "args": vars(args)}
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = os.path.join(RESULTS, f"quantmla_{args.tag}")
+    with open(stem + ".json.tmp", "w") as f:
+        json.dump({**meta, "rows": rows, "ablation": ablation}, f, indent=2, default=str)
+    os.replace(stem + ".json.tmp", stem + ".json")
+    keys = sorted({k for r in rows + ablation for k in r.get("retrieval", {})})
+    bf16 = rows[0]["ppl"]
+
+    def line(r):
+        cells = [f"{r['retrieval'][k][0]}/{r['retrieval'][k][1]}" if k in r.get("retrieval", {}) else "-" for k in keys]
+        return f"| {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl'] / bf16 - 1):+.2f}% | " + " | ".join(cells) + " |"
+
+    head = "| configuration | ppl | vs BF16 | " + " | ".join(keys) + " |\n|---" * 1 + "|---|---|" + "---|" * len(keys)
+    md = [f"# QuantMLA vs baselines, converted SmolLM2-135M-MLA ({meta['date']}, commit {commit}, {meta['device']})",
+          "",
+          f"Perplexity: {args.ppl_tokens} tokens of the Shakespeare test split, context {args.ppl_context}. Retrieval: "
+          f"exact-match correct / samples at {args.lengths} tokens (depths 0.1/0.5/0.9 x {args.samples}). Calibration"
+          f" preset `{args.preset}`; cache policy sink 4 / local 128 unless stated. Command: "
+          f"`python benchmarks/quantmla_results.py`.", "", "## Methods", "", head]
+    md += [line(r) for r in rows]
+    if ablation:
+        md += ["", "## Ablation at C4R4 (components added one at a time)", "", head]
+        md += [line(r) for r in ablation]
+    gaps = {}
+    for f in {r["format"] for r in rows if r["method"]}:
+        by = {r["method"]: r["ppl"] for r in rows if r["format"] == f}
+        if "rtn" in by and "quantmla" in by and by["rtn"] > bf16:
+            gaps[f] = (by["rtn"] - by["quantmla"]) / (by["rtn"] - bf16)
+    md += ["", "Share of the RTN-vs-BF16 perplexity gap closed by QuantMLA: "
+           + ", ".join(f"{k.upper()} {100 * v:.0f}%" for k, v in sorted(gaps.items()))]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
