@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--ppl-context", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=2, help="needle samples per depth (depths 0.1, 0.5, 0.9)")
     ap.add_argument("--lengths", default="512")
+    ap.add_argument("--tasks", default="niah_single_1,niah_single_2,passkey")
     ap.add_argument("--preset", default="cpu-fast")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
@@ -82,7 +83,7 @@ def main() -> None:
         cache = CacheSpec(fmt, sink, local)
         t0 = time.time()
         ppl = perplexity(model, ppl_ids, context=args.ppl_context, cache=cache).perplexity
-        summary, _ = run_retrieval(model, tok, tasks=("niah_single_1", "niah_single_2", "passkey"), lengths=lengths,
+        summary, _ = run_retrieval(model, tok, tasks=tuple(args.tasks.split(",")), lengths=lengths,
                                    depths=(0.1, 0.5, 0.9), n_per_depth=args.samples, cache=cache, seed=0)
         ret = {f"{t}@{n}": (v["correct"], v["n"]) for t, by in summary.items() for n, v in by.items()}
         return {"ppl": ppl, "retrieval": ret, "eval_s": time.time() - t0}
@@ -103,6 +104,7 @@ def main() -> None:
         res = {"label": label, "format": fmt, "method": method, **evaluate(model, fmt, sink, local), **info}
         rows.append(res)
         print(json.dumps({k: res[k] for k in ("label", "ppl", "retrieval")}), flush=True)
+        write(rows, ablation, args, quiet=True)  # partial results survive an interrupted run
         if fmt == "c4r4" and method == "quantmla":
             ablation_full = res
         if fmt == "c4r4" and method == "rtn":
@@ -119,10 +121,11 @@ def main() -> None:
             res["label"] = label
             ablation.append(res)
             print(json.dumps({k: res[k] for k in ("label", "ppl", "retrieval")}), flush=True)
+            write(rows, ablation, args, quiet=True)
     write(rows, ablation, args)
 
 
-def write(rows, ablation, args) -> None:
+def write(rows, ablation, args, quiet: bool = False) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
@@ -157,9 +160,11 @@ def write(rows, ablation, args) -> None:
             gaps[f] = (by["rtn"] - by["quantmla"]) / (by["rtn"] - bf16)
     md += ["", "Share of the RTN-vs-BF16 perplexity gap closed by QuantMLA: "
            + ", ".join(f"{k.upper()} {100 * v:.0f}%" for k, v in sorted(gaps.items()))]
-    with open(stem + ".md", "w") as f:
+    with open(stem + ".md.tmp", "w") as f:
         f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    os.replace(stem + ".md.tmp", stem + ".md")
+    if not quiet:
+        print("\n".join(md))
 
 
 if __name__ == "__main__":
