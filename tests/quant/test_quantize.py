@@ -95,3 +95,17 @@ def test_spec_dict_round_trip():
     assert QuantSpec.from_dict(s.to_dict()) == s
     with pytest.raises(ValueError, match="unknown"):
         QuantSpec.from_dict({"bits": 4, "colour": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "spec", [QuantSpec(4, 128), QuantSpec(2, 128), QuantSpec(4, 64), QuantSpec(8, 128, True)], ids=str
+)
+def test_cuda_quantizer_bit_identical_to_cpu(spec):
+    # The packed cache must not depend on where it was written.
+    x = torch.randn(64, 300, 512) * torch.rand(64, 300, 1) * 3
+    c_cpu, s_cpu, o_cpu = quantize_codes(x, spec)
+    c_gpu, s_gpu, o_gpu = quantize_codes(x.cuda(), spec)
+    assert torch.equal(c_cpu, c_gpu.cpu()) and torch.equal(s_cpu, s_gpu.cpu())
+    assert (o_cpu is None and o_gpu is None) or torch.equal(o_cpu, o_gpu.cpu())
