@@ -113,22 +113,17 @@ def _add_info(sub) -> None:
 
 # -- generate --------------------------------------------------------------------------------------
 def load_model(path: str, dtype: str = "float32"):
-    """Load a local model directory (no network) and its tokenizer."""
+    """Load a local model directory (no network) and its tokenizer; ``quantmla_mla`` models included."""
     import os
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantmla.models.convert import load_model as _load
 
     if not os.path.isdir(path):
         raise SystemExit(f"error: --model {path!r} is not a directory (a local model directory is required)")
-    try:
-        import quantmla.models  # noqa: F401  registers model_type quantmla_mla when available
-    except ImportError:
-        pass
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, local_files_only=True).eval()
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tok
+    return _load(path, dtype=dt)
 
 
 def cmd_generate(args) -> int:

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
-    """Bool [T, S]: query i (at position S - T + i) may see tokens 0 .. S - T + i."""
-    q_pos = torch.arange(s - t, s, device=device)
-    return torch.arange(s, device=device)[None, :] <= q_pos[:, None]
+from quantmla.mla.reference import causal_mask
 
 
 def _softmax_masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
