@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.mla.reference import causal_mask
+from quantmla.mla.reference import absorbed_attention, causal_mask
 
 
 def _softmax_masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -38,10 +38,9 @@ def mixed_policy_attention(layer, q_lat: torch.Tensor, q_pe: torch.Tensor, scale
     def scores_of(c, r):  # -> [B, H, T, S']
         return (torch.einsum("bhtd,bsd->bhts", ql, c) + torch.einsum("bhtd,bsd->bhts", qr, r)) * scale
 
-    scores = scores_of(c_q, r_q)  # every token from its packed copy
     if not layer.fmt.is_quantized:
-        p = _softmax_masked(scores, allowed)
-        return torch.einsum("bhts,bsd->bhtd", p, c_q)
+        return absorbed_attention(ql, qr, c_q, r_q, scale, allowed)
+    scores = scores_of(c_q, r_q)  # every token from its packed copy
 
     # Full-precision copies available to this step (sink, local window before this write, new tokens): P columns.
     fp_pos, fp_vals = layer.fresh if layer.fresh is not None else layer.protected()

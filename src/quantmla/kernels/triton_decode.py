@@ -318,17 +318,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _softmax_rows(acc, valid, m_i, l_i):
-    """Online-softmax step on row-major scores ``acc [BLOCK_H, BLOCK_N]``."""
-    acc = tl.where(valid[None, :], acc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(acc, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(acc - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
 def _buffers_kernel(
     QL, QP, SINKB, LOCB, LENS, PO, PL, qk_scale,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_sb, stride_lb,
@@ -370,24 +359,8 @@ def _buffers_kernel(
     lrow = LOCB + b.to(tl.int64) * stride_lb + (tl.where(lvalid, pos, 0) % tl.maximum(LOCAL, 1)) * (DC + DR)
     crow = tl.where(t == 0, srow, lrow)
     valid = svalid | lvalid
-    vm = valid[:, None]
-    k0 = tl.load(crow[:, None] + cs, mask=vm, other=0.0)  # [BLOCK_N, SUB] bf16
-    k1 = tl.load(crow[:, None] + SUB + cs, mask=vm, other=0.0)
-    k2 = tl.load(crow[:, None] + 2 * SUB + cs, mask=vm, other=0.0)
-    k3 = tl.load(crow[:, None] + 3 * SUB + cs, mask=vm, other=0.0)
-    kr = tl.load(crow[:, None] + DC + tl.arange(0, DR)[None, :], mask=vm, other=0.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    acc = _bdot(q0, tl.trans(k0), acc, INTERP)
-    acc = _bdot(q1, tl.trans(k1), acc, INTERP)
-    acc = _bdot(q2, tl.trans(k2), acc, INTERP)
-    acc = _bdot(q3, tl.trans(k3), acc, INTERP)
-    acc = _bdot(qr, tl.trans(kr), acc, INTERP)
-    p, alpha, m_i, l_i = _softmax_rows(acc, valid, m_i, l_i)
-    pb = p.to(tl.bfloat16)
-    o0 = _bdot(pb, k0, o0 * alpha[:, None], INTERP)
-    o1 = _bdot(pb, k1, o1 * alpha[:, None], INTERP)
-    o2 = _bdot(pb, k2, o2 * alpha[:, None], INTERP)
-    o3 = _bdot(pb, k3, o3 * alpha[:, None], INTERP)
+    m_i, l_i, o0, o1, o2, o3 = _bf16_tile(m_i, l_i, o0, o1, o2, o3, q0, q1, q2, q3, qr, crow, crow + DC, valid,
+                                          DC, DR, INTERP)  # fmt: skip
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     row = (b.to(tl.int64) * NS_TOTAL + SP + t) * H + hs
