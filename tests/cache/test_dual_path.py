@@ -73,7 +73,8 @@ def test_prefill_equals_token_by_token_decode(fmt):
     for i in range(30):
         b.write(c[:, i : i + 1], r[:, i : i + 1])
         steps.append(b.attend(q_lat[:, :, i : i + 1], q_pe[:, :, i : i + 1], 0.1))
-    torch.testing.assert_close(prefill, torch.cat(steps, dim=2), rtol=1e-5, atol=1e-6)
+    # Same codes, same policy; only the fp32 summation order differs (a policy slip would differ by ~1e-1).
+    torch.testing.assert_close(prefill, torch.cat(steps, dim=2), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunks", [[50], [3, 1, 1, 45], [7] * 7 + [1]])
