@@ -158,3 +158,14 @@ def test_too_few_sequences_is_a_clear_error():
     cfg = CalibrationConfig(seq_len=16, train_seqs=4, val_seqs=2, progress=False)
     with pytest.raises(ValueError, match="calibration sequences"):
         calibrate_model(model, FMT, torch.randint(3, 128, (5, 16)), cfg)
+
+
+def test_sequences_the_policy_keeps_in_full_precision_are_refused():
+    """With sink + local >= seq_len every key is read exactly: the objectives are 0 and nothing can be learned."""
+    model = tiny_model("deepseek_v2")
+    cfg = CalibrationConfig(seq_len=16, train_seqs=2, val_seqs=1, sink=4, local=12, progress=False)
+    with pytest.raises(ValueError, match="every key is read in full precision"):
+        calibrate_model(model, FMT, torch.randint(3, 128, (3, 16)), cfg)
+    with pytest.warns(UserWarning, match="short for local window"):
+        calibrate_model(model, FMT, torch.randint(3, 128, (3, 16)), CalibrationConfig.from_dict(
+            {**cfg.to_dict(), "local": 8, "steps_content": 1, "steps_rope": 1}))

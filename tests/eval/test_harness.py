@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
+from quantmla.compat import with_cache
 from quantmla.eval.harness import EvalConfig, evaluate, expand_tasks, format_table, write_result
 from quantmla.eval.needle import NeedleBuilder
-from quantmla.eval.perplexity import perplexity
+from quantmla.eval.perplexity import perplexity, reference_logprobs
 from quantmla.eval.retrieval import run_samples, summarize
 from quantmla.eval.runtime import CacheSpec, make_cache
 
@@ -27,6 +28,26 @@ def test_perplexity_matches_manual_loss(tiny_mla):
         nll += float(torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:], reduction="sum"))
     assert r.nll == pytest.approx(nll / (3 * 63), rel=1e-5)
     assert r.perplexity == pytest.approx(math.exp(r.nll))
+
+
+def test_kl_to_reference_is_zero_for_itself_and_matches_float64(tiny_mla):
+    _, mla = tiny_mla
+    ref = reference_logprobs(mla, IDS, context=64)  # [3, 64, V]
+    assert ref.shape == (3, 64, mla.config.vocab_size)
+    same = perplexity(mla, IDS, context=64, cache=CacheSpec("fp32"), reference=ref)
+    assert same.kl_to_reference == pytest.approx(0.0, abs=1e-6)
+    got = perplexity(mla, IDS, context=64, cache=CacheSpec("c2r4", sink=0, local=0), reference=ref)
+    kl = 0.0  # float64 KL(P_fp || P_c2r4), recomputed here from the model's forward over a fresh c2r4 cache
+    for w in range(3):
+        x = IDS[w * 64 : (w + 1) * 64][None]
+        with torch.no_grad():
+            lg = mla(x, use_cache=True, **with_cache(make_cache(mla, CacheSpec("c2r4", sink=0, local=0)))).logits
+        lq, lr = lg[0].double().log_softmax(-1), ref[w].double()
+        kl += float((lr.exp() * (lr - lq)).sum())
+    assert got.kl_to_reference == pytest.approx(kl / (3 * 64), rel=1e-4)
+    assert got.kl_to_reference > 1e-4  # 2-bit content is visibly lossy
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        perplexity(mla, IDS, context=32, cache=CacheSpec("fp32"), reference=ref)
 
 
 def test_mla_bf16_cache_close_to_fp32_and_gqa(tiny_mla):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -458,6 +459,7 @@ def calibrate_model(
     fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
     device = resolve_device(config.device)
     tokens = _token_bank(calib_token_batches, config)
+    _check_policy_coverage(int(tokens.shape[1]), config)
     n_train = config.train_seqs
     t_start = time.time()
     report = CalibrationReport(
@@ -473,6 +475,25 @@ def calibrate_model(
     model.train(was_training)
     report.seconds = time.time() - t_start
     return report
+
+
+def _check_policy_coverage(seq: int, config: CalibrationConfig) -> None:
+    """Refuse sequences on which the cache policy reads every key in full precision (objectives identically 0),
+    and warn when few keys are quantized (the transforms then learn from a sliver of the data)."""
+    if config.method not in ("quantmla", "smoothquant") or config.sink + config.local == 0:
+        return
+    if seq <= config.sink + config.local:
+        raise ValueError(
+            f"calibration sequences of {seq} tokens with sink {config.sink} + local {config.local}: every key is read "
+            f"in full precision, so there is nothing to calibrate; use seq_len > {config.sink + config.local} "
+            f"(>= {4 * config.local} recommended) or a smaller local window"
+        )
+    if seq < 4 * config.local:
+        warnings.warn(
+            f"calibration sequences of {seq} tokens are short for local window {config.local}: few keys are read "
+            f"quantized; seq_len >= {4 * config.local} is recommended",
+            stacklevel=3,
+        )
 
 
 def iter_attention_inputs(
