@@ -25,6 +25,11 @@ PRESETS: dict[str, dict] = {
     "cpu-fast": dict(
         seq_len=512, batch_size=2, train_seqs=8, val_seqs=4, steps_content=24, steps_rope=24, query_tokens=64
     ),
+    # ``smoke``: exercises every code path in seconds (tests, quick checks); not a calibration.
+    "smoke": dict(
+        seq_len=192, batch_size=1, train_seqs=2, val_seqs=1, steps_content=2, steps_rope=2, query_tokens=16,
+        smoothquant_alphas=(0.5,),
+    ),
 }
 
 

@@ -454,9 +454,8 @@ def calibrate_model(
     transform).
     """
     config = config or CalibrationConfig()
-    fmt = get_format(fmt)
     spec = MLASpec.from_config(model.config)
-    fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
+    fmt = get_format(fmt).adapted(spec.kv_lora_rank, spec.qk_rope_head_dim)  # the groups the cache will use
     device = resolve_device(config.device)
     tokens = _token_bank(calib_token_batches, config)
     _check_policy_coverage(int(tokens.shape[1]), config)
