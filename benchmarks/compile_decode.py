@@ -2,7 +2,7 @@
 
 Lets us catch compile errors and register spills on a CPU machine before spending GPU time::
 
-    python benchmarks/compile_decode.py [--warps 8] [--stages 2] [--block-n 64]
+    python benchmarks/compile_decode.py [--warps 8] [--stages 2] [--block-n 64] [--variant base|splitd|both] [--sass]
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ PTR = {
     "KP": "*bf16", "START": "*i32", "NNEW": "*i32",
 }  # fmt: skip
 FLOATS = {"qk_scale"}
+# integer arguments that the JIT sees divisible by 16 at the benchmark shapes (16 heads, contiguous q, page-table
+# widths and buffer strides that are multiples of 16) and therefore specializes as such; pointers are 16-aligned.
+DIV16 = {"stride_qlb", "stride_qlh", "stride_qpb", "stride_qph", "stride_bt", "stride_sb", "stride_lb", "H", "SP_OFF"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
@@ -40,7 +43,12 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    # the JIT's specialization: without these hints the compile assumes byte alignment and emits scalar loads
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name in DIV16}  # fmt: skip
+    src = ASTSource(
+        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
     return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
@@ -57,6 +65,46 @@ def resources(k) -> str:
     if not m:
         return f"smem={k.metadata.shared} (no resource report)"
     return f"regs={m[1]} stack={m[2]} local={m[4]} smem={k.metadata.shared}"
+
+
+def sass_mix(k) -> str:
+    """Static SASS instruction mix of the kernel's main (longest) loop: total, HMMA share and the top opcodes."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
+    loops = []
+    for addr, txt in ins:
+        m = re.match(r"BRA\b.*?(0x[0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    if not loops:
+        return "no loop found"
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    ops: dict[str, int] = {}
+    for addr, txt in ins:
+        if lo <= addr <= hi:
+            op = txt.split()[0]
+            key = op if op.split(".")[0] in ("LDS", "STS", "LDG", "STG", "LDSM", "SHFL") else op.split(".")[0]
+            ops[key] = ops.get(key, 0) + 1
+    total = sum(ops.values())
+    hmma = sum(v for o, v in ops.items() if o.startswith("HMMA"))
+    top = ", ".join(f"{o} {v}" for o, v in sorted(ops.items(), key=lambda x: -x[1])[:24])
+    return f"loop {total} instr/warp/iteration, HMMA {hmma} ({100 * hmma / max(1, total):.1f}%): {top}"
+
+
+def splitd_constexprs(fmt_name: str, block_n: int, nb: int) -> dict:
+    ce = decode_constexprs(fmt_name, block_n)
+    del ce["QUANT"], ce["INTERP"]
+    fmt = get_format(fmt_name)
+    ce["NB"] = triton_decode.splitd_chunks(fmt, 512, 64, nb)
+    return ce
 
 
 def decode_constexprs(fmt_name: str, block_n: int) -> dict:
@@ -79,10 +127,25 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--formats", default="bf16,c8r8,c4r8,c4r4,c2r4")
     ap.add_argument("--writer", action="store_true")
+    ap.add_argument("--variant", default="base", choices=["base", "splitd", "both"],
+                    help="packed-page kernel(s); splitd uses --splitd-warps/--nb")  # fmt: skip
+    ap.add_argument("--splitd-warps", type=int, default=4)
+    ap.add_argument("--nb", type=int, default=4, help="split-D latent chunks (max)")
+    ap.add_argument("--sass", action="store_true", help="also print the SASS instruction mix of the main loop")
     a = ap.parse_args()
     for f in a.formats.split(","):
-        k = compile_kernel(triton_decode._decode_kernel, decode_constexprs(f, a.block_n), a.warps, a.stages)
-        print(f"decode {f:5s} warps={a.warps} stages={a.stages} block_n={a.block_n}: {resources(k)}")
+        if a.variant in ("base", "both") or f == "bf16":
+            k = compile_kernel(triton_decode._decode_kernel, decode_constexprs(f, a.block_n), a.warps, a.stages)
+            print(f"decode {f:5s} base   warps={a.warps} stages={a.stages} block_n={a.block_n}: {resources(k)}")
+            if a.sass:
+                print(f"    {sass_mix(k)}")
+        if a.variant in ("splitd", "both") and f != "bf16":
+            ce = splitd_constexprs(f, a.block_n, a.nb)
+            k = compile_kernel(triton_decode._splitd_kernel, ce, a.splitd_warps, a.stages)
+            print(f"decode {f:5s} splitd warps={a.splitd_warps} stages={a.stages} block_n={a.block_n} nb={ce['NB']}: "
+                  f"{resources(k)}")  # fmt: skip
+            if a.sass:
+                print(f"    {sass_mix(k)}")
     k = compile_kernel(triton_decode._combine_kernel, {"DC": 512, "DCP": 512, "NSP": 16}, 4, 1)
     print(f"combine: {resources(k)}")
     if a.writer:

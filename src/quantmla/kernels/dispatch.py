@@ -113,12 +113,14 @@ def decode_attention(
     impl: str = "auto",
     num_splits: int | None = None,
     return_lse: bool = False,
+    variant: str | None = None,
 ):
     """Decode attention over a :class:`~quantmla.kernels.paged.PagedMLACache`.
 
     ``q_lat [B, H, Dc]`` (absorbed query, latent part), ``q_pe [B, H, Dr]`` (rotated RoPE part) ->
     ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]`` natural log when ``return_lse``). ``num_splits``: split-K
-    factor for the Triton kernel (default: a heuristic that fills the GPU)."""
+    factor for the Triton kernel (default: a heuristic that fills the GPU). ``variant``: the Triton kernel for
+    packed pages, ``"base"`` or ``"splitd"`` (default: env ``QUANTMLA_DECODE_VARIANT``, else ``"base"``)."""
     which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout)
     if which == "torch":
         from quantmla.kernels.reference import decode_attention_torch
@@ -126,7 +128,9 @@ def decode_attention(
         return decode_attention_torch(q_lat, q_pe, cache, softmax_scale, return_lse=return_lse)
     from quantmla.kernels.triton_decode import decode_attention_triton
 
-    return decode_attention_triton(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse)
+    return decode_attention_triton(
+        q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse, variant=variant
+    )
 
 
 def prefill_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, n_new=None, **kw):

@@ -318,6 +318,164 @@ def _decode_kernel(
 
 
 @triton.jit
+def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.constexpr, BITS: tl.constexpr,
+                        SYM: tl.constexpr, SROW: tl.constexpr, OROW: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    """Score contribution of one bit field of the content bytes: ``acc [NB, BH, BN] += s' d + qsum (m - 1024 s')``
+    with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. Returns (acc, k, s', m) for the output product."""
+    SH: tl.constexpr = FIELD * BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
+    k = _magic(byt, MASK)  # [NB, BN, W] fp16
+    s = tl.load(mptr + (SROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)  # [NB, 1, BN]
+    if SYM:
+        m = s * (-(1 << (BITS - 1)))
+    else:
+        m = tl.load(mptr + (OROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+    s = s * (1.0 / (1 << SH))
+    d = tl.dot(qf, tl.permute(k, (0, 2, 1)))  # [NB, BH, BN] fp32
+    acc = acc + d * s + qsf * (m - 1024.0 * s)
+    return acc, k, s, m
+
+
+@triton.jit
+def _splitd_field_out(o, f, p3, alpha3, alpha2, k, s, m):
+    """Output contribution of one field: ``o += (p s') . k`` (fp16 operands) and the scalar part
+    ``f += sum_n p m - 1024 (p s')`` (the code bias 1024 taken out with the same rounded ``p s'``)."""
+    pw = (p3 * s).to(tl.float16)  # [NB, BH, BN]
+    o = o * alpha3 + tl.dot(pw, k)
+    f = f * alpha2 + tl.sum(p3 * m - 1024.0 * pw.to(tl.float32), axis=2)
+    return o, f
+
+
+@triton.jit
+def _splitd_kernel(
+    QL, QP, POOL8, POOL16, BT, LENS, PO, PL, qk_scale,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_bt,
+    H, PPS, NS_TOTAL,
+    PAGE_BYTES: tl.constexpr, C_OFF: tl.constexpr, R_OFF: tl.constexpr, M_OFF: tl.constexpr,
+    P: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
+    NB: tl.constexpr,
+    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
+    RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr,
+):  # fmt: skip
+    """Packed pages, "split-D" variant: the latent is cut into ``NB`` chunks per bit field, one per batch entry of
+    3-D ``tl.dot`` s (one warp each), so every warp keeps its slice of q and of the output in registers, unpacks
+    only its own chunk of the content bytes, applies scales on the [BH, BN] products and reduces the offset terms
+    inside the warp. The partial scores are summed over the chunks (one cross-warp sum per tile), and every warp
+    runs the (redundant) softmax of the tile.
+
+    Content bytes of a token: ``CB = DC * CBITS / 8``; chunk ``j`` of field ``f`` = channels ``f * CB + j * W ..
+    + W`` (``W = CB / NB``) = bit field ``f`` of bytes ``j * W .. + W``. RoPE: entry ``e`` = dims ``e * DRE .. +
+    DRE`` (``DRE = DR / NB``)."""
+    F: tl.constexpr = 8 // CBITS
+    CB: tl.constexpr = DC * CBITS // 8
+    W: tl.constexpr = CB // NB
+    RB: tl.constexpr = DR * RBITS // 8
+    DRE: tl.constexpr = DR // NB
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = tl.load(LENS + b)
+    j3 = tl.arange(0, NB)[:, None, None]  # batch entry (chunk)
+    h3 = tl.arange(0, BLOCK_H)[None, :, None]
+    w3 = tl.arange(0, W)[None, None, :]
+    hm3 = h3 < H
+    qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + w3  # [NB, BH, W]
+    q0 = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    qs0 = tl.sum(q0.to(tl.float32), axis=2)[:, :, None]
+    o0 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+    f0 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
+    if F >= 2:
+        q1 = (tl.load(qb + CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+        qs1 = tl.sum(q1.to(tl.float32), axis=2)[:, :, None]
+        o1 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+        f1 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
+    if F >= 4:
+        q2 = (tl.load(qb + 2 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+        q3 = (tl.load(qb + 3 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+        qs2 = tl.sum(q2.to(tl.float32), axis=2)[:, :, None]
+        qs3 = tl.sum(q3.to(tl.float32), axis=2)[:, :, None]
+        o2 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+        o3 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+        f2 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
+        f3 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
+    # RoPE entry e: dims e*DRE.., bit field (e*DRE) // RB of bytes (e*DRE) % RB.., group (e*DRE) // RG
+    e3 = tl.arange(0, NB)[:, None, None]
+    dr3 = tl.arange(0, DRE)[None, None, :]
+    qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + e3 * DRE + dr3, mask=hm3, other=0.0)
+    qr = (qr.to(tl.float32) * qk_scale).to(tl.float16)  # [NB, BH, DRE]
+    qsr = tl.sum(qr.to(tl.float32), axis=2)[:, :, None]
+    rsh3 = ((e3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
+    rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
+    rinv3 = tl.exp2(-rsh3.to(tl.float32))
+    rbyte3 = (e3 * DRE) % RB + dr3  # [NB, 1, DRE]
+    rrow3 = (e3 * DRE) // RG
+    crow3 = j3 * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    lo = SINK
+    hi = tl.maximum(n - LOCAL, SINK)
+    pg0 = lo // P + sp * PPS
+    pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
+    for pg in range(pg0, pg1):
+        page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
+        base8 = POOL8 + page * PAGE_BYTES
+        mptr = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2
+        for sb in tl.static_range(P // BLOCK_N):
+            rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
+            pos = pg * P + rows
+            valid = (pos >= lo) & (pos < hi)
+            n3 = rows[None, None, :]
+            valid3 = valid[None, None, :]
+            byt = tl.load(base8 + C_OFF + rows[None, :, None] * CB + j3 * W + w3).to(tl.int16)  # [NB, BN, W]
+            acc = tl.zeros([NB, BLOCK_H, BLOCK_N], dtype=tl.float32)
+            acc, k0, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow3, n3, valid3, 0, CBITS, CSYM,
+                                                  CSROW, COROW, P)  # fmt: skip
+            if F >= 2:
+                acc, k1, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow3 + CB // CG, n3, valid3, 1,
+                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
+            if F >= 4:
+                acc, k2, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow3 + 2 * CB // CG, n3, valid3, 2,
+                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
+                acc, k3, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow3 + 3 * CB // CG, n3, valid3, 3,
+                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
+            # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
+            rbt = tl.load(base8 + R_OFF + rows[None, :, None] * RB + rbyte3).to(tl.int16)
+            kr = ((rbt & rmask3) | 0x6400).to(tl.float16, bitcast=True)
+            sr = tl.load(mptr + (RSROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+            if RSYM:
+                mr = sr * (-(1 << (RBITS - 1)))
+            else:
+                mr = tl.load(mptr + (ROROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+            sr = sr * rinv3
+            dr = tl.dot(qr, tl.permute(kr, (0, 2, 1)))
+            acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
+            p, alpha, m_i, l_i = _softmax_update(tl.sum(acc, axis=0), valid, m_i, l_i)
+            p3 = p[None, :, :]
+            alpha3 = alpha[None, :, None]
+            alpha2 = alpha[None, :]
+            o0, f0 = _splitd_field_out(o0, f0, p3, alpha3, alpha2, k0, s0, m0)
+            if F >= 2:
+                o1, f1 = _splitd_field_out(o1, f1, p3, alpha3, alpha2, k1, s1, m1)
+            if F >= 4:
+                o2, f2 = _splitd_field_out(o2, f2, p3, alpha3, alpha2, k2, s2, m2)
+                o3, f3 = _splitd_field_out(o3, f3, p3, alpha3, alpha2, k3, s3, m3)
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    hs = tl.arange(0, BLOCK_H)
+    row = (b.to(tl.int64) * NS_TOTAL + sp) * H + hs  # [BLOCK_H]
+    tl.store(PL + row, lse, mask=hs < H)
+    inv3 = inv_l[None, :, None]
+    ob = PO + row[None, :, None] * DC + j3 * W + w3
+    tl.store(ob, (o0 + f0[:, :, None]) * inv3, mask=hm3)
+    if F >= 2:
+        tl.store(ob + CB, (o1 + f1[:, :, None]) * inv3, mask=hm3)
+    if F >= 4:
+        tl.store(ob + 2 * CB, (o2 + f2[:, :, None]) * inv3, mask=hm3)
+        tl.store(ob + 3 * CB, (o3 + f3[:, :, None]) * inv3, mask=hm3)
+
+
+@triton.jit
 def _buffers_kernel(
     QL, QP, SINKB, LOCB, LENS, PO, PL, qk_scale,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_sb, stride_lb,
@@ -411,6 +569,39 @@ def _num_sms(device: torch.device) -> int:
 # 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
 TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
+# the "splitd" packed kernel: one warp per latent chunk (nb chunks), so num_warps = nb by default
+TUNING_SPLITD = dict(TUNING, num_warps=4, num_stages=2, nb=4)
+
+VARIANTS = ("base", "splitd")
+VARIANT_ENV = "QUANTMLA_DECODE_VARIANT"
+
+
+def resolve_variant(variant: str | None) -> str:
+    """``variant`` or, when None, env ``QUANTMLA_DECODE_VARIANT`` (default ``"base"``)."""
+    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "base").strip().lower() or "base")
+    if v not in VARIANTS:
+        raise ValueError(f"decode variant must be one of {VARIANTS}, got {v!r}")
+    return v
+
+
+def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, max_nb: int = 4) -> int:
+    """Number of latent chunks (batch entries) of the split-D kernel for this format, 0 if it cannot run it.
+
+    Needs: chunk width ``W = CB / nb`` and RoPE entry width ``DRE = DR / nb`` powers of two >= 16 (tensor-core K),
+    every chunk inside one content group and every RoPE entry inside one bit plane and one RoPE group."""
+    c, r = fmt.content, fmt.rope
+    if c is None or r is None:
+        return 0
+    cb = kv_lora_rank * c.bits // 8
+    rb = rope_dim * r.bits // 8
+    nb = max_nb
+    while nb >= 1:
+        w, dre = cb // nb, rope_dim // nb
+        if (cb % nb == 0 and rope_dim % nb == 0 and w >= 16 and dre >= 16 and w & (w - 1) == 0
+                and dre & (dre - 1) == 0 and c.group_size % w == 0 and rb % dre == 0 and r.group_size % dre == 0):
+            return nb
+        nb //= 2
+    return 0
 
 
 def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
@@ -444,8 +635,13 @@ def decode_attention_triton(
     num_splits: int | None = None,
     return_lse: bool = False,
     workspace: dict | None = None,
+    variant: str | None = None,
 ):
-    """Triton decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
+    """Triton decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
+
+    ``variant``: packed-page kernel, ``"base"`` (``_decode_kernel``) or ``"splitd"`` (``_splitd_kernel``); None
+    reads env ``QUANTMLA_DECODE_VARIANT`` (default ``"base"``). BF16 caches, and packed shapes the split-D kernel
+    cannot tile (:func:`splitd_chunks` = 0), always run ``"base"``."""
     from quantmla.kernels.reference import _check_q
 
     _check_q(q_lat, q_pe, cache, 3)
@@ -457,7 +653,10 @@ def decode_attention_triton(
     quant = fmt.is_quantized
     lens = cache.lengths()
     max_pages = max(1, math.ceil(max(lens, default=0) / P))
-    tun = TUNING if quant else TUNING_BF16
+    nb = 0
+    if quant and resolve_variant(variant) == "splitd":
+        nb = splitd_chunks(fmt, Dc, Dr, TUNING_SPLITD["nb"])
+    tun = (TUNING_SPLITD if nb else TUNING) if quant else TUNING_BF16
     ns = num_splits or default_num_splits(B, max_pages, q_lat.device, tun)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
@@ -499,7 +698,16 @@ def decode_attention_triton(
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
     )  # fmt: skip
     # packed (or BF16) pages: one program per (sequence, split)
-    _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
+    if nb:
+        _splitd_kernel[(B, ns)](
+            q_lat, q_pe, cache.pool, cache.pool.view(torch.float16), cache.block_table, cache.seq_lens, po, pl,
+            softmax_scale * LOG2E, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+            cache.block_table.stride(0), H, pps, ns_total,
+            **{k: v for k, v in consts.items() if k not in ("QUANT", "INTERP")}, NB=nb,
+            num_warps=tun["num_warps"], num_stages=tun["num_stages"],
+        )  # fmt: skip
+    else:
+        _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
         _buffers_kernel[(B, n_buf_tiles)](
             q_lat, q_pe, cache.sink, cache.local, cache.seq_lens, po, pl, softmax_scale * LOG2E,
