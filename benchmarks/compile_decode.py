@@ -32,7 +32,7 @@ FLOATS = {"qk_scale"}
 DIV16 = {"stride_qlb", "stride_qlh", "stride_qpb", "stride_qph", "stride_bt", "stride_sb", "stride_lb", "H", "SP_OFF"}
 
 
-def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -50,7 +50,7 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int):
         fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     )
 
 
@@ -104,6 +104,7 @@ def splitd_constexprs(fmt_name: str, block_n: int, nb: int) -> dict:
     del ce["QUANT"], ce["INTERP"]
     fmt = get_format(fmt_name)
     ce["NB"] = triton_decode.splitd_chunks(fmt, 512, 64, nb)
+    ce["ASM"] = True
     return ce
 
 

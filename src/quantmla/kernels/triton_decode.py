@@ -317,33 +317,149 @@ def _decode_kernel(
     tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
 
 
+def _asm_bytes(mask: int) -> str:
+    """PTX: 4 code bytes ($2) -> 4 fp16 ``0x6400 | (byte & mask)`` in $0 (bytes 0, 1) and $1 (bytes 2, 3)."""
+    k = 0xFF00FF00 | mask | (mask << 16)
+    if mask == 0xFF:
+        return "prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;"
+    return ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0x64646464, 0x4140; prmt.b32 t1, $2, 0x64646464, 0x4342; "
+            f"and.b32 $0, t0, {k:#x}; and.b32 $1, t1, {k:#x}; }}")  # fmt: skip
+
+
+def _asm_words(mask: int, odd: bool) -> str:
+    """PTX: 2 int16 words ($1) -> 2 fp16 ``0x6400 | (byte & mask)`` of their low (even) or high (odd) bytes in $0."""
+    k = 0xFF00FF00 | mask | (mask << 16)
+    sel = 0x4341 if odd else 0x4240
+    if mask == 0xFF:
+        return f"prmt.b32 $0, $1, 0x64646464, {sel:#x};"
+    return f"{{ .reg .b32 t; prmt.b32 t, $1, 0x64646464, {sel:#x}; and.b32 $0, t, {k:#x}; }}"
+
+
+# one constexpr per bit field (Triton needs the asm text as a compile-time constant)
+_AB_03, _AB_0C, _AB_30, _AB_C0, _AB_0F, _AB_F0, _AB_FF = (
+    tl.constexpr(_asm_bytes(m)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
+)
+_AWE_03, _AWE_0C, _AWE_30, _AWE_C0, _AWE_0F, _AWE_F0, _AWE_FF = (
+    tl.constexpr(_asm_words(m, False)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
+)
+_AWO_03, _AWO_0C, _AWO_30, _AWO_C0, _AWO_0F, _AWO_F0, _AWO_FF = (
+    tl.constexpr(_asm_words(m, True)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
+)
+
+
+@triton.jit
+def _codes_bytes(byt, SH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """uint8 codes -> fp16 ``1024 + c * 2^SH`` of the bit field at ``SH`` (exact).
+
+    ``ASM``: per 4 bytes two ``prmt`` (bytes into the low halves of fp16 words whose high byte is 0x64, the exponent
+    of 1024) and two ``and`` (the field's bits), i.e. one instruction per code; Triton's own lowering of the
+    equivalent integer ops spends ~2 per code (a byte extract and a pack per element). Without ``ASM`` (the
+    interpreter) the same value from integer ops."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
+    if ASM:
+        if MASK == 0x03:
+            return tl.inline_asm_elementwise(_AB_03, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        elif MASK == 0x0C:
+            return tl.inline_asm_elementwise(_AB_0C, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        elif MASK == 0x30:
+            return tl.inline_asm_elementwise(_AB_30, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        elif MASK == 0xC0:
+            return tl.inline_asm_elementwise(_AB_C0, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        elif MASK == 0x0F:
+            return tl.inline_asm_elementwise(_AB_0F, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        elif MASK == 0xF0:
+            return tl.inline_asm_elementwise(_AB_F0, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_AB_FF, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return _magic(byt.to(tl.int16), MASK)
+
+
+@triton.jit
+def _codes_words(wd, ODD: tl.constexpr, SH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """int16 words (two code bytes: even channel low, odd channel high) -> fp16 ``1024 + c * 2^SH`` of the bit
+    field at ``SH`` of the ``ODD`` byte. ``ASM``: one ``prmt`` + one ``and`` per two codes."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
+    if ASM:
+        if ODD:
+            if MASK == 0x03:
+                return tl.inline_asm_elementwise(_AWO_03, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x0C:
+                return tl.inline_asm_elementwise(_AWO_0C, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x30:
+                return tl.inline_asm_elementwise(_AWO_30, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0xC0:
+                return tl.inline_asm_elementwise(_AWO_C0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x0F:
+                return tl.inline_asm_elementwise(_AWO_0F, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0xF0:
+                return tl.inline_asm_elementwise(_AWO_F0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(_AWO_FF, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            if MASK == 0x03:
+                return tl.inline_asm_elementwise(_AWE_03, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x0C:
+                return tl.inline_asm_elementwise(_AWE_0C, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x30:
+                return tl.inline_asm_elementwise(_AWE_30, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0xC0:
+                return tl.inline_asm_elementwise(_AWE_C0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0x0F:
+                return tl.inline_asm_elementwise(_AWE_0F, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            elif MASK == 0xF0:
+                return tl.inline_asm_elementwise(_AWE_F0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise(_AWE_FF, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        if ODD:
+            return _magic((wd >> 8) & 0xFF, MASK)
+        else:
+            return _magic(wd, MASK)
+
+
+@triton.jit
+def _qsum(q, ones):
+    """[NB, BH, 1] row sums of fp16 ``q`` through a tensor-core product, so that they come out in the layout of
+    the score products (a plain ``tl.sum`` leaves them in the load layout and costs a layout conversion of every
+    [NB, BH, BN] bias tile)."""
+    return tl.max(tl.dot(q, ones), axis=2)[:, :, None]
+
+
 @triton.jit
 def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.constexpr, BITS: tl.constexpr,
-                        SYM: tl.constexpr, SROW: tl.constexpr, OROW: tl.constexpr, P: tl.constexpr):  # fmt: skip
+                        SYM: tl.constexpr, SROW: tl.constexpr, OROW: tl.constexpr, P: tl.constexpr,
+                        ASM: tl.constexpr):  # fmt: skip
     """Score contribution of one bit field of the content bytes: ``acc [NB, BH, BN] += s' d + qsum (m - 1024 s')``
     with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. Returns (acc, k, s', m) for the output product."""
     SH: tl.constexpr = FIELD * BITS
-    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
-    k = _magic(byt, MASK)  # [NB, BN, W] fp16
+    kt = _codes_bytes(byt, SH, BITS, ASM)  # [NB, W, BN] fp16 (bytes loaded channel-major: the score B operand)
     s = tl.load(mptr + (SROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)  # [NB, 1, BN]
     if SYM:
         m = s * (-(1 << (BITS - 1)))
     else:
         m = tl.load(mptr + (OROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
     s = s * (1.0 / (1 << SH))
-    d = tl.dot(qf, tl.permute(k, (0, 2, 1)))  # [NB, BH, BN] fp32
+    d = tl.dot(qf, kt)  # [NB, BH, BN] fp32
     acc = acc + d * s + qsf * (m - 1024.0 * s)
-    return acc, k, s, m
+    return acc, s, m
 
 
 @triton.jit
-def _splitd_field_out(o, f, p3, alpha3, alpha2, k, s, m):
+def _splitd_field_out(oe, oo, f, p3, alpha3, alpha2, wd, FIELD: tl.constexpr, BITS: tl.constexpr, s, m,
+                      ASM: tl.constexpr):
     """Output contribution of one field: ``o += (p s') . k`` (fp16 operands) and the scalar part
-    ``f += sum_n p m - 1024 (p s')`` (the code bias 1024 taken out with the same rounded ``p s'``)."""
+    ``f += sum_n p m - 1024 (p s')`` (the code bias 1024 taken out with the same rounded ``p s'``).
+
+    ``wd [NB, BN, W/2]`` int16 words = byte pairs (channels 2c, 2c+1): 16-bit elements let the tensor-core operand
+    be read transposed from shared memory (ldmatrix.trans; bytes would be gathered one by one), so the even and
+    odd channels are two products ``oe``, ``oo`` of width W/2."""
+    SH: tl.constexpr = FIELD * BITS
     pw = (p3 * s).to(tl.float16)  # [NB, BH, BN]
-    o = o * alpha3 + tl.dot(pw, k)
+    oe = oe * alpha3 + tl.dot(pw, _codes_words(wd, False, SH, BITS, ASM))
+    oo = oo * alpha3 + tl.dot(pw, _codes_words(wd, True, SH, BITS, ASM))
     f = f * alpha2 + tl.sum(p3 * m - 1024.0 * pw.to(tl.float32), axis=2)
-    return o, f
+    return oe, oo, f
 
 
 @triton.jit
@@ -356,7 +472,7 @@ def _splitd_kernel(
     NB: tl.constexpr,
     CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
-    SINK: tl.constexpr, LOCAL: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Packed pages, "split-D" variant: the latent is cut into ``NB`` chunks per bit field, one per batch entry of
     3-D ``tl.dot`` s (one warp each), so every warp keeps its slice of q and of the output in registers, unpacks
@@ -381,21 +497,26 @@ def _splitd_kernel(
     hm3 = h3 < H
     qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + w3  # [NB, BH, W]
     q0 = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    qs0 = tl.sum(q0.to(tl.float32), axis=2)[:, :, None]
-    o0 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+    ones = tl.full([NB, W, 16], 1.0, dtype=tl.float16)
+    qs0 = _qsum(q0, ones)
+    o0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)  # even channels of field 0 (u0: odd)
+    u0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
     f0 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     if F >= 2:
         q1 = (tl.load(qb + CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-        qs1 = tl.sum(q1.to(tl.float32), axis=2)[:, :, None]
-        o1 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+        qs1 = _qsum(q1, ones)
+        o1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
+        u1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         f1 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     if F >= 4:
         q2 = (tl.load(qb + 2 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
         q3 = (tl.load(qb + 3 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-        qs2 = tl.sum(q2.to(tl.float32), axis=2)[:, :, None]
-        qs3 = tl.sum(q3.to(tl.float32), axis=2)[:, :, None]
-        o2 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
-        o3 = tl.zeros([NB, BLOCK_H, W], dtype=tl.float32)
+        qs2 = _qsum(q2, ones)
+        qs3 = _qsum(q3, ones)
+        o2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
+        u2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
+        o3 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
+        u3 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         f2 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
         f3 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     # RoPE entry e: dims e*DRE.., bit field (e*DRE) // RB of bytes (e*DRE) % RB.., group (e*DRE) // RG
@@ -403,11 +524,11 @@ def _splitd_kernel(
     dr3 = tl.arange(0, DRE)[None, None, :]
     qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + e3 * DRE + dr3, mask=hm3, other=0.0)
     qr = (qr.to(tl.float32) * qk_scale).to(tl.float16)  # [NB, BH, DRE]
-    qsr = tl.sum(qr.to(tl.float32), axis=2)[:, :, None]
+    qsr = _qsum(qr, tl.full([NB, DRE, 16], 1.0, dtype=tl.float16))
     rsh3 = ((e3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
     rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
     rinv3 = tl.exp2(-rsh3.to(tl.float32))
-    rbyte3 = (e3 * DRE) % RB + dr3  # [NB, 1, DRE]
+    rbyte3 = (e3 * DRE) % RB + tl.arange(0, DRE)[None, :, None]  # [NB, DRE, 1]
     rrow3 = (e3 * DRE) // RG
     crow3 = j3 * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -426,20 +547,22 @@ def _splitd_kernel(
             valid = (pos >= lo) & (pos < hi)
             n3 = rows[None, None, :]
             valid3 = valid[None, None, :]
-            byt = tl.load(base8 + C_OFF + rows[None, :, None] * CB + j3 * W + w3).to(tl.int16)  # [NB, BN, W]
+            cbase = base8 + C_OFF + j3 * W
+            # content bytes, channel-major for the score products [NB, W, BN] (loaded again token-major below)
+            byt = tl.load(cbase + rows[None, None, :] * CB + tl.arange(0, W)[None, :, None])
             acc = tl.zeros([NB, BLOCK_H, BLOCK_N], dtype=tl.float32)
-            acc, k0, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow3, n3, valid3, 0, CBITS, CSYM,
-                                                  CSROW, COROW, P)  # fmt: skip
+            acc, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow3, n3, valid3, 0, CBITS, CSYM,
+                                                  CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 2:
-                acc, k1, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow3 + CB // CG, n3, valid3, 1,
-                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
+                acc, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow3 + CB // CG, n3, valid3, 1,
+                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 4:
-                acc, k2, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow3 + 2 * CB // CG, n3, valid3, 2,
-                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
-                acc, k3, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow3 + 3 * CB // CG, n3, valid3, 3,
-                                                      CBITS, CSYM, CSROW, COROW, P)  # fmt: skip
+                acc, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow3 + 2 * CB // CG, n3, valid3, 2,
+                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
+                acc, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow3 + 3 * CB // CG, n3, valid3, 3,
+                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
-            rbt = tl.load(base8 + R_OFF + rows[None, :, None] * RB + rbyte3).to(tl.int16)
+            rbt = tl.load(base8 + R_OFF + rows[None, None, :] * RB + rbyte3).to(tl.int16)  # [NB, DRE, BN]
             kr = ((rbt & rmask3) | 0x6400).to(tl.float16, bitcast=True)
             sr = tl.load(mptr + (RSROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
             if RSYM:
@@ -447,18 +570,21 @@ def _splitd_kernel(
             else:
                 mr = tl.load(mptr + (ROROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
             sr = sr * rinv3
-            dr = tl.dot(qr, tl.permute(kr, (0, 2, 1)))
+            dr = tl.dot(qr, kr)
             acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
             p, alpha, m_i, l_i = _softmax_update(tl.sum(acc, axis=0), valid, m_i, l_i)
+            # token-major int16 words [NB, BN, W/2] for the output products
+            wd = tl.load(POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2) + rows[None, :, None] * (CB // 2)
+                         + tl.arange(0, W // 2)[None, None, :]).to(tl.int16, bitcast=True)  # fmt: skip
             p3 = p[None, :, :]
             alpha3 = alpha[None, :, None]
             alpha2 = alpha[None, :]
-            o0, f0 = _splitd_field_out(o0, f0, p3, alpha3, alpha2, k0, s0, m0)
+            o0, u0, f0 = _splitd_field_out(o0, u0, f0, p3, alpha3, alpha2, wd, 0, CBITS, s0, m0, ASM)
             if F >= 2:
-                o1, f1 = _splitd_field_out(o1, f1, p3, alpha3, alpha2, k1, s1, m1)
+                o1, u1, f1 = _splitd_field_out(o1, u1, f1, p3, alpha3, alpha2, wd, 1, CBITS, s1, m1, ASM)
             if F >= 4:
-                o2, f2 = _splitd_field_out(o2, f2, p3, alpha3, alpha2, k2, s2, m2)
-                o3, f3 = _splitd_field_out(o3, f3, p3, alpha3, alpha2, k3, s3, m3)
+                o2, u2, f2 = _splitd_field_out(o2, u2, f2, p3, alpha3, alpha2, wd, 2, CBITS, s2, m2, ASM)
+                o3, u3, f3 = _splitd_field_out(o3, u3, f3, p3, alpha3, alpha2, wd, 3, CBITS, s3, m3, ASM)
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -466,13 +592,18 @@ def _splitd_kernel(
     row = (b.to(tl.int64) * NS_TOTAL + sp) * H + hs  # [BLOCK_H]
     tl.store(PL + row, lse, mask=hs < H)
     inv3 = inv_l[None, :, None]
-    ob = PO + row[None, :, None] * DC + j3 * W + w3
+    hm3 = h3 < H
+    ob = PO + row[None, :, None] * DC + j3 * W + 2 * tl.arange(0, W // 2)[None, None, :]  # even channels
     tl.store(ob, (o0 + f0[:, :, None]) * inv3, mask=hm3)
+    tl.store(ob + 1, (u0 + f0[:, :, None]) * inv3, mask=hm3)
     if F >= 2:
         tl.store(ob + CB, (o1 + f1[:, :, None]) * inv3, mask=hm3)
+        tl.store(ob + CB + 1, (u1 + f1[:, :, None]) * inv3, mask=hm3)
     if F >= 4:
         tl.store(ob + 2 * CB, (o2 + f2[:, :, None]) * inv3, mask=hm3)
+        tl.store(ob + 2 * CB + 1, (u2 + f2[:, :, None]) * inv3, mask=hm3)
         tl.store(ob + 3 * CB, (o3 + f3[:, :, None]) * inv3, mask=hm3)
+        tl.store(ob + 3 * CB + 1, (u3 + f3[:, :, None]) * inv3, mask=hm3)
 
 
 @triton.jit
@@ -587,7 +718,8 @@ def resolve_variant(variant: str | None) -> str:
 def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, max_nb: int = 4) -> int:
     """Number of latent chunks (batch entries) of the split-D kernel for this format, 0 if it cannot run it.
 
-    Needs: chunk width ``W = CB / nb`` and RoPE entry width ``DRE = DR / nb`` powers of two >= 16 (tensor-core K),
+    Needs: chunk width ``W = CB / nb`` a power of two >= 32 (the output products are W/2 wide) and RoPE entry
+    width ``DRE = DR / nb`` a power of two >= 16 (tensor-core K),
     every chunk inside one content group and every RoPE entry inside one bit plane and one RoPE group."""
     c, r = fmt.content, fmt.rope
     if c is None or r is None:
@@ -597,7 +729,7 @@ def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, max_nb: int = 4) -> int
     nb = max_nb
     while nb >= 1:
         w, dre = cb // nb, rope_dim // nb
-        if (cb % nb == 0 and rope_dim % nb == 0 and w >= 16 and dre >= 16 and w & (w - 1) == 0
+        if (cb % nb == 0 and rope_dim % nb == 0 and w >= 32 and dre >= 16 and w & (w - 1) == 0
                 and dre & (dre - 1) == 0 and c.group_size % w == 0 and rb % dre == 0 and r.group_size % dre == 0):
             return nb
         nb //= 2
@@ -703,7 +835,7 @@ def decode_attention_triton(
             q_lat, q_pe, cache.pool, cache.pool.view(torch.float16), cache.block_table, cache.seq_lens, po, pl,
             softmax_scale * LOG2E, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
             cache.block_table.stride(0), H, pps, ns_total,
-            **{k: v for k, v in consts.items() if k not in ("QUANT", "INTERP")}, NB=nb,
+            **{k: v for k, v in consts.items() if k not in ("QUANT", "INTERP")}, NB=nb, ASM=not consts["INTERP"],
             num_warps=tun["num_warps"], num_stages=tun["num_stages"],
         )  # fmt: skip
     else:
