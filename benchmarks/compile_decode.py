@@ -49,9 +49,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, maxnre
     src = ASTSource(
         fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    )
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def resources(k) -> str:
@@ -99,7 +98,7 @@ def sass_mix(k) -> str:
     return f"loop {total} instr/warp/iteration, HMMA {hmma} ({100 * hmma / max(1, total):.1f}%): {top}"
 
 
-def splitd_constexprs(fmt_name: str, block_n: int, nb: int) -> dict:
+def splitd_constexprs(fmt_name: str, block_n: int, nb: int = 2) -> dict:
     ce = decode_constexprs(fmt_name, block_n)
     del ce["QUANT"], ce["INTERP"]
     fmt = get_format(fmt_name)
@@ -130,8 +129,9 @@ def main() -> None:
     ap.add_argument("--writer", action="store_true")
     ap.add_argument("--variant", default="base", choices=["base", "splitd", "both"],
                     help="packed-page kernel(s); splitd uses --splitd-warps/--nb")  # fmt: skip
-    ap.add_argument("--splitd-warps", type=int, default=4)
-    ap.add_argument("--nb", type=int, default=4, help="split-D latent chunks (max)")
+    ap.add_argument("--splitd-warps", type=int, default=8)
+    ap.add_argument("--nb", type=int, default=2, help="split-D latent chunks (preferred)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="split-D register cap")
     ap.add_argument("--sass", action="store_true", help="also print the SASS instruction mix of the main loop")
     a = ap.parse_args()
     for f in a.formats.split(","):
@@ -142,8 +142,9 @@ def main() -> None:
                 print(f"    {sass_mix(k)}")
         if a.variant in ("splitd", "both") and f != "bf16":
             ce = splitd_constexprs(f, a.block_n, a.nb)
-            k = compile_kernel(triton_decode._splitd_kernel, ce, a.splitd_warps, a.stages)
-            print(f"decode {f:5s} splitd warps={a.splitd_warps} stages={a.stages} block_n={a.block_n} nb={ce['NB']}: "
+            k = compile_kernel(triton_decode._splitd_kernel, ce, a.splitd_warps, a.stages, a.maxnreg)
+            print(f"decode {f:5s} splitd warps={a.splitd_warps} stages={a.stages} block_n={a.block_n} nb={ce['NB']} "
+                  f"maxnreg={a.maxnreg}: "
                   f"{resources(k)}")  # fmt: skip
             if a.sass:
                 print(f"    {sass_mix(k)}")

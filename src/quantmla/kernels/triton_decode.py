@@ -434,11 +434,11 @@ def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.con
     with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. Returns (acc, k, s', m) for the output product."""
     SH: tl.constexpr = FIELD * BITS
     kt = _codes_bytes(byt, SH, BITS, ASM)  # [NB, W, BN] fp16 (bytes loaded channel-major: the score B operand)
-    s = tl.load(mptr + (SROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)  # [NB, 1, BN]
+    s = tl.load(mptr + (SROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)[:, None, :]  # [NB, 1, BN]
     if SYM:
         m = s * (-(1 << (BITS - 1)))
     else:
-        m = tl.load(mptr + (OROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+        m = tl.load(mptr + (OROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)[:, None, :]
     s = s * (1.0 / (1 << SH))
     d = tl.dot(qf, kt)  # [NB, BH, BN] fp32
     acc = acc + d * s + qsf * (m - 1024.0 * s)
@@ -446,8 +446,9 @@ def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.con
 
 
 @triton.jit
-def _splitd_field_out(oe, oo, f, p3, alpha3, alpha2, wd, FIELD: tl.constexpr, BITS: tl.constexpr, s, m,
-                      ASM: tl.constexpr):
+def _splitd_field_out(
+    oe, oo, f, p3, alpha3, alpha2, wd, FIELD: tl.constexpr, BITS: tl.constexpr, s, m, ASM: tl.constexpr
+):
     """Output contribution of one field: ``o += (p s') . k`` (fp16 operands) and the scalar part
     ``f += sum_n p m - 1024 (p s')`` (the code bias 1024 taken out with the same rounded ``p s'``).
 
@@ -529,8 +530,8 @@ def _splitd_kernel(
     rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
     rinv3 = tl.exp2(-rsh3.to(tl.float32))
     rbyte3 = (e3 * DRE) % RB + tl.arange(0, DRE)[None, :, None]  # [NB, DRE, 1]
-    rrow3 = (e3 * DRE) // RG
-    crow3 = j3 * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
+    rrow2 = (tl.arange(0, NB)[:, None] * DRE) // RG
+    crow2 = tl.arange(0, NB)[:, None] * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     lo = SINK
@@ -545,37 +546,38 @@ def _splitd_kernel(
             rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
             pos = pg * P + rows
             valid = (pos >= lo) & (pos < hi)
-            n3 = rows[None, None, :]
-            valid3 = valid[None, None, :]
+            n2 = rows[None, :]  # meta vectors load as [NB, BN] (a [NB, 1, BN] load costs a layout conversion)
+            valid2 = valid[None, :]
             cbase = base8 + C_OFF + j3 * W
             # content bytes, channel-major for the score products [NB, W, BN] (loaded again token-major below)
             byt = tl.load(cbase + rows[None, None, :] * CB + tl.arange(0, W)[None, :, None])
             acc = tl.zeros([NB, BLOCK_H, BLOCK_N], dtype=tl.float32)
-            acc, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow3, n3, valid3, 0, CBITS, CSYM,
+            acc, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow2, n2, valid2, 0, CBITS, CSYM,
                                                   CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 2:
-                acc, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow3 + CB // CG, n3, valid3, 1,
+                acc, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow2 + CB // CG, n2, valid2, 1,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 4:
-                acc, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow3 + 2 * CB // CG, n3, valid3, 2,
+                acc, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow2 + 2 * CB // CG, n2, valid2, 2,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
-                acc, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow3 + 3 * CB // CG, n3, valid3, 3,
+                acc, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow2 + 3 * CB // CG, n2, valid2, 3,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
             rbt = tl.load(base8 + R_OFF + rows[None, None, :] * RB + rbyte3).to(tl.int16)  # [NB, DRE, BN]
             kr = ((rbt & rmask3) | 0x6400).to(tl.float16, bitcast=True)
-            sr = tl.load(mptr + (RSROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+            sr = tl.load(mptr + (RSROW + rrow2) * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
             if RSYM:
                 mr = sr * (-(1 << (RBITS - 1)))
             else:
-                mr = tl.load(mptr + (ROROW + rrow3) * P + n3, mask=valid3, other=0.0).to(tl.float32)
+                mr = tl.load(mptr + (ROROW + rrow2) * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
             sr = sr * rinv3
             dr = tl.dot(qr, kr)
             acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
             p, alpha, m_i, l_i = _softmax_update(tl.sum(acc, axis=0), valid, m_i, l_i)
             # token-major int16 words [NB, BN, W/2] for the output products
-            wd = tl.load(POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2) + rows[None, :, None] * (CB // 2)
-                         + tl.arange(0, W // 2)[None, None, :]).to(tl.int16, bitcast=True)  # fmt: skip
+            wbase = POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2)
+            wd = tl.load(wbase + rows[None, :, None] * (CB // 2) + tl.arange(0, W // 2)[None, None, :])
+            wd = wd.to(tl.int16, bitcast=True)
             p3 = p[None, :, :]
             alpha3 = alpha[None, :, None]
             alpha2 = alpha[None, :]
@@ -700,8 +702,9 @@ def _num_sms(device: torch.device) -> int:
 # 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
 TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
-# the "splitd" packed kernel: one warp per latent chunk (nb chunks), so num_warps = nb by default
-TUNING_SPLITD = dict(TUNING, num_warps=4, num_stages=2, nb=4)
+# the "splitd" packed kernel (offline sm_90 compile, benchmarks/compile_decode.py): 8 warps over nb = 2 latent
+# chunks (C8: 4) x 4 token slices; 165-203 registers, so one program per SM; maxnreg=128 fits two (a few spills)
+TUNING_SPLITD = dict(TUNING, num_warps=8, num_stages=2, nb=2, maxnreg=None)
 
 VARIANTS = ("base", "splitd")
 VARIANT_ENV = "QUANTMLA_DECODE_VARIANT"
@@ -715,25 +718,29 @@ def resolve_variant(variant: str | None) -> str:
     return v
 
 
-def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, max_nb: int = 4) -> int:
+def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, prefer: int = 2) -> int:
     """Number of latent chunks (batch entries) of the split-D kernel for this format, 0 if it cannot run it.
 
-    Needs: chunk width ``W = CB / nb`` a power of two >= 32 (the output products are W/2 wide) and RoPE entry
-    width ``DRE = DR / nb`` a power of two >= 16 (tensor-core K),
-    every chunk inside one content group and every RoPE entry inside one bit plane and one RoPE group."""
+    Needs: chunk width ``W = CB / nb`` a power of two >= 32 (the output products are W/2 wide) and at most one
+    content group, RoPE entry width ``DRE = DR / nb`` a power of two >= 16 (tensor-core K) inside one bit plane and
+    one RoPE group. Takes ``prefer`` if valid, else the nearest valid count above, else below (fewer chunks = less
+    redundant per-chunk work on the [heads, tokens] tiles; C8 needs 4 for DeepSeek shapes: W <= 128)."""
     c, r = fmt.content, fmt.rope
     if c is None or r is None:
         return 0
     cb = kv_lora_rank * c.bits // 8
     rb = rope_dim * r.bits // 8
-    nb = max_nb
-    while nb >= 1:
+
+    def ok(nb: int) -> bool:
+        if cb % nb or rope_dim % nb:
+            return False
         w, dre = cb // nb, rope_dim // nb
-        if (cb % nb == 0 and rope_dim % nb == 0 and w >= 32 and dre >= 16 and w & (w - 1) == 0
-                and dre & (dre - 1) == 0 and c.group_size % w == 0 and rb % dre == 0 and r.group_size % dre == 0):
-            return nb
-        nb //= 2
-    return 0
+        return (w >= 32 and dre >= 16 and w & (w - 1) == 0 and dre & (dre - 1) == 0 and c.group_size % w == 0
+                and rb % dre == 0 and r.group_size % dre == 0)  # fmt: skip
+
+    up = [prefer << i for i in range(4)]
+    down = [prefer >> i for i in range(1, 4) if prefer >> i >= 1]
+    return next((nb for nb in up + down if ok(nb)), 0)
 
 
 def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
@@ -837,6 +844,7 @@ def decode_attention_triton(
             cache.block_table.stride(0), H, pps, ns_total,
             **{k: v for k, v in consts.items() if k not in ("QUANT", "INTERP")}, NB=nb, ASM=not consts["INTERP"],
             num_warps=tun["num_warps"], num_stages=tun["num_stages"],
+            **({"maxnreg": tun["maxnreg"]} if tun.get("maxnreg") and not consts["INTERP"] else {}),
         )  # fmt: skip
     else:
         _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
