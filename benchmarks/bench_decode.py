@@ -18,6 +18,12 @@ Writes ``decode_<tag>.json``, ``decode_<tag>.md`` and ``decode_<tag>.png`` to ``
 line last. Usage (on the GPU machine)::
 
     PYTHONPATH=src python benchmarks/bench_decode.py --out benchmarks/results
+
+``--variants base,splitd,splitd:maxnreg=128`` instead times the packed-page kernel variants side by side (each
+checked against the fp32 reference and the base kernel first) at four shapes and writes
+``decode_variants_<tag>.{json,md}``; about a minute on an H200 including the Triton compiles::
+
+    PYTHONPATH=src python benchmarks/bench_decode.py --variants base,splitd,splitd:maxnreg=128 --reps 10 --out DIR
 """
 
 from __future__ import annotations
@@ -119,13 +125,13 @@ def check_ok(m: dict, lse: dict) -> bool:
     return m["nonfinite_ok"] and m["rel"] < 1e-2 and m["cos"] > 0.9999 and lse["max_abs"] < 2e-2
 
 
-def build_cache(fmt: str, kv: torch.Tensor, lens: list[int], seed: int) -> PagedMLACache:
+def build_cache(fmt: str, kv: torch.Tensor, lens: list[int], seed: int, device: str = "cuda") -> PagedMLACache:
     """Cache of ``fmt`` holding ``kv [B, N, 576]`` rows (sequence b: its first lens[b]); shuffled pages,
     NaN in every unwritten byte; written by the fused Triton writer in chunks."""
     B, N, _ = kv.shape
     pages = sum(math.ceil(n / POLICY.page_size) for n in lens) + 8
     cache = PagedMLACache(
-        fmt, B, N, policy=POLICY, num_pages=pages, device="cuda", shuffle=True, seed=seed, fill_byte=0xFF,
+        fmt, B, N, policy=POLICY, num_pages=pages, device=device, shuffle=True, seed=seed, fill_byte=0xFF,
         pad_page=pages - 1,
     )  # fmt: skip
     chunk = 16384
@@ -276,6 +282,118 @@ def tune(timer: Timer, reps: int) -> dict:
     return best
 
 
+VARIANT_SHAPES = [(32, 32768), (32, 131072), (1, 131072), (8, 32768)]
+VARIANT_FORMATS = ["bf16", "c4r4", "c2r4", "c8r8"]
+
+
+def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
+    """``"base,splitd,splitd:maxnreg=128/num_warps=16"`` -> [(label, kernel variant, TUNING_SPLITD overrides)]."""
+    out = []
+    for item in spec.split(","):
+        name, _, opts = item.strip().partition(":")
+        over = {}
+        for kv in filter(None, opts.split("/")):
+            k, _, v = kv.partition("=")
+            over[k] = None if v.lower() == "none" else int(v)
+        if name not in triton_decode.VARIANTS:
+            raise SystemExit(f"unknown variant {name!r} (one of {triton_decode.VARIANTS})")
+        out.append((item.strip(), name, over))
+    return out
+
+
+def run_variant(q_lat, q_pe, cache, variant: str, over: dict, **kw):
+    """decode_attention_triton with ``variant`` and TUNING_SPLITD temporarily updated by ``over``."""
+    saved = dict(triton_decode.TUNING_SPLITD)
+    triton_decode.TUNING_SPLITD.update(over)
+    try:
+        return decode_attention_triton(q_lat, q_pe, cache, SCALE, variant=variant, **kw)
+    finally:
+        triton_decode.TUNING_SPLITD.clear()
+        triton_decode.TUNING_SPLITD.update(saved)
+
+
+def bench_variants(variants, shapes, formats, timer, reps: int, rows: list[dict], device: str = "cuda") -> bool:
+    """Every (shape, format): build the cache once, check each kernel variant against the fp32 reference (and the
+    base kernel), then time it; appends to ``rows`` as it goes (a crash keeps what was measured). BF16 caches only
+    run "base" (the variants differ in the packed-page kernel)."""
+    ok_all = True
+    for B, N in shapes:
+        torch.manual_seed(B * 7919 + N)
+        kv = torch.randn(B, N, DC + DR, device=device, dtype=torch.bfloat16)
+        kv[..., :DC] *= torch.linspace(0.2, 3.0, DC, device=device).bfloat16()  # uneven channel ranges
+        q_lat = torch.randn(B, H, DC, device=device).bfloat16()
+        q_pe = torch.randn(B, H, DR, device=device).bfloat16()
+        for fmt in formats:
+            c = build_cache(fmt, kv, [N] * B, seed=B + N, device=device)
+            ref, ref_lse = decode_attention_torch(q_lat, q_pe, c, SCALE, return_lse=True)
+            eb = effective_bytes(c)
+            base_out, base_us = None, None
+            for label, name, over in variants:
+                if fmt == "bf16" and name != "base":
+                    continue
+                row = {"batch": B, "context": N, "format": fmt, "variant": label, "bytes": eb}
+                try:
+                    t0 = time.time()
+                    out, lse = run_variant(q_lat, q_pe, c, name, over, return_lse=True)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    first_s = time.time() - t0  # includes the Triton compile on first use
+                    m, ml = compare(out, ref), compare(lse, ref_lse)
+                    ok = check_ok(m, ml)
+                    vs_base = compare(out, base_out)["rel"] if base_out is not None else 0.0
+
+                    def fn(c=c, a=q_lat, b=q_pe, n=name, o=over):
+                        return run_variant(a, b, c, n, o)
+
+                    us = timer(fn, reps)
+                except Exception as e:  # noqa: BLE001 - record and go on (a sticky CUDA error fails the rest too)
+                    log(f"B={B} N={N} {fmt} {label}: {type(e).__name__}: {str(e)[:300]}")
+                    rows.append({**row, "us": float("nan"), "gbps": float("nan"), "ok": False, "error": str(e)[:300],
+                                 "rel": float("nan"), "rel_vs_base": float("nan"), "x_base": None})  # fmt: skip
+                    ok_all = False
+                    continue
+                ok_all &= ok
+                if name == "base":
+                    base_out, base_us = out, us
+                xb = base_us / us if base_us else None
+                rows.append({**row, "us": us, "gbps": eb / us / 1e3, "rel": m["rel"], "cos": m["cos"],
+                             "lse_max_abs": ml["max_abs"], "rel_vs_base": vs_base, "x_base": xb, "ok": ok,
+                             "first_call_s": first_s})  # fmt: skip
+                log(f"B={B:3d} N={N:7d} {fmt:5s} {label:24s} {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
+                    f"x_base={xb or float('nan'):5.2f} rel={m['rel']:.1e} vs_base={vs_base:.1e} "
+                    f"lse={ml['max_abs']:.1e} first={first_s:.1f}s {'OK' if ok else 'FAIL'}")  # fmt: skip
+            del c, ref, base_out
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        del kv
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return ok_all
+
+
+def write_variant_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"decode_variants_{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [
+        f"# Decode kernel variants, {meta['device']}, {meta['date']}, commit {meta['commit']}",
+        "",
+        f"DeepSeek-V2-Lite shapes (H={H}, latent {DC}, RoPE {DR}), page 64, sink 4 / local 128, CUDA-graph replay "
+        f"after L2 flush, median of {meta['reps']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s. x base: speedup over "
+        f"the base kernel of the same format. Total {meta['seconds']:.0f} s.",
+        "",
+        "| batch | context | format | variant | us | GB/s | x base | rel err | rel vs base | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        xb = f"{r['x_base']:.2f}" if r.get("x_base") else ""
+        lines.append(f"| {r['batch']} | {r['context']} | {r['format']} | {r['variant']} | {r['us']:.1f} | "
+                     f"{r['gbps']:.0f} | {xb} | {r['rel']:.1e} | {r['rel_vs_base']:.1e} | "
+                     f"{'ok' if r['ok'] else 'FAIL'} |")  # fmt: skip
+    with open(os.path.join(out_dir, f"decode_variants_{tag}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], checks: list[dict]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"decode_{tag}.json"), "w") as f:
@@ -350,6 +468,13 @@ def main(argv=None) -> int:
     ap.add_argument("--checks-only", action="store_true")
     ap.add_argument("--tune", action="store_true", help="pick warps/stages/splits on two shapes first")
     ap.add_argument("--tuning", default=None, help="JSON dict overriding triton_decode.TUNING")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="time packed-kernel variants side by side instead (e.g. base,splitd,splitd:maxnreg=128) at "
+        "--shapes / --formats (defaults: b32x32K, b32x128K, b1x128K, b8x32K; bf16,c4r4,c2r4,c8r8)",
+    )
+    ap.add_argument("--shapes", default=None, help="with --variants: BxN,BxN,...")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
@@ -365,6 +490,27 @@ def main(argv=None) -> int:
     if args.tuning:
         triton_decode.TUNING.update(json.loads(args.tuning))
         triton_decode.TUNING_BF16.update(json.loads(args.tuning))
+    if args.variants:
+        variants = parse_variants(args.variants)
+        shapes = VARIANT_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
+        formats = VARIANT_FORMATS if args.formats == ",".join(FORMATS) else args.formats.split(",")
+        rows: list[dict] = []
+        try:
+            ok = bench_variants(variants, shapes, formats, Timer(), args.reps, rows)
+        except Exception as e:  # noqa: BLE001 - still write what was measured
+            log(f"variants run aborted: {type(e).__name__}: {str(e)[:300]}")
+            ok = False
+        meta = {"device": dev, "date": date, "commit": commit, "torch": torch.__version__,
+                "triton": triton.__version__, "copy_gbps": copy_gbps, "reps": args.reps,
+                "tuning": dict(triton_decode.TUNING), "tuning_splitd": dict(triton_decode.TUNING_SPLITD),
+                "variants": args.variants, "seconds": time.time() - t_start, "command": " ".join(sys.argv)}  # fmt: skip
+        tag = args.tag or f"{dev.replace(' ', '_')}_{date[:10]}"
+        write_variant_outputs(args.out, tag, meta, rows)
+        summary = {f"{r['format']}_{r['variant']}_b{r['batch']}_n{r['context']}": round(r["us"], 1) for r in rows}
+        print(json.dumps({"device": dev, "checks_ok": ok, "seconds": round(time.time() - t_start), "us": summary}))
+        return 0 if ok else 1
     checks: list[dict] = []
     if not args.skip_checks:
         ok = gpu_checks(checks)
