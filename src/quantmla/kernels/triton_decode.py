@@ -419,6 +419,13 @@ def _codes_words(wd, ODD: tl.constexpr, SH: tl.constexpr, BITS: tl.constexpr, AS
 
 
 @triton.jit
+def _meta_rows(mptr, row2, n2, valid2, P: tl.constexpr):
+    """fp32 [NB, 1, BN]: meta row ``row2[j]`` of the tile's tokens, 0 for invalid ones (masked: an unmasked load
+    gets pipelined through shared memory with one cp.async per element, more instructions in all)."""
+    return tl.load(mptr + row2 * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
+
+
+@triton.jit
 def _qsum(q, ones):
     """[NB, BH, 1] row sums of fp16 ``q`` through a tensor-core product, so that they come out in the layout of
     the score products (a plain ``tl.sum`` leaves them in the load layout and costs a layout conversion of every
@@ -434,11 +441,11 @@ def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.con
     with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. Returns (acc, k, s', m) for the output product."""
     SH: tl.constexpr = FIELD * BITS
     kt = _codes_bytes(byt, SH, BITS, ASM)  # [NB, W, BN] fp16 (bytes loaded channel-major: the score B operand)
-    s = tl.load(mptr + (SROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)[:, None, :]  # [NB, 1, BN]
+    s = _meta_rows(mptr, SROW + row3, n3, valid3, P)  # [NB, 1, BN]
     if SYM:
         m = s * (-(1 << (BITS - 1)))
     else:
-        m = tl.load(mptr + (OROW + row3) * P + n3, mask=valid3, other=0.0).to(tl.float32)[:, None, :]
+        m = _meta_rows(mptr, OROW + row3, n3, valid3, P)
     s = s * (1.0 / (1 << SH))
     d = tl.dot(qf, kt)  # [NB, BH, BN] fp32
     acc = acc + d * s + qsf * (m - 1024.0 * s)
@@ -565,11 +572,11 @@ def _splitd_kernel(
             # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
             rbt = tl.load(base8 + R_OFF + rows[None, None, :] * RB + rbyte3).to(tl.int16)  # [NB, DRE, BN]
             kr = ((rbt & rmask3) | 0x6400).to(tl.float16, bitcast=True)
-            sr = tl.load(mptr + (RSROW + rrow2) * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
+            sr = _meta_rows(mptr, RSROW + rrow2, n2, valid2, P)
             if RSYM:
                 mr = sr * (-(1 << (RBITS - 1)))
             else:
-                mr = tl.load(mptr + (ROROW + rrow2) * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
+                mr = _meta_rows(mptr, ROROW + rrow2, n2, valid2, P)
             sr = sr * rinv3
             dr = tl.dot(qr, kr)
             acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
