@@ -125,3 +125,14 @@ def test_ptx_unpack_bits(mask):
         # 2 words (w0 = b0 | b1 << 8, w1 = b2 | b3 << 8) -> even: (b0, b2), odd: (b1, b3)
         assert _run_ptx(_asm_words(mask, False), {"$1": x})["$0"] == _magic(b[0], mask) | _magic(b[2], mask) << 16
         assert _run_ptx(_asm_words(mask, True), {"$1": x})["$0"] == _magic(b[1], mask) | _magic(b[3], mask) << 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["c8r8", "c4r8", "c4r4", "c2r4"])
+def test_gpu_splitd_deepseek_shapes_long(name):
+    """DeepSeek-V2-Lite shapes, default policy, lengths up to 4097, the compiled kernel (PTX unpack) on the GPU."""
+    cache, _, _ = make_cache(name, [4097, 0, 1, 129, 1000], dc=512, dr=64, policy=CachePolicy(), writer="triton",
+                             device="cuda")  # fmt: skip
+    _check(cache, H=16)
+    _check(cache, H=7, splits=5)
