@@ -464,8 +464,8 @@ def _splitd_field_out(
     odd channels are two products ``oe``, ``oo`` of width W/2."""
     SH: tl.constexpr = FIELD * BITS
     pw = (p3 * s).to(tl.float16)  # [NB, BH, BN]
-    oe = oe * alpha3 + tl.dot(pw, _codes_words(wd, False, SH, BITS, ASM))
-    oo = oo * alpha3 + tl.dot(pw, _codes_words(wd, True, SH, BITS, ASM))
+    oe = tl.dot(pw, _codes_words(wd, False, SH, BITS, ASM), oe * alpha3)
+    oo = tl.dot(pw, _codes_words(wd, True, SH, BITS, ASM), oo * alpha3)
     f = f * alpha2 + tl.sum(p3 * m - 1024.0 * pw.to(tl.float32), axis=2)
     return oe, oo, f
 
@@ -505,7 +505,7 @@ def _splitd_kernel(
     hm3 = h3 < H
     qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + w3  # [NB, BH, W]
     q0 = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    ones = tl.full([NB, W, 16], 1.0, dtype=tl.float16)
+    ones = tl.full([NB, W, BLOCK_N], 1.0, dtype=tl.float16)  # N = BLOCK_N: the layout of the score products
     qs0 = _qsum(q0, ones)
     o0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)  # even channels of field 0 (u0: odd)
     u0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
@@ -532,7 +532,7 @@ def _splitd_kernel(
     dr3 = tl.arange(0, DRE)[None, None, :]
     qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + e3 * DRE + dr3, mask=hm3, other=0.0)
     qr = (qr.to(tl.float32) * qk_scale).to(tl.float16)  # [NB, BH, DRE]
-    qsr = _qsum(qr, tl.full([NB, DRE, 16], 1.0, dtype=tl.float16))
+    qsr = _qsum(qr, tl.full([NB, DRE, BLOCK_N], 1.0, dtype=tl.float16))
     rsh3 = ((e3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
     rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
     rinv3 = tl.exp2(-rsh3.to(tl.float32))
