@@ -3,6 +3,8 @@ random-sign errors (uncorrelated elements), the mean output error energy equals 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -61,3 +63,30 @@ def test_predict_model_end_to_end():
     again = validate_predictor(rep.points)
     assert again["operator_allocation"]["log_offset"] == pytest.approx(m["operator_allocation"]["log_offset"])
     assert rep.to_dict()["points"][0]["predicted"]["cache_error_only"] == 1.0
+
+
+def test_within_path_spearman_is_not_fooled_by_path_separation():
+    """Content responses all far above RoPE ones: a predictor that gets the paths right but the layer order inside
+    each path reversed scores a high pooled Spearman and -1 within each path."""
+    from quantmla.analysis.predictor import PredictedPoint
+
+    pts = []
+    for lay in range(8):
+        for path, base in (("content", 100.0), ("rope", 1.0)):
+            measured = base * (1 + lay)
+            pts.append(
+                PredictedPoint(
+                    lay,
+                    1e-3,
+                    path,
+                    measured,
+                    {"cache_error_only": 1.0, "operator_only": base * (10 - lay), "operator_allocation": measured},
+                )
+            )
+    m = validate_predictor(pts)
+    assert m["operator_only"]["spearman"] > 0.5  # pooled: looks good
+    for path in ("content", "rope"):
+        assert m["operator_only"]["spearman_within_path"][path] == pytest.approx(-1.0)
+        assert m["operator_allocation"]["spearman_within_path"][path] == pytest.approx(1.0)
+    assert m["operator_allocation"]["median_abs_log_error"] == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(m["cache_error_only"]["spearman_within_path"]["rope"])  # constant prediction

@@ -165,7 +165,11 @@ class PredictorReport:
 
 def validate_predictor(points: Sequence[PredictedPoint]) -> dict:
     """Per predictor: Spearman and median |log error| of the responses on held-out layers (odd index; a global
-    log offset fitted on the even ones), and the MAE of the per-layer log RoPE/content ratio."""
+    log offset fitted on the even ones), and the MAE of the per-layer log RoPE/content ratio.
+
+    The pooled Spearman mixes both paths, so a predictor that only separates the paths (when one path's responses
+    are all far above the other's) already scores high; ``spearman_within_path`` ranks the held-out layers of each
+    path separately (the layer-wise amplification proper)."""
     layers = sorted({p.layer for p in points})
     held = {lay for k, lay in enumerate(layers) if k % 2 == 1} or set(layers)
     fit = [p for p in points if p.layer not in held] or list(points)
@@ -185,8 +189,13 @@ def validate_predictor(points: Sequence[PredictedPoint]) -> dict:
                     m = math.log(sel["rope"].measured / sel["content"].measured)
                     q = math.log(sel["rope"].predicted[name] / sel["content"].predicted[name])
                     ratio_err.append(abs(m - q))
+        within = {}
+        for path in ("content", "rope"):
+            idx = [k for k, p in enumerate(test) if p.path == path]
+            within[path] = spearman([pr[k] for k in idx], [me[k] for k in idx]) if len(idx) > 2 else float("nan")
         out[name] = {
             "spearman": spearman(pr, me) if len(pr) > 2 else float("nan"),
+            "spearman_within_path": within,
             "median_abs_log_error": errs[len(errs) // 2] if errs else float("nan"),
             "log_ratio_mae": sum(ratio_err) / len(ratio_err) if ratio_err else float("nan"),
             "log_offset": off,
