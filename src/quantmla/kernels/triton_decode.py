@@ -426,6 +426,14 @@ def _meta_rows(mptr, row2, n2, valid2, P: tl.constexpr):
 
 
 @triton.jit
+def _splitd_q(qb, hm3, qk_scale, ones):
+    """q of one field's chunks, even and odd channels (fp16, scaled) and their total row sums [NB, BH, 1]."""
+    qe = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    qo = (tl.load(qb + 1, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+    return qe, qo, _qsum(qe, ones) + _qsum(qo, ones)
+
+
+@triton.jit
 def _qsum(q, ones):
     """[NB, BH, 1] row sums of fp16 ``q`` through a tensor-core product, so that they come out in the layout of
     the score products (a plain ``tl.sum`` leaves them in the load layout and costs a layout conversion of every
@@ -434,20 +442,22 @@ def _qsum(q, ones):
 
 
 @triton.jit
-def _splitd_field_score(acc, qf, qsf, byt, mptr, row3, n3, valid3, FIELD: tl.constexpr, BITS: tl.constexpr,
+def _splitd_field_score(acc, qe, qo, qsf, wt, mptr, row2, n2, valid2, FIELD: tl.constexpr, BITS: tl.constexpr,
                         SYM: tl.constexpr, SROW: tl.constexpr, OROW: tl.constexpr, P: tl.constexpr,
                         ASM: tl.constexpr):  # fmt: skip
-    """Score contribution of one bit field of the content bytes: ``acc [NB, BH, BN] += s' d + qsum (m - 1024 s')``
-    with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. Returns (acc, k, s', m) for the output product."""
+    """Score contribution of one bit field of the content codes: ``acc [NB, BH, BN] += s' d + qsum (m - 1024 s')``
+    with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. ``wt [NB, W/2, BN]``: channel-major int16 words (byte
+    pairs = channels 2c, 2c+1), so the even and odd channels are two products with 16-bit operands (no register
+    shuffles of q; bytes would force 4-wide operand fragments). Returns (acc, s', m) for the output product."""
     SH: tl.constexpr = FIELD * BITS
-    kt = _codes_bytes(byt, SH, BITS, ASM)  # [NB, W, BN] fp16 (bytes loaded channel-major: the score B operand)
-    s = _meta_rows(mptr, SROW + row3, n3, valid3, P)  # [NB, 1, BN]
+    s = _meta_rows(mptr, SROW + row2, n2, valid2, P)  # [NB, 1, BN]
     if SYM:
         m = s * (-(1 << (BITS - 1)))
     else:
-        m = _meta_rows(mptr, OROW + row3, n3, valid3, P)
+        m = _meta_rows(mptr, OROW + row2, n2, valid2, P)
     s = s * (1.0 / (1 << SH))
-    d = tl.dot(qf, kt)  # [NB, BH, BN] fp32
+    d = tl.dot(qe, _codes_words(wt, False, SH, BITS, ASM))
+    d = tl.dot(qo, _codes_words(wt, True, SH, BITS, ASM), d)  # [NB, BH, BN] fp32
     acc = acc + d * s + qsf * (m - 1024.0 * s)
     return acc, s, m
 
@@ -470,7 +480,7 @@ def _splitd_field_out(
     return oe, oo, f
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PPS", "NS_TOTAL"])  # one compile per format across shapes
 def _splitd_kernel(
     QL, QP, POOL8, POOL16, BT, LENS, PO, PL, qk_scale,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_bt,
@@ -501,26 +511,22 @@ def _splitd_kernel(
     n = tl.load(LENS + b)
     j3 = tl.arange(0, NB)[:, None, None]  # batch entry (chunk)
     h3 = tl.arange(0, BLOCK_H)[None, :, None]
-    w3 = tl.arange(0, W)[None, None, :]
     hm3 = h3 < H
-    qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + w3  # [NB, BH, W]
-    q0 = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    ones = tl.full([NB, W, BLOCK_N], 1.0, dtype=tl.float16)  # N = BLOCK_N: the layout of the score products
-    qs0 = _qsum(q0, ones)
+    c3 = tl.arange(0, W // 2)[None, None, :]
+    qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + 2 * c3  # [NB, BH, W/2] even channels
+    ones = tl.full([NB, W // 2, BLOCK_N], 1.0, dtype=tl.float16)  # N = BLOCK_N: the layout of the score products
+    e0, d0, qs0 = _splitd_q(qb, hm3, qk_scale, ones)
     o0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)  # even channels of field 0 (u0: odd)
     u0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
     f0 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     if F >= 2:
-        q1 = (tl.load(qb + CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-        qs1 = _qsum(q1, ones)
+        e1, d1, qs1 = _splitd_q(qb + CB, hm3, qk_scale, ones)
         o1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         u1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         f1 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     if F >= 4:
-        q2 = (tl.load(qb + 2 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-        q3 = (tl.load(qb + 3 * CB, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-        qs2 = _qsum(q2, ones)
-        qs3 = _qsum(q3, ones)
+        e2, d2, qs2 = _splitd_q(qb + 2 * CB, hm3, qk_scale, ones)
+        e3, d3, qs3 = _splitd_q(qb + 3 * CB, hm3, qk_scale, ones)
         o2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         u2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
         o3 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
@@ -528,15 +534,15 @@ def _splitd_kernel(
         f2 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
         f3 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
     # RoPE entry e: dims e*DRE.., bit field (e*DRE) // RB of bytes (e*DRE) % RB.., group (e*DRE) // RG
-    e3 = tl.arange(0, NB)[:, None, None]
+    ei3 = tl.arange(0, NB)[:, None, None]
     dr3 = tl.arange(0, DRE)[None, None, :]
-    qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + e3 * DRE + dr3, mask=hm3, other=0.0)
+    qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + ei3 * DRE + dr3, mask=hm3, other=0.0)
     qr = (qr.to(tl.float32) * qk_scale).to(tl.float16)  # [NB, BH, DRE]
     qsr = _qsum(qr, tl.full([NB, DRE, BLOCK_N], 1.0, dtype=tl.float16))
-    rsh3 = ((e3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
+    rsh3 = ((ei3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
     rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
     rinv3 = tl.exp2(-rsh3.to(tl.float32))
-    rbyte3 = (e3 * DRE) % RB + tl.arange(0, DRE)[None, :, None]  # [NB, DRE, 1]
+    rbyte3 = (ei3 * DRE) % RB + tl.arange(0, DRE)[None, :, None]  # [NB, DRE, 1]
     rrow2 = (tl.arange(0, NB)[:, None] * DRE) // RG
     crow2 = tl.arange(0, NB)[:, None] * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -555,19 +561,22 @@ def _splitd_kernel(
             valid = (pos >= lo) & (pos < hi)
             n2 = rows[None, :]  # meta vectors load as [NB, BN] (a [NB, 1, BN] load costs a layout conversion)
             valid2 = valid[None, :]
-            cbase = base8 + C_OFF + j3 * W
-            # content bytes, channel-major for the score products [NB, W, BN] (loaded again token-major below)
-            byt = tl.load(cbase + rows[None, None, :] * CB + tl.arange(0, W)[None, :, None])
+            # content codes as int16 words: channel-major [NB, W/2, BN] for the score products here, token-major
+            # [NB, BN, W/2] for the output products below (the same bytes twice: each is a 16-bit operand read
+            # straight from shared memory in its product's layout)
+            wbase = POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2)
+            wt = tl.load(wbase + rows[None, None, :] * (CB // 2) + tl.arange(0, W // 2)[None, :, None])
+            wt = wt.to(tl.int16, bitcast=True)
             acc = tl.zeros([NB, BLOCK_H, BLOCK_N], dtype=tl.float32)
-            acc, s0, m0 = _splitd_field_score(acc, q0, qs0, byt, mptr, crow2, n2, valid2, 0, CBITS, CSYM,
+            acc, s0, m0 = _splitd_field_score(acc, e0, d0, qs0, wt, mptr, crow2, n2, valid2, 0, CBITS, CSYM,
                                                   CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 2:
-                acc, s1, m1 = _splitd_field_score(acc, q1, qs1, byt, mptr, crow2 + CB // CG, n2, valid2, 1,
+                acc, s1, m1 = _splitd_field_score(acc, e1, d1, qs1, wt, mptr, crow2 + CB // CG, n2, valid2, 1,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             if F >= 4:
-                acc, s2, m2 = _splitd_field_score(acc, q2, qs2, byt, mptr, crow2 + 2 * CB // CG, n2, valid2, 2,
+                acc, s2, m2 = _splitd_field_score(acc, e2, d2, qs2, wt, mptr, crow2 + 2 * CB // CG, n2, valid2, 2,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
-                acc, s3, m3 = _splitd_field_score(acc, q3, qs3, byt, mptr, crow2 + 3 * CB // CG, n2, valid2, 3,
+                acc, s3, m3 = _splitd_field_score(acc, e3, d3, qs3, wt, mptr, crow2 + 3 * CB // CG, n2, valid2, 3,
                                                       CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
             # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
             rbt = tl.load(base8 + R_OFF + rows[None, None, :] * RB + rbyte3).to(tl.int16)  # [NB, DRE, BN]
@@ -582,7 +591,6 @@ def _splitd_kernel(
             acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
             p, alpha, m_i, l_i = _softmax_update(tl.sum(acc, axis=0), valid, m_i, l_i)
             # token-major int16 words [NB, BN, W/2] for the output products
-            wbase = POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2)
             wd = tl.load(wbase + rows[None, :, None] * (CB // 2) + tl.arange(0, W // 2)[None, None, :])
             wd = wd.to(tl.int16, bitcast=True)
             p3 = p[None, :, :]
