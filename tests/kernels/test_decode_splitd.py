@@ -112,16 +112,12 @@ def _magic(code_byte: int, mask: int) -> int:
 
 @pytest.mark.parametrize("mask", [0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF])
 def test_ptx_unpack_bits(mask):
-    from quantmla.kernels.triton_decode import _asm_bytes, _asm_words
+    from quantmla.kernels.triton_decode import _asm_words
 
     rng = random.Random(mask)
     for _ in range(200):
         b = [rng.randrange(256) for _ in range(4)]
-        x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-        # 4 bytes -> $0 = (fp16 of byte 0, of byte 1), $1 = (byte 2, byte 3); element i in bits 16 i
-        r = _run_ptx(_asm_bytes(mask), {"$2": x})
-        assert r["$0"] == _magic(b[0], mask) | _magic(b[1], mask) << 16
-        assert r["$1"] == _magic(b[2], mask) | _magic(b[3], mask) << 16
+        x = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # element i of a packed register in bits 16 i
         # 2 words (w0 = b0 | b1 << 8, w1 = b2 | b3 << 8) -> even: (b0, b2), odd: (b1, b3)
         assert _run_ptx(_asm_words(mask, False), {"$1": x})["$0"] == _magic(b[0], mask) | _magic(b[2], mask) << 16
         assert _run_ptx(_asm_words(mask, True), {"$1": x})["$0"] == _magic(b[1], mask) | _magic(b[3], mask) << 16

@@ -317,15 +317,6 @@ def _decode_kernel(
     tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
 
 
-def _asm_bytes(mask: int) -> str:
-    """PTX: 4 code bytes ($2) -> 4 fp16 ``0x6400 | (byte & mask)`` in $0 (bytes 0, 1) and $1 (bytes 2, 3)."""
-    k = 0xFF00FF00 | mask | (mask << 16)
-    if mask == 0xFF:
-        return "prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342;"
-    return ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0x64646464, 0x4140; prmt.b32 t1, $2, 0x64646464, 0x4342; "
-            f"and.b32 $0, t0, {k:#x}; and.b32 $1, t1, {k:#x}; }}")  # fmt: skip
-
-
 def _asm_words(mask: int, odd: bool) -> str:
     """PTX: 2 int16 words ($1) -> 2 fp16 ``0x6400 | (byte & mask)`` of their low (even) or high (odd) bytes in $0."""
     k = 0xFF00FF00 | mask | (mask << 16)
@@ -336,9 +327,6 @@ def _asm_words(mask: int, odd: bool) -> str:
 
 
 # one constexpr per bit field (Triton needs the asm text as a compile-time constant)
-_AB_03, _AB_0C, _AB_30, _AB_C0, _AB_0F, _AB_F0, _AB_FF = (
-    tl.constexpr(_asm_bytes(m)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
-)
 _AWE_03, _AWE_0C, _AWE_30, _AWE_C0, _AWE_0F, _AWE_F0, _AWE_FF = (
     tl.constexpr(_asm_words(m, False)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
 )
@@ -348,37 +336,14 @@ _AWO_03, _AWO_0C, _AWO_30, _AWO_C0, _AWO_0F, _AWO_F0, _AWO_FF = (
 
 
 @triton.jit
-def _codes_bytes(byt, SH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """uint8 codes -> fp16 ``1024 + c * 2^SH`` of the bit field at ``SH`` (exact).
-
-    ``ASM``: per 4 bytes two ``prmt`` (bytes into the low halves of fp16 words whose high byte is 0x64, the exponent
-    of 1024) and two ``and`` (the field's bits), i.e. one instruction per code; Triton's own lowering of the
-    equivalent integer ops spends ~2 per code (a byte extract and a pack per element). Without ``ASM`` (the
-    interpreter) the same value from integer ops."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
-    if ASM:
-        if MASK == 0x03:
-            return tl.inline_asm_elementwise(_AB_03, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        elif MASK == 0x0C:
-            return tl.inline_asm_elementwise(_AB_0C, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        elif MASK == 0x30:
-            return tl.inline_asm_elementwise(_AB_30, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        elif MASK == 0xC0:
-            return tl.inline_asm_elementwise(_AB_C0, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        elif MASK == 0x0F:
-            return tl.inline_asm_elementwise(_AB_0F, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        elif MASK == 0xF0:
-            return tl.inline_asm_elementwise(_AB_F0, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_AB_FF, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        return _magic(byt.to(tl.int16), MASK)
-
-
-@triton.jit
 def _codes_words(wd, ODD: tl.constexpr, SH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """int16 words (two code bytes: even channel low, odd channel high) -> fp16 ``1024 + c * 2^SH`` of the bit
-    field at ``SH`` of the ``ODD`` byte. ``ASM``: one ``prmt`` + one ``and`` per two codes."""
+    field at ``SH`` of the ``ODD`` byte (exact).
+
+    ``ASM``: per two words one ``prmt`` (the chosen bytes under the fp16 exponent byte 0x64 of 1024; ptxas shares it
+    between the fields of a byte) and one ``and`` (the field's bits), ~0.75 instructions per 4-bit code; Triton's
+    lowering of the equivalent integer ops spends ~2 per code (a byte extract and a pack per element). Without
+    ``ASM`` (the interpreter) the same value from integer ops."""
     MASK: tl.constexpr = ((1 << BITS) - 1) << SH
     if ASM:
         if ODD:
