@@ -25,6 +25,10 @@ each tile through shared memory, per-token scaling), not by memory, and reach on
 Symmetric specs use ``mo = -(1024 + 2^(bits-1) * 2^sh)``. Content is processed as four sub-tiles of
 ``Dc / 4`` channels (each inside one quantization group), RoPE as its bit planes.
 
+``_splitd_kernel`` (``variant="splitd"``, not the default) is a second packed-page kernel that splits the latent
+across warps instead of the tokens, reads the codes as 16-bit words and unpacks them with PTX ``prmt``/``and``; see
+its docstring and docs/kernels.md for the design and its offline instruction counts.
+
 Import this module only when the Triton path is wanted: it imports triton.
 """
 
@@ -457,15 +461,15 @@ def _splitd_kernel(
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
     SINK: tl.constexpr, LOCAL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Packed pages, "split-D" variant: the latent is cut into ``NB`` chunks per bit field, one per batch entry of
-    3-D ``tl.dot`` s (one warp each), so every warp keeps its slice of q and of the output in registers, unpacks
-    only its own chunk of the content bytes, applies scales on the [BH, BN] products and reduces the offset terms
-    inside the warp. The partial scores are summed over the chunks (one cross-warp sum per tile), and every warp
-    runs the (redundant) softmax of the tile.
+    """Packed pages, "split-D" variant (``variant="splitd"``, docs/kernels.md): the latent is cut into ``NB`` chunks
+    per bit field, the batch entries of 3-D ``tl.dot`` s (the warps split chunks x tokens), so every warp keeps its
+    slice of q and of the output in registers, unpacks only its chunk's codes, applies scales on the [BH, BN]
+    products and reduces the offset terms within its chunk. The partial scores are summed over the chunks (one
+    cross-warp sum per tile); the softmax of the tile is computed per chunk (redundantly).
 
     Content bytes of a token: ``CB = DC * CBITS / 8``; chunk ``j`` of field ``f`` = channels ``f * CB + j * W ..
-    + W`` (``W = CB / NB``) = bit field ``f`` of bytes ``j * W .. + W``. RoPE: entry ``e`` = dims ``e * DRE .. +
-    DRE`` (``DRE = DR / NB``)."""
+    + W`` (``W = CB / NB``) = bit field ``f`` of bytes ``j * W .. + W``, read as int16 words (even / odd channels).
+    RoPE: entry ``e`` = dims ``e * DRE .. + DRE`` (``DRE = DR / NB``)."""
     F: tl.constexpr = 8 // CBITS
     CB: tl.constexpr = DC * CBITS // 8
     W: tl.constexpr = CB // NB
