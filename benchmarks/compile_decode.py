@@ -98,11 +98,11 @@ def sass_mix(k) -> str:
     return f"loop {total} instr/warp/iteration, HMMA {hmma} ({100 * hmma / max(1, total):.1f}%): {top}"
 
 
-def splitd_constexprs(fmt_name: str, block_n: int, nb: int = 2) -> dict:
+def splitd_constexprs(fmt_name: str, block_n: int, nb: int | None = None) -> dict:
     ce = decode_constexprs(fmt_name, block_n)
     del ce["QUANT"], ce["INTERP"]
     fmt = get_format(fmt_name)
-    ce["NB"] = triton_decode.splitd_chunks(fmt, 512, 64, nb)
+    ce["NB"] = triton_decode.splitd_chunks(fmt, 512, 64, nb or triton_decode.TUNING_SPLITD["nb"])
     ce["ASM"] = True
     return ce
 
@@ -129,8 +129,8 @@ def main() -> None:
     ap.add_argument("--writer", action="store_true")
     ap.add_argument("--variant", default="base", choices=["base", "splitd", "both"],
                     help="packed-page kernel(s); splitd uses --splitd-warps/--nb")  # fmt: skip
-    ap.add_argument("--splitd-warps", type=int, default=8)
-    ap.add_argument("--nb", type=int, default=2, help="split-D latent chunks (preferred)")
+    ap.add_argument("--splitd-warps", type=int, default=triton_decode.TUNING_SPLITD["num_warps"])
+    ap.add_argument("--nb", type=int, default=triton_decode.TUNING_SPLITD["nb"], help="split-D chunks (preferred)")
     ap.add_argument("--maxnreg", type=int, default=None, help="split-D register cap")
     ap.add_argument("--sass", action="store_true", help="also print the SASS instruction mix of the main loop")
     a = ap.parse_args()

@@ -686,9 +686,13 @@ def _num_sms(device: torch.device) -> int:
 # 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
 TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
-# the "splitd" packed kernel (offline sm_90 compile, benchmarks/compile_decode.py): 8 warps over nb = 2 latent
-# chunks (C8: 4) x 4 token slices; 165-203 registers, so one program per SM; maxnreg=128 fits two (a few spills)
-TUNING_SPLITD = dict(TUNING, num_warps=8, num_stages=2, nb=2, maxnreg=None)
+# the "splitd" packed kernel (offline sm_90 compiles, benchmarks/compile_decode.py). Triton 3.9 spreads the warps
+# of a 3-D dot over batch x tokens: 8 warps over nb = 2 latent chunks (C8: 4) x 4 token slices, 211-248 registers.
+# Triton 3.6 (the H200 image) puts every warp on the batch dimension (8 warps over 2 chunks = 4 copies of the same
+# work), so there warps = chunks = 4: 255 registers (some spills), two programs per SM.
+_TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
+TUNING_SPLITD = dict(TUNING, num_stages=2, maxnreg=None)
+TUNING_SPLITD.update(dict(num_warps=8, nb=2) if _TRITON_VERSION >= (3, 9) else dict(num_warps=4, nb=4))
 
 VARIANTS = ("base", "splitd")
 VARIANT_ENV = "QUANTMLA_DECODE_VARIANT"
