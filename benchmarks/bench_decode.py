@@ -19,11 +19,11 @@ line last. Usage (on the GPU machine)::
 
     PYTHONPATH=src python benchmarks/bench_decode.py --out benchmarks/results
 
-``--variants base,splitd,splitd:maxnreg=128`` instead times the packed-page kernel variants side by side (each
+``--variants base,splitd,splitd:num_stages=3`` instead times the packed-page kernel variants side by side (each
 checked against the fp32 reference and the base kernel first) at four shapes and writes
-``decode_variants_<tag>.{json,md}``; about a minute on an H200 including the Triton compiles::
+``decode_variants_<tag>.{json,md}``; a variant ``splitd:key=value/key=value`` overrides ``TUNING_SPLITD``::
 
-    PYTHONPATH=src python benchmarks/bench_decode.py --variants base,splitd,splitd:maxnreg=128 --reps 10 --out DIR
+    PYTHONPATH=src python benchmarks/bench_decode.py --variants base,splitd,splitd:num_stages=3 --reps 10 --out DIR
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def parse_variants(spec: str) -> list[tuple[str, str, dict]]:
         over = {}
         for kv in filter(None, opts.split("/")):
             k, _, v = kv.partition("=")
-            over[k] = None if v.lower() == "none" else int(v)
+            over[k] = None if v.lower() == "none" else float(v) if "." in v else int(v)
         if name not in triton_decode.VARIANTS:
             raise SystemExit(f"unknown variant {name!r} (one of {triton_decode.VARIANTS})")
         out.append((item.strip(), name, over))
