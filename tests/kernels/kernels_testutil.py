@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_cache(fmt, lens, *, dc=128, dr=32, policy=None, seed=0, dtype=torch.float32, device=DEVICE, chunks=1,
-               writer="torch"):  # fmt: skip
+               writer="torch", value_scale=1.0):  # fmt: skip
     """A hostile cache: shuffled pages, NaN in every unwritten byte (0xFF), unused block-table entries pointing
     at a NaN page; tokens written in ``chunks`` appends. Returns (cache, c_kv [B, N, dc], k_pe [B, N, dr])."""
     policy = policy or CachePolicy(sink=4, local=16, page_size=16)
@@ -20,6 +20,7 @@ def make_cache(fmt, lens, *, dc=128, dr=32, policy=None, seed=0, dtype=torch.flo
     c = torch.randn(B, N, dc, generator=g) * torch.linspace(0.1, 2.0, dc)  # uneven channel ranges
     k = torch.randn(B, N, dr, generator=g) * 1.5
     c[:, ::7, :16] += 2.0  # shifted channels (asymmetric group ranges)
+    c = c * value_scale  # small values -> small quantization scales (fp16 range of the kernels' products)
     pages = sum(-(-(n + 16) // policy.page_size) for n in lens) + 3  # room to append 16 more per sequence
     cache = PagedMLACache(
         fmt, B, N + 16, kv_lora_rank=dc, rope_dim=dr, policy=policy, num_pages=pages, device=device, shuffle=True,

@@ -63,6 +63,18 @@ def test_splitd_deepseek_shapes(name):
     _check(cache, H=16)
 
 
+def test_splitd_small_scales_long_split():
+    """Small latent values (quantization scales ~1e-3) and peaked scores over one long split: the output weights
+    ``p * s'`` go to fp16 unnormalized, so they must stay accurate far below 1."""
+    cache, _, _ = make_cache("c4r4", [700], seed=7, value_scale=0.01)
+    g = torch.Generator().manual_seed(7)
+    q_lat = (torch.randn(1, 2, cache.kv_lora_rank, generator=g) * 60).to(DEVICE)
+    q_pe = torch.randn(1, 2, cache.rope_dim, generator=g).to(DEVICE)
+    ref = decode_attention(q_lat, q_pe, cache, SCALE, impl="torch")
+    out = decode_attention(q_lat, q_pe, cache, SCALE, impl="triton", num_splits=1, variant="splitd")
+    assert_close(out, ref, name="o_lat c4r4 small scales", **O_TOL)
+
+
 def test_variant_selection(monkeypatch):
     from quantmla.kernels.triton_decode import VARIANT_ENV, resolve_variant
 
