@@ -64,57 +64,34 @@ def _token_ids(tok, split: str, n: int, vocab: int, seed: int):
     return token_stream(tok, split=split, n_tokens=n)  # [n]
 
 
-def score(model, windows, reference, fmt: str, policy=None) -> dict:
-    """Next-token distributions of every position of ``windows`` [W, C] through a ``fmt`` cache, against the
-    model's own forward without a cache (``reference`` [W, C, V] log-probabilities).
+def score(model, ids, reference, fmt: str, context: int, policy) -> dict:
+    """Every position of ``ids`` [N] (windows of ``context``) through a fresh ``fmt`` cache per window, against the
+    model's own forward without a cache (``reference``: :func:`quantmla.eval.perplexity.reference_logprobs`).
 
     The model runs in absorbed form over ``QuantMLACache``; its per-query mixed-precision policy makes one prefill
     forward see exactly what token-by-token decoding would see (tested), so one forward per window scores every
     position as if it had been decoded.
     """
-    import torch
+    from quantmla.eval.perplexity import perplexity
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.mla.spec import MLASpec
+    from quantmla.quant.formats import cache_bytes, get_format
 
-    from quantmla.cache.hf import QuantMLACache
-    from quantmla.compat import with_cache
-    from quantmla.mla.attention import disable_absorbed_attention, enable_absorbed_attention
-
-    nll = kl = agree = err = ref_sq = 0.0
-    n_pos = windows.numel()
-    enable_absorbed_attention(model)
     t0 = time.perf_counter()
-    try:
-        for w in range(windows.shape[0]):
-            x = windows[w : w + 1]  # [1, C]
-            cache = QuantMLACache(model.config, fmt, policy)
-            with torch.no_grad():
-                lq = model(x, use_cache=True, **with_cache(cache)).logits[0].float().log_softmax(-1)  # [C, V]
-            lr = reference[w]
-            nll += float(torch.nn.functional.cross_entropy(lq[:-1], x[0, 1:], reduction="sum"))
-            kl += float((lr.exp() * (lr - lq)).sum())
-            agree += float((lq.argmax(-1) == lr.argmax(-1)).sum())
-            err += float((lq.exp() - lr.exp()).pow(2).sum())
-            ref_sq += float(lr.exp().pow(2).sum())
-    finally:
-        disable_absorbed_attention(model)
-    rep = cache.memory_report()
+    r = perplexity(model, ids, context=context, cache=CacheSpec(fmt, policy.sink, policy.local), reference=reference)
+    spec = MLASpec.from_config(model.config)
+    kw = dict(kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, num_layers=spec.num_cache_layers,
+              context=context, policy=policy)  # fmt: skip
+    phys = cache_bytes(get_format(fmt).adapted(spec.kv_lora_rank, spec.qk_rope_head_dim), **kw).total
     return {
-        "format": cache.fmt.name,
-        "perplexity": math.exp(nll / (n_pos - windows.shape[0])),
-        "kl_to_full_precision": kl / n_pos,
-        "top1_agreement": agree / n_pos,
-        "prob_nmse": err / max(ref_sq, 1e-30),
-        "cache_bytes_bf16_model": rep["physical_bytes_bf16_model"],
-        "compression_vs_bf16": rep["compression_vs_bf16"],
+        "format": fmt,
+        "perplexity": r.perplexity,
+        "kl_to_full_precision": r.kl_to_reference,
+        "top1_agreement": r.top1_agreement,
+        "cache_bytes_bf16_model": phys,
+        "compression_vs_bf16": cache_bytes("bf16", **kw).total / phys,
         "seconds_cpu": time.perf_counter() - t0,
     }
-
-
-def _reference(model, windows):
-    import torch
-
-    with torch.no_grad():
-        return torch.stack([model(windows[w : w + 1], use_cache=False).logits[0].float().log_softmax(-1)
-                            for w in range(windows.shape[0])])  # [W, C, V]
 
 
 def _calibrate(model, tok, preset: str, fmt: str):
@@ -198,16 +175,20 @@ def run_main_job(args) -> int:
             out = save_fused(calibrated, args.save, make_quant_config(QUANTMLA_FORMAT, cfg, "quantmla", report),
                              force=args.force, tokenizer=tok)
             print(f"   saved the calibrated checkpoint to {out}")
+    from quantmla.eval.perplexity import reference_logprobs
+
     n = args.tokens // args.context
-    windows = _token_ids(tok, "test", n * args.context, model.config.vocab_size, seed=0).view(n, args.context)
-    print(f"== 4. {windows.numel()} held-out tokens ({n} windows of {args.context}) through each cache (absorbed "
+    ids = _token_ids(tok, "test", n * args.context, model.config.vocab_size, seed=0)  # [n * context]
+    print(f"== 4. {ids.numel()} held-out tokens ({n} windows of {args.context}) through each cache (absorbed "
           "attention, sink 4 + local 128 full precision)")
-    reference = _reference(model, windows)
-    rows = [{"label": f"{f.upper()} RTN" if f != "bf16" else "BF16", **score(model, windows, reference, f, policy)}
-            for f in formats]
+    reference = reference_logprobs(model, ids, context=args.context)  # [n, context, V]
+    rows = []
+    for f in formats:
+        rows.append({"label": f"{f.upper()} RTN" if f != "bf16" else "BF16",
+                     **score(model, ids, reference, f, args.context, policy)})
     if calibrated is not None:
         rows.append({"label": f"{QUANTMLA_FORMAT.upper()} QuantMLA",
-                     **score(calibrated, windows, reference, QUANTMLA_FORMAT, policy)})
+                     **score(calibrated, ids, reference, QUANTMLA_FORMAT, args.context, policy)})
     print(f"   {'cache':18} {'ppl':>8} {'KL 1e-3':>9} {'top-1':>8} {'cache MB':>9} {'vs BF16':>8}")
     for r in rows:
         print(_row_line(r["label"], r))

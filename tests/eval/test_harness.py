@@ -35,16 +35,18 @@ def test_kl_to_reference_is_zero_for_itself_and_matches_float64(tiny_mla):
     ref = reference_logprobs(mla, IDS, context=64)  # [3, 64, V]
     assert ref.shape == (3, 64, mla.config.vocab_size)
     same = perplexity(mla, IDS, context=64, cache=CacheSpec("fp32"), reference=ref)
-    assert same.kl_to_reference == pytest.approx(0.0, abs=1e-6)
+    assert same.kl_to_reference == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
     got = perplexity(mla, IDS, context=64, cache=CacheSpec("c2r4", sink=0, local=0), reference=ref)
-    kl = 0.0  # float64 KL(P_fp || P_c2r4), recomputed here from the model's forward over a fresh c2r4 cache
+    kl, agree = 0.0, 0  # float64 KL(P_fp || P_c2r4), recomputed here from the model's forward over a fresh c2r4 cache
     for w in range(3):
         x = IDS[w * 64 : (w + 1) * 64][None]
         with torch.no_grad():
             lg = mla(x, use_cache=True, **with_cache(make_cache(mla, CacheSpec("c2r4", sink=0, local=0)))).logits
         lq, lr = lg[0].double().log_softmax(-1), ref[w].double()
         kl += float((lr.exp() * (lr - lq)).sum())
+        agree += int((lq.argmax(-1) == lr.argmax(-1)).sum())
     assert got.kl_to_reference == pytest.approx(kl / (3 * 64), rel=1e-4)
+    assert got.top1_agreement == agree / (3 * 64) and got.top1_agreement < 1.0
     assert got.kl_to_reference > 1e-4  # 2-bit content is visibly lossy
     with pytest.raises(ValueError, match="reference_logprobs"):
         perplexity(mla, IDS, context=32, cache=CacheSpec("fp32"), reference=ref)

@@ -30,6 +30,7 @@ class PerplexityResult:
     context: int
     windows: int
     kl_to_reference: float | None = None  # mean KL(P_fp || P_cache) in nats / token, when a reference was given
+    top1_agreement: float | None = None  # share of positions whose argmax matches the reference's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +73,8 @@ def perplexity(
     """Perplexity of ``model`` on token ids ``ids`` [N] in windows of ``context`` tokens (N // context windows).
 
     ``reference``: :func:`reference_logprobs` of the full-precision model on the same ``ids`` and ``context``;
-    when given, the result also carries the mean KL divergence from it over every position of every window.
+    when given, the result also carries the mean KL divergence from it over every position of every window and the
+    share of positions whose most likely next token agrees with it.
     """
     n_win = _windows(ids, context)
     if reference is not None and tuple(reference.shape[:2]) != (n_win, context):
@@ -82,7 +84,7 @@ def perplexity(
         )
     prepare_model(model)
     device = next(model.parameters()).device
-    total, count, kl_total = 0.0, 0, 0.0
+    total, count, kl_total, agree = 0.0, 0, 0.0, 0
     it = range(n_win)
     if progress:
         from tqdm.auto import tqdm
@@ -98,6 +100,9 @@ def perplexity(
             ref = reference[w].to(logits.device)  # [C, V]
             lq = logits[0].float().log_softmax(-1)
             kl_total += float((ref.exp() * (ref - lq)).sum())
+            agree += int((lq.argmax(-1) == ref.argmax(-1)).sum())
     mean = total / count
-    kl = kl_total / (n_win * context) if reference is not None else None
-    return PerplexityResult(cache.format, math.exp(mean), mean, count, context, n_win, kl)
+    kl = agree_share = None
+    if reference is not None:
+        kl, agree_share = kl_total / (n_win * context), agree / (n_win * context)
+    return PerplexityResult(cache.format, math.exp(mean), mean, count, context, n_win, kl, agree_share)
