@@ -141,7 +141,7 @@ def write(rows, ablation, args, quiet: bool = False) -> None:
 
     def line(r):
         cells = [f"{r['retrieval'][k][0]}/{r['retrieval'][k][1]}" if k in r.get("retrieval", {}) else "-" for k in keys]
-        kl = f"{1e3 * r['kl']:.3f}" if r.get("kl") is not None else "-"
+        kl = f"{max(1e3 * r['kl'], 0.0):.3f}" if r.get("kl") is not None else "-"  # -1e-9 rounding shows as 0
         return (f"| {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl'] / bf16 - 1):+.2f}% | {kl} | "
                 + " | ".join(cells) + " |")
 
