@@ -53,13 +53,20 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, maxnre
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def resources(k) -> str:
-    """Registers / stack / local memory / shared memory of a compiled kernel (``cuobjdump -res-usage``)."""
+def _cuobjdump(k, flag: str) -> str:
+    """Triton's bundled ``cuobjdump FLAG`` on a compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
-    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    try:
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(k) -> str:
+    """Registers / stack / local memory / shared memory of a compiled kernel (``cuobjdump -res-usage``)."""
+    out = _cuobjdump(k, "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if not m:
         return f"smem={k.metadata.shared} (no resource report)"
@@ -68,11 +75,7 @@ def resources(k) -> str:
 
 def sass_mix(k) -> str:
     """Static SASS instruction mix of the kernel's main (longest) loop: total, HMMA share and the top opcodes."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    sass = _cuobjdump(k, "-sass")
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--tag", default="smollm2")
+    ap.add_argument("--methods", default="rtn,smoothquant,quarot,quantmla", help="which methods' rows to run")
+    ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="CalibrationConfig fields over the preset, e.g. steps_content=100 train_seqs=16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -84,13 +87,16 @@ def main() -> None:
         cache = CacheSpec(fmt, sink, local)
         t0 = time.time()
         pr = perplexity(model, ppl_ids, context=args.ppl_context, cache=cache, reference=reference)
-        summary, _ = run_retrieval(model, tok, tasks=tuple(args.tasks.split(",")), lengths=lengths,
-                                   depths=(0.1, 0.5, 0.9), n_per_depth=args.samples, cache=cache, seed=0)
-        ret = {f"{t}@{n}": (v["correct"], v["n"]) for t, by in summary.items() for n, v in by.items()}
+        ret = {}
+        if args.tasks != "none":
+            summary, _ = run_retrieval(model, tok, tasks=tuple(args.tasks.split(",")), lengths=lengths,
+                                       depths=(0.1, 0.5, 0.9), n_per_depth=args.samples, cache=cache, seed=0)
+            ret = {f"{t}@{n}": (v["correct"], v["n"]) for t, by in summary.items() for n, v in by.items()}
         return {"ppl": pr.perplexity, "kl": pr.kl_to_reference, "retrieval": ret, "eval_s": time.time() - t0}
 
     def calibrated(fmt, method, overrides):
-        cfg = CalibrationConfig.preset(args.preset, method=method, device="cpu", progress=False, **overrides)
+        cfg = CalibrationConfig.preset(args.preset, method=method, device="cpu", progress=False,
+                                       **{**extra, **overrides})
         n = cfg.train_seqs + cfg.val_seqs
         calib = token_stream(tok, split="calibration", n_tokens=n * cfg.seq_len).view(n, cfg.seq_len)
         model = copy.deepcopy(base)
@@ -99,8 +105,15 @@ def main() -> None:
         return model, {"calib_s": time.time() - t0, "config": cfg.to_dict(), "summary": rep.summary()}
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    extra = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        extra[key] = type(getattr(CalibrationConfig(), key))(value)  # int / float / str like the field
     rows, ablation = [], []
+    methods = set(args.methods.split(","))
     for label, fmt, method, ov, (sink, local) in _rows_plan(formats):
+        if method is not None and method not in methods:
+            continue
         model, info = (base, {}) if method is None else calibrated(fmt, method, {"sink": sink, "local": local, **ov})
         res = {"label": label, "format": fmt, "method": method, **evaluate(model, fmt, sink, local), **info}
         rows.append(res)
@@ -124,6 +137,10 @@ def main() -> None:
             print(json.dumps({k: res[k] for k in ("label", "ppl", "retrieval")}), flush=True)
             write(rows, ablation, args, quiet=True)
     write(rows, ablation, args)
+
+
+def _overrides(args) -> str:
+    return " with " + " ".join(args.override) if getattr(args, "override", None) else ""
 
 
 def write(rows, ablation, args, quiet: bool = False) -> None:
@@ -151,7 +168,7 @@ def write(rows, ablation, args, quiet: bool = False) -> None:
           "",
           f"Perplexity: {args.ppl_tokens} tokens of the Shakespeare test split, context {args.ppl_context}. Retrieval: "
           f"exact-match correct / samples at {args.lengths} tokens (depths 0.1/0.5/0.9 x {args.samples}). Calibration"
-          f" preset `{args.preset}`; cache policy sink 4 / local 128 unless stated. Command: "
+          f" preset `{args.preset}`{_overrides(args)}; cache policy sink 4 / local 128 unless stated. Command: "
           f"`python benchmarks/quantmla_results.py`.", "", "## Methods", "", head]
     md += [line(r) for r in rows]
     if ablation:
