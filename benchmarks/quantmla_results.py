@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import torch
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="CalibrationConfig fields over the preset, e.g. steps_content=100 train_seqs=16")
     args = ap.parse_args()
+    args.command = "python benchmarks/quantmla_results.py " + " ".join(sys.argv[1:])
     torch.set_num_threads(args.threads)
     if args.quick:
         args.ppl_tokens, args.samples = 2048, 1
@@ -143,9 +145,13 @@ def _overrides(args) -> str:
     return " with " + " ".join(args.override) if getattr(args, "override", None) else ""
 
 
-def write(rows, ablation, args, quiet: bool = False) -> None:
+def write(rows, ablation, args, quiet: bool = False, stamp: tuple[str, str] | None = None) -> None:
+    """Write JSON + markdown; ``stamp`` = (date, commit) of the run when re-rendering an earlier result."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if stamp:
+        date, commit = stamp
+    meta = {"date": date, "commit": commit,
             "device": f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)",
             "torch": torch.__version__, "args": vars(args)}
     os.makedirs(RESULTS, exist_ok=True)
@@ -159,17 +165,19 @@ def write(rows, ablation, args, quiet: bool = False) -> None:
     def line(r):
         cells = [f"{r['retrieval'][k][0]}/{r['retrieval'][k][1]}" if k in r.get("retrieval", {}) else "-" for k in keys]
         kl = f"{max(1e3 * r['kl'], 0.0):.3f}" if r.get("kl") is not None else "-"  # -1e-9 rounding shows as 0
-        return (f"| {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl'] / bf16 - 1):+.2f}% | {kl} | "
-                + " | ".join(cells) + " |")
+        return f"| {r['label']} | {r['ppl']:.3f} | {100 * (r['ppl'] / bf16 - 1):+.2f}% | {kl} |" + "".join(
+            f" {c} |" for c in cells)
 
-    head = ("| configuration | ppl | vs BF16 | KL to full precision (1e-3 nats/token) | " + " | ".join(keys)
-            + " |\n|---|---|---|---|" + "---|" * len(keys))
+    head = "| configuration | ppl | vs BF16 | KL to full precision (1e-3 nats/token) |"
+    head += "".join(f" {k} |" for k in keys) + "\n|---|---|---|---|" + "---|" * len(keys)
+    retrieval = "not run." if args.tasks == "none" else (
+        f"exact-match correct / samples at {args.lengths} tokens (depths 0.1/0.5/0.9 x {args.samples}).")
+    command = getattr(args, "command", "python benchmarks/quantmla_results.py")
     md = [f"# QuantMLA vs baselines, converted SmolLM2-135M-MLA ({meta['date']}, commit {commit}, {meta['device']})",
           "",
-          f"Perplexity: {args.ppl_tokens} tokens of the Shakespeare test split, context {args.ppl_context}. Retrieval: "
-          f"exact-match correct / samples at {args.lengths} tokens (depths 0.1/0.5/0.9 x {args.samples}). Calibration"
-          f" preset `{args.preset}`{_overrides(args)}; cache policy sink 4 / local 128 unless stated. Command: "
-          f"`python benchmarks/quantmla_results.py`.", "", "## Methods", "", head]
+          f"Perplexity: {args.ppl_tokens} tokens of the Shakespeare test split, context {args.ppl_context}. "
+          f"Retrieval: {retrieval} Calibration preset `{args.preset}`{_overrides(args)}; cache policy sink 4 / "
+          f"local 128 unless stated. Command: `{command}`.", "", "## Methods", "", head]
     md += [line(r) for r in rows]
     if ablation:
         md += ["", "## Ablation at C4R4 (components added one at a time)", "", head]
