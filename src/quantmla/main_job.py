@@ -1,4 +1,4 @@
-"""``quantmla run``: the whole QuantMLA story on the embedded default, offline, on a CPU in about five minutes.
+"""``quantmla run``: the whole QuantMLA story on the embedded default, offline, on a CPU in about six minutes.
 
 1. Print the physical cache bytes of every format for DeepSeek-V2-Lite at 128K context.
 2. Load the embedded real MLA model (SmolLM2-135M converted to MLA by ``quantmla convert``, built offline from the
@@ -75,14 +75,14 @@ def score(model, ids, reference, fmt: str, context: int, policy) -> dict:
     from quantmla.eval.perplexity import perplexity
     from quantmla.eval.runtime import CacheSpec
     from quantmla.mla.spec import MLASpec
-    from quantmla.quant.formats import cache_bytes, get_format
+    from quantmla.quant.formats import cache_bytes
 
     t0 = time.perf_counter()
     r = perplexity(model, ids, context=context, cache=CacheSpec(fmt, policy.sink, policy.local), reference=reference)
     spec = MLASpec.from_config(model.config)
     kw = dict(kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, num_layers=spec.num_cache_layers,
               context=context, policy=policy)  # fmt: skip
-    phys = cache_bytes(get_format(fmt).adapted(spec.kv_lora_rank, spec.qk_rope_head_dim), **kw).total
+    phys = cache_bytes(fmt, **kw).total  # cache_bytes adapts the groups to the model's widths, as the cache does
     return {
         "format": fmt,
         "perplexity": r.perplexity,

@@ -321,6 +321,7 @@ def _decode_kernel(
     tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
 
 
+@triton.constexpr_function  # evaluated at compile time on constexpr arguments (also callable from host code)
 def _asm_words(mask: int, odd: bool) -> str:
     """PTX: 2 int16 words ($1) -> 2 fp16 ``0x6400 | (byte & mask)`` of their low (even) or high (odd) bytes in $0."""
     k = 0xFF00FF00 | mask | (mask << 16)
@@ -328,15 +329,6 @@ def _asm_words(mask: int, odd: bool) -> str:
     if mask == 0xFF:
         return f"prmt.b32 $0, $1, 0x64646464, {sel:#x};"
     return f"{{ .reg .b32 t; prmt.b32 t, $1, 0x64646464, {sel:#x}; and.b32 $0, t, {k:#x}; }}"
-
-
-# one constexpr per bit field (Triton needs the asm text as a compile-time constant)
-_AWE_03, _AWE_0C, _AWE_30, _AWE_C0, _AWE_0F, _AWE_F0, _AWE_FF = (
-    tl.constexpr(_asm_words(m, False)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
-)
-_AWO_03, _AWO_0C, _AWO_30, _AWO_C0, _AWO_0F, _AWO_F0, _AWO_FF = (
-    tl.constexpr(_asm_words(m, True)) for m in (0x03, 0x0C, 0x30, 0xC0, 0x0F, 0xF0, 0xFF)
-)
 
 
 @triton.jit
@@ -350,36 +342,7 @@ def _codes_words(wd, ODD: tl.constexpr, SH: tl.constexpr, BITS: tl.constexpr, AS
     ``ASM`` (the interpreter) the same value from integer ops."""
     MASK: tl.constexpr = ((1 << BITS) - 1) << SH
     if ASM:
-        if ODD:
-            if MASK == 0x03:
-                return tl.inline_asm_elementwise(_AWO_03, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x0C:
-                return tl.inline_asm_elementwise(_AWO_0C, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x30:
-                return tl.inline_asm_elementwise(_AWO_30, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0xC0:
-                return tl.inline_asm_elementwise(_AWO_C0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x0F:
-                return tl.inline_asm_elementwise(_AWO_0F, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0xF0:
-                return tl.inline_asm_elementwise(_AWO_F0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(_AWO_FF, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            if MASK == 0x03:
-                return tl.inline_asm_elementwise(_AWE_03, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x0C:
-                return tl.inline_asm_elementwise(_AWE_0C, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x30:
-                return tl.inline_asm_elementwise(_AWE_30, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0xC0:
-                return tl.inline_asm_elementwise(_AWE_C0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0x0F:
-                return tl.inline_asm_elementwise(_AWE_0F, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            elif MASK == 0xF0:
-                return tl.inline_asm_elementwise(_AWE_F0, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise(_AWE_FF, "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(_asm_words(MASK, ODD), "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
     else:
         if ODD:
             return _magic((wd >> 8) & 0xFF, MASK)
