@@ -79,10 +79,11 @@ def _run_unit(unit: dict) -> dict:
 
 def prepare_models(a, names: set[str]) -> tuple[dict[str, str], dict]:
     """Paths of the wanted models (converting / healing as needed) and the healing reports."""
+    from quantmla.data.corpus import cache_root
     from quantmla.models.convert import ConvertConfig, converted_model_dir, source_model_dir
     from quantmla.models.heal import HealConfig, heal_smollm2
 
-    cache = os.environ.get("QUANTMLA_CACHE") or os.path.expanduser("~/.cache/quantmla")
+    cache = cache_root()
     paths, heal = {}, {}
     if "smollm2-gqa" in names:
         paths["smollm2-gqa"] = source_model_dir("smollm2")

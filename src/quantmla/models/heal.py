@@ -14,7 +14,7 @@ Two ways to train the latent path:
 - ``rank=r``: the projections stay frozen and learn a low-rank delta ``W + B @ A`` (``A`` [r, in], ``B``
   [out, r]; LoRA-style), the latent norm gains train fully. Only the delta is stored
   (:func:`save_heal_delta`, BF16 safetensors, ~10 MB at r = 32 for SmolLM2) and applied to a fresh variant-b
-  conversion by :func:`apply_heal_delta`, so the healed model ships with the package
+  conversion by :func:`merge_heal_delta`, so the healed model ships with the package
   (:func:`quantmla.models.convert.load_healed`).
 
 Run it with ``python -m quantmla.models.heal --out DIR [--rank 32 --delta FILE]`` (a GPU makes it a matter of a
@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.utils import parametrize
 
-TRAINABLE = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj")
+PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the linear maps of the latent path
+TRAINABLE = (*PROJECTIONS, "kv_a_layernorm")  # ... and the latent norm: what healing trains
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,6 @@ class HealConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the linear maps of the latent path
 
 
 class LowRankDelta(torch.nn.Module):
