@@ -198,3 +198,23 @@ def test_tiled_rope_frequencies():
     assert cfg.first_k_dense_replace == 1 and cfg.num_mtp_layers == 0
     with pytest.raises(ValueError, match="rope_frequency_dim"):
         QuantMLAConfig(qk_rope_head_dim=16, rope_frequency_dim=6)
+
+
+def test_model_dir_writes_are_atomic_and_guarded(tmp_path):
+    class Broken:
+        def save_pretrained(self, path):
+            open(os.path.join(path, "half-written.bin"), "w").close()
+            raise OSError("disk full")
+
+    final = str(tmp_path / "models" / "m")
+    with pytest.raises(OSError, match="disk full"):
+        cv.save_model_dir(final, Broken(), None, {"x": 1})
+    assert os.listdir(tmp_path / "models") == []  # no final folder, no temp folder left behind
+    os.makedirs(final)
+    with pytest.raises(FileExistsError, match="not a quantmla model folder"):
+        cv.reusable_model_dir(final, force=False)
+    assert cv.reusable_model_dir(final, force=True) is False
+    cv.save_model_dir(final, tiny_llama(), None, {"x": 2}, force=True)
+    assert cv.reusable_model_dir(final, force=False) is True
+    with open(os.path.join(final, cv.MARKER)) as f:
+        assert json.load(f) == {"x": 2}

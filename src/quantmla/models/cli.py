@@ -48,7 +48,7 @@ def add_convert_args(subparsers) -> argparse.ArgumentParser:
 
 
 def run_convert(args) -> int:
-    from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+    from quantmla.models.convert import MARKER, ConvertConfig, converted_model_dir, healed_model_dir
 
     if args.healed or args.heal_delta:
         if args.source != "smollm2" or args.variant != "b" or args.rope_dim or args.latent_multiple != 128:
@@ -69,7 +69,7 @@ def run_convert(args) -> int:
         dtype=args.dtype,
     )
     out = converted_model_dir(args.source, cc, out=args.out, force=args.force)
-    with open(os.path.join(out, "quantmla_conversion.json")) as f:
+    with open(os.path.join(out, MARKER)) as f:
         rep = json.load(f)
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)

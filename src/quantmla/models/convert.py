@@ -136,6 +136,39 @@ def _atomic_dir(final: str):
     return tmp, commit
 
 
+MARKER = "quantmla_conversion.json"  # written last into every model folder quantmla builds
+
+
+def reusable_model_dir(final: str, force: bool) -> bool:
+    """True when ``final`` holds a finished model folder to reuse (and not ``force``); raises when ``final`` is
+    something else and would be overwritten without ``force``."""
+    done = os.path.isfile(os.path.join(final, MARKER))
+    if done and not force:
+        return True
+    if os.path.exists(final) and not done and not force:
+        raise FileExistsError(f"{final} exists and is not a quantmla model folder; pass force=True / --force")
+    return False
+
+
+def save_model_dir(final: str, model, tokenizer, record: dict, *, force: bool = False, marker: str = MARKER) -> str:
+    """Write ``model`` + ``tokenizer`` + ``record`` (as the ``marker`` JSON) to a temp folder next to ``final``,
+    then rename it into place (an existing ``final`` is replaced only with ``force``). A failure leaves nothing."""
+    tmp, commit = _atomic_dir(final)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, marker), "w") as fh:
+            json.dump(record, fh, indent=1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final) and force:
+        shutil.rmtree(final)
+    commit()
+    return final
+
+
 def source_model_dir(source: str = SMOLLM2) -> str:
     """A local transformers checkpoint directory for ``source`` (``"smollm2"`` or a directory).
 
@@ -165,13 +198,8 @@ def source_model_dir(source: str = SMOLLM2) -> str:
         cfg.pop(k, None)
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    tmp, commit = _atomic_dir(final)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "quantmla_source.json"), "w") as fh:
-        json.dump({"source": SMOLLM2, "gguf": _file_digest(gguf_path), "dequantized_from": "Q4_1"}, fh, indent=1)
-    commit()
-    return final
+    record = {"source": SMOLLM2, "gguf": _file_digest(gguf_path), "dequantized_from": "Q4_1"}
+    return save_model_dir(final, plain, tok, record, marker="quantmla_source.json")
 
 
 def load_source(source: str = SMOLLM2):
@@ -499,28 +527,15 @@ def converted_model_dir(
     ``<cache>/models/<conversion_key>``). Returns the directory; a cached result is reused unless ``force``.
     Written to a temp folder first, then renamed."""
     final = out or os.path.join(cache_root(), "models", conversion_key(source, cc))
-    marker = os.path.join(final, "quantmla_conversion.json")
-    if os.path.isfile(marker) and not force:
+    if reusable_model_dir(final, force):
         return final
-    if os.path.exists(final) and not os.path.isfile(marker):
-        if not force:
-            raise FileExistsError(f"{final} exists and is not a quantmla conversion; pass force=True / --force")
     if progress:
         print(f"quantmla: converting {source} -> {final}", flush=True)
     model, tok = load_source(source)
     new, report = convert_model(model, tok, cc)
     new = new.to(getattr(torch, cc.dtype))
-    tmp, commit = _atomic_dir(final)
-    new.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "quantmla_conversion.json"), "w") as fh:
-        json.dump(
-            {"source": source, "config": cc.to_dict(), "converter_version": CONVERTER_VERSION, **report}, fh, indent=1
-        )
-    if os.path.exists(final) and force:
-        shutil.rmtree(final)
-    commit()
-    return final
+    record = {"source": source, "config": cc.to_dict(), "converter_version": CONVERTER_VERSION, **report}
+    return save_model_dir(final, new, tok, record, force=force)
 
 
 def load_converted(source: str = SMOLLM2, cc: ConvertConfig = ConvertConfig(), dtype=torch.float32):
@@ -561,11 +576,8 @@ def healed_model_dir(delta_path: str | None = None, *, out: str | None = None, f
     final = out or os.path.join(
         cache_root(), "models", f"{conversion_key(SMOLLM2, base_cc)}-healed-{h.hexdigest()[:8]}"
     )
-    marker = os.path.join(final, "quantmla_conversion.json")
-    if os.path.isfile(marker) and not force:
+    if reusable_model_dir(final, force):
         return final
-    if os.path.exists(final) and not os.path.isfile(marker) and not force:
-        raise FileExistsError(f"{final} exists and is not a quantmla conversion; pass force=True / --force")
     base = converted_model_dir(SMOLLM2, base_cc)
     if meta.get("base_conversion") not in (None, os.path.basename(base)):
         warnings.warn(
@@ -575,15 +587,8 @@ def healed_model_dir(delta_path: str | None = None, *, out: str | None = None, f
         )
     model, tok = load_model(base)
     merge_heal_delta(model, delta)
-    tmp, commit = _atomic_dir(final)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "quantmla_conversion.json"), "w") as fh:
-        json.dump({"base": os.path.basename(base), "delta": os.path.basename(delta_path), "heal": meta}, fh, indent=1)
-    if os.path.exists(final) and force:
-        shutil.rmtree(final)
-    commit()
-    return final
+    record = {"base": os.path.basename(base), "delta": os.path.basename(delta_path), "heal": meta}
+    return save_model_dir(final, model, tok, record, force=force)
 
 
 def load_healed(delta_path: str | None = None, dtype=torch.float32):

@@ -160,8 +160,13 @@ def save_heal_delta(delta: dict[str, torch.Tensor], path: str, meta: dict, *, fo
     if os.path.exists(path) and not force:
         raise FileExistsError(f"{path} exists; pass --force to overwrite")
     tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(delta, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
-    os.replace(tmp, path)
+    try:
+        save_file(delta, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return path
 
 
@@ -261,10 +266,14 @@ def heal_smollm2(
     """Convert SmolLM2 to variant b, heal it against the original; save the model to ``out`` (a folder, written
     to a temp folder and renamed) and, with ``cfg.rank > 0``, the delta to ``delta_path``. Returns
     (healed model, tokenizer, report)."""
-    import shutil
-    import tempfile
-
-    from quantmla.models.convert import ConvertConfig, conversion_key, converted_model_dir, load_model, load_source
+    from quantmla.models.convert import (
+        ConvertConfig,
+        conversion_key,
+        converted_model_dir,
+        load_model,
+        load_source,
+        save_model_dir,
+    )
 
     for path in (out, delta_path):
         if path and os.path.exists(path) and not force:
@@ -299,20 +308,7 @@ def heal_smollm2(
     if delta_path:
         save_heal_delta(delta, delta_path, report, force=force)
     if out:
-        parent = os.path.dirname(os.path.abspath(out))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-heal-", dir=parent)
-        try:
-            student.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            with open(os.path.join(tmp, "quantmla_conversion.json"), "w") as f:
-                json.dump(report, f, indent=1)
-            if os.path.exists(out):
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        save_model_dir(os.path.abspath(out), student, tok, report, force=True)  # existence checked above
     return student, tok, report
 
 
