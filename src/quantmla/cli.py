@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     _optional(sub, "quantmla.eval.cli", "add_eval_args")
     _optional(sub, "quantmla.calibrate.cli", "add_calibrate_args")
     _optional(sub, "quantmla.analysis.cli", "add_analyze_args")
+    _optional(sub, "quantmla.calibrate.stream_cli", "add_stream_args")  # calibrate-stream, merge
+    _optional(sub, "quantmla.analysis.allocate_cli", "add_allocate_args")
     return p
 
 
