@@ -71,6 +71,8 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
         return f"content bits must be 2, 4 or 8 and RoPE bits 4 or 8 (got C{c.bits}R{r.bits})"
     if c.group_size % sub:
         return f"content group_size {c.group_size} must be a multiple of kv_lora_rank/4 = {sub}"
+    if c.bits < 8 and c.group_size != sub and c.group_size * c.bits // 8 < sub:
+        return f"content group_size {c.group_size} must be kv_lora_rank/4 = {sub} or at least {sub * 8 // c.bits}"
     rw = rope_dim * r.bits // 8
     if r.group_size % rw or rw < 16:
         return f"RoPE group_size {r.group_size} must be a multiple of the RoPE plane width {rw} (>= 16)"
@@ -113,14 +115,12 @@ def decode_attention(
     impl: str = "auto",
     num_splits: int | None = None,
     return_lse: bool = False,
-    variant: str | None = None,
 ):
     """Decode attention over a :class:`~quantmla.kernels.paged.PagedMLACache`.
 
     ``q_lat [B, H, Dc]`` (absorbed query, latent part), ``q_pe [B, H, Dr]`` (rotated RoPE part) ->
     ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]`` natural log when ``return_lse``). ``num_splits``: split-K
-    factor for the Triton kernel (default: a heuristic that fills the GPU). ``variant``: the Triton kernel for
-    packed pages, ``"base"`` or ``"splitd"`` (default: env ``QUANTMLA_DECODE_VARIANT``, else ``"base"``)."""
+    factor (default: a heuristic that fills the GPU)."""
     which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout)
     if which == "torch":
         from quantmla.kernels.reference import decode_attention_torch
@@ -129,7 +129,7 @@ def decode_attention(
     from quantmla.kernels.triton_decode import decode_attention_triton
 
     return decode_attention_triton(
-        q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse, variant=variant
+        q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse
     )
 
 

@@ -12,6 +12,12 @@ and is padded to one), for a format with content spec ``Sc`` (width ``Dc``) and 
 
     [ content codes  P x Cb  uint8 ]  token-major: row t = the Cb packed bytes of token t
     [ RoPE codes     P x Rb  uint8 ]  token-major, Rb bytes per token
+
+Within a token row the codes are packed *grouped planar* (:func:`quantmla.quant.packing.pack` with
+``group`` = the path's quantization group): each quantization group owns ``G * bits / 8`` consecutive
+bytes, and byte ``j`` of group ``g`` holds channel ``g*G + j + p*G*bits/8`` in bits ``[p*bits, (p+1)*bits)``.
+So every 16-byte chunk of a row belongs to one group (what the CUDA decode kernel needs to give each warp one
+group); for the RoPE path (one group of 64) and for 8-bit codes this is the plain planar packing.
     [ meta           M x P   fp16  ]  group-major: row r = one scale (or offset) for each of the P tokens
 
 ``Cb = Dc * bits_c / 8`` (planar packing of :mod:`quantmla.quant.packing`; ``Dc * 2`` BF16 bytes when the
@@ -374,7 +380,7 @@ class PagedMLACache:
         if spec.scale_dtype != "fp16":
             raise NotImplementedError("the paged layout stores fp16 scales; QuantSpec.scale_dtype must be 'fp16'")
         codes, scale, offset = quantize_codes(x, spec)  # [k, D] uint8, [k, G], [k, G]
-        region[pages, slots] = pack(codes, spec.bits)
+        region[pages, slots] = pack(codes, spec.bits, spec.group_size)
         meta = self._meta()
         r_s, r_o, g = self._meta_rows_of(which)
         rows = torch.arange(g, device=self.device)
@@ -395,7 +401,7 @@ class PagedMLACache:
             if spec is None:
                 out.append(raw.contiguous().view(torch.bfloat16).float())
                 continue
-            codes = unpack(raw, spec.bits, width)
+            codes = unpack(raw, spec.bits, width, spec.group_size)
             meta = self._meta()
             r_s, r_o, g = self._meta_rows_of(which)
             rows = torch.arange(g, device=self.device)

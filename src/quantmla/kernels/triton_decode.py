@@ -25,10 +25,6 @@ each tile through shared memory, per-token scaling), not by memory, and reach on
 Symmetric specs use ``mo = -(1024 + 2^(bits-1) * 2^sh)``. Content is processed as four sub-tiles of
 ``Dc / 4`` channels (each inside one quantization group), RoPE as its bit planes.
 
-``_splitd_kernel`` (``variant="splitd"``, not the default) is a second packed-page kernel that splits the latent
-across warps instead of the tokens, reads the codes as 16-bit words and unpacks them with PTX ``prmt``/``and``; see
-its docstring and docs/kernels.md for the design and its offline instruction counts.
-
 Import this module only when the Triton path is wanted: it imports triton.
 """
 
@@ -49,6 +45,36 @@ LN2 = tl.constexpr(0.6931471805599453)  # a constexpr global: usable inside @tri
 def _magic(b16, MASK: tl.constexpr):
     """int16 bytes -> fp16 ``1024 + (byte & MASK)`` (exact)."""
     return ((b16 & MASK) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _grouped_codes(a, BITS: tl.constexpr):
+    """int16 bytes ``[N, GB]`` of one quantization group (grouped planar packing) -> fp16 ``[N, GB * 8 / BITS]``
+    ``1024 + code``, in the order of :func:`_group_perm` (4 bit: position ``2m + f`` = field ``f`` of byte ``m``;
+    2 bit: position ``4m + 2x + y`` = field ``2y + x``)."""
+    M: tl.constexpr = (1 << BITS) - 1
+    if BITS == 4:
+        lo = ((a & M) | 0x6400).to(tl.float16, bitcast=True)
+        hi = (((a >> 4) & M) | 0x6400).to(tl.float16, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), [a.shape[0], a.shape[1] * 2])
+    f0 = ((a & M) | 0x6400).to(tl.float16, bitcast=True)
+    f1 = (((a >> 2) & M) | 0x6400).to(tl.float16, bitcast=True)
+    f2 = (((a >> 4) & M) | 0x6400).to(tl.float16, bitcast=True)
+    f3 = (((a >> 6) & M) | 0x6400).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(tl.join(f0, f1), tl.join(f2, f3)), [a.shape[0], a.shape[1] * 4])
+
+
+@triton.jit
+def _group_perm(SUB: tl.constexpr, BITS: tl.constexpr):
+    """Channel (within its group of ``SUB``) at each position of :func:`_grouped_codes`' output (identity for
+    8-bit codes)."""
+    k = tl.arange(0, SUB)
+    if BITS == 4:
+        return k // 2 + (SUB // 2) * (k % 2)
+    if BITS == 2:
+        r = k % 4
+        return k // 4 + (SUB // 4) * (2 * (r % 2) + r // 2)
+    return k
 
 
 @triton.jit
@@ -122,25 +148,29 @@ def _packed_tile(
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
-    elif CBITS == 4:
-        a0 = tl.load(cptr).to(tl.int16)
-        a1 = tl.load(cptr + SUB).to(tl.int16)
-        k0 = _magic(a0, 0x0F)
-        k1 = _magic(a1, 0x0F)
-        k2 = _magic(a0, 0xF0)
-        k3 = _magic(a1, 0xF0)
+    elif SUB == CG:  # grouped planar packing, sub-tile i = group i = GB bytes, fields in _group_perm order
+        GB: tl.constexpr = SUB * CBITS // 8
+        gptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, GB)[None, :]  # [BLOCK_N, GB]
+        k0 = _grouped_codes(tl.load(gptr).to(tl.int16), CBITS)
+        k1 = _grouped_codes(tl.load(gptr + GB).to(tl.int16), CBITS)
+        k2 = _grouped_codes(tl.load(gptr + 2 * GB).to(tl.int16), CBITS)
+        k3 = _grouped_codes(tl.load(gptr + 3 * GB).to(tl.int16), CBITS)
         SH1: tl.constexpr = 0
-        SH2: tl.constexpr = 4
-        SH3: tl.constexpr = 4
-    else:
-        a0 = tl.load(cptr).to(tl.int16)
-        k0 = _magic(a0, 0x03)
-        k1 = _magic(a0, 0x0C)
-        k2 = _magic(a0, 0x30)
-        k3 = _magic(a0, 0xC0)
-        SH1: tl.constexpr = 2
-        SH2: tl.constexpr = 4
-        SH3: tl.constexpr = 6
+        SH2: tl.constexpr = 0
+        SH3: tl.constexpr = 0
+    else:  # groups of >= SUB * 8 / CBITS channels: each sub-tile is one bit field of SUB consecutive bytes
+        GB: tl.constexpr = CG * CBITS // 8  # bytes per group = width of a plane within the group
+        M: tl.constexpr = (1 << CBITS) - 1
+        F1: tl.constexpr = (SUB % CG) // GB
+        F2: tl.constexpr = ((2 * SUB) % CG) // GB
+        F3: tl.constexpr = ((3 * SUB) % CG) // GB
+        k0 = _magic(tl.load(cptr).to(tl.int16), M)
+        k1 = _magic(tl.load(cptr + (SUB // CG) * GB + (SUB % CG) % GB).to(tl.int16), M << (CBITS * F1))
+        k2 = _magic(tl.load(cptr + (2 * SUB // CG) * GB + (2 * SUB % CG) % GB).to(tl.int16), M << (CBITS * F2))
+        k3 = _magic(tl.load(cptr + (3 * SUB // CG) * GB + (3 * SUB % CG) % GB).to(tl.int16), M << (CBITS * F3))
+        SH1: tl.constexpr = CBITS * F1
+        SH2: tl.constexpr = CBITS * F2
+        SH3: tl.constexpr = CBITS * F3
     s0, mo0 = _scale_pair(mptr, rows, valid, CSROW, COROW, CSYM, CBITS, 0, P)
     s1, mo1 = _scale_pair(mptr, rows, valid, CSROW + SUB // CG, COROW + SUB // CG, CSYM, CBITS, SH1, P)
     s2, mo2 = _scale_pair(mptr, rows, valid, CSROW + 2 * SUB // CG, COROW + 2 * SUB // CG, CSYM, CBITS, SH2, P)
@@ -230,7 +260,10 @@ def _decode_kernel(
     n = tl.load(LENS + b)
     hs = tl.arange(0, BLOCK_H)
     hm = hs < H
-    cs = tl.arange(0, SUB)[None, :]
+    if QUANT and CG == SUB:  # the packed sub-tiles hold their group's channels in _group_perm order
+        cs = _group_perm(SUB, CBITS)[None, :]
+    else:
+        cs = tl.arange(0, SUB)[None, :]
     qb = QL + b.to(tl.int64) * stride_qlb + hs[:, None] * stride_qlh + cs
     q0 = tl.load(qb, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale  # [BLOCK_H, SUB]
     q1 = tl.load(qb + SUB, mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
@@ -319,251 +352,6 @@ def _decode_kernel(
     tl.store(ob + SUB, (o1 + f1[:, None]) * inv_l[:, None], mask=hm[:, None])
     tl.store(ob + 2 * SUB, (o2 + f2[:, None]) * inv_l[:, None], mask=hm[:, None])
     tl.store(ob + 3 * SUB, (o3 + f3[:, None]) * inv_l[:, None], mask=hm[:, None])
-
-
-@triton.constexpr_function  # evaluated at compile time on constexpr arguments (also callable from host code)
-def _asm_words(mask: int, odd: bool) -> str:
-    """PTX: 2 int16 words ($1) -> 2 fp16 ``0x6400 | (byte & mask)`` of their low (even) or high (odd) bytes in $0."""
-    k = 0xFF00FF00 | mask | (mask << 16)
-    sel = 0x4341 if odd else 0x4240
-    if mask == 0xFF:
-        return f"prmt.b32 $0, $1, 0x64646464, {sel:#x};"
-    return f"{{ .reg .b32 t; prmt.b32 t, $1, 0x64646464, {sel:#x}; and.b32 $0, t, {k:#x}; }}"
-
-
-@triton.jit
-def _codes_words(wd, ODD: tl.constexpr, SH: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """int16 words (two code bytes: even channel low, odd channel high) -> fp16 ``1024 + c * 2^SH`` of the bit
-    field at ``SH`` of the ``ODD`` byte (exact).
-
-    ``ASM``: per two words one ``prmt`` (the chosen bytes under the fp16 exponent byte 0x64 of 1024; ptxas shares it
-    between the fields of a byte) and one ``and`` (the field's bits), ~0.75 instructions per 4-bit code; Triton's
-    lowering of the equivalent integer ops spends ~2 per code (a byte extract and a pack per element). Without
-    ``ASM`` (the interpreter) the same value from integer ops."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
-    if ASM:
-        return tl.inline_asm_elementwise(_asm_words(MASK, ODD), "=r,r", [wd], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        if ODD:
-            return _magic((wd >> 8) & 0xFF, MASK)
-        else:
-            return _magic(wd, MASK)
-
-
-@triton.jit
-def _meta_rows(mptr, row2, n2, valid2, P: tl.constexpr):
-    """fp32 [NB, 1, BN]: meta row ``row2[j]`` of the tile's tokens, 0 for invalid ones (masked: an unmasked load
-    gets pipelined through shared memory with one cp.async per element, more instructions in all)."""
-    return tl.load(mptr + row2 * P + n2, mask=valid2, other=0.0).to(tl.float32)[:, None, :]
-
-
-@triton.jit
-def _splitd_q(qb, hm3, qk_scale, ones):
-    """q of one field's chunks, even and odd channels (fp16, scaled) and their total row sums [NB, BH, 1]."""
-    qe = (tl.load(qb, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    qo = (tl.load(qb + 1, mask=hm3, other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
-    return qe, qo, _qsum(qe, ones) + _qsum(qo, ones)
-
-
-@triton.jit
-def _qsum(q, ones):
-    """[NB, BH, 1] row sums of fp16 ``q`` through a tensor-core product, so that they come out in the layout of
-    the score products (a plain ``tl.sum`` leaves them in the load layout and costs a layout conversion of every
-    [NB, BH, BN] bias tile)."""
-    return tl.max(tl.dot(q, ones), axis=2)[:, :, None]
-
-
-@triton.jit
-def _splitd_field_score(acc, qe, qo, qsf, wt, mptr, row2, n2, valid2, FIELD: tl.constexpr, BITS: tl.constexpr,
-                        SYM: tl.constexpr, SROW: tl.constexpr, OROW: tl.constexpr, P: tl.constexpr,
-                        ASM: tl.constexpr):  # fmt: skip
-    """Score contribution of one bit field of the content codes: ``acc [NB, BH, BN] += s' d + qsum (m - 1024 s')``
-    with ``d = q . k`` over raw codes ``k = 1024 + c 2^sh``. ``wt [NB, W/2, BN]``: channel-major int16 words (byte
-    pairs = channels 2c, 2c+1), so the even and odd channels are two products with 16-bit operands (no register
-    shuffles of q; bytes would force 4-wide operand fragments). Returns (acc, s', m) for the output product."""
-    SH: tl.constexpr = FIELD * BITS
-    s = _meta_rows(mptr, SROW + row2, n2, valid2, P)  # [NB, 1, BN]
-    if SYM:
-        m = s * (-(1 << (BITS - 1)))
-    else:
-        m = _meta_rows(mptr, OROW + row2, n2, valid2, P)
-    s = s * (1.0 / (1 << SH))
-    d = tl.dot(qe, _codes_words(wt, False, SH, BITS, ASM))
-    d = tl.dot(qo, _codes_words(wt, True, SH, BITS, ASM), d)  # [NB, BH, BN] fp32
-    acc = acc + d * s + qsf * (m - 1024.0 * s)
-    return acc, s, m
-
-
-@triton.jit
-def _splitd_field_out(
-    oe, oo, f, p3, alpha3, alpha2, wd, FIELD: tl.constexpr, BITS: tl.constexpr, s, m, ASM: tl.constexpr
-):
-    """Output contribution of one field: ``o += (p s') . c`` (fp16 operands, fp32 accumulation in the tensor-core
-    accumulator) and the offset term ``f += sum_n p m``.
-
-    The codes enter the product as exact small integers ``c * 2^sh`` (the unpacked ``1024 + c * 2^sh`` minus 1024 in
-    fp16, exact): a 1024 bias left in the operand would be accumulated over the whole split and cancelled only at
-    the end, and the H200's tensor-core fp32 accumulation lost it (relative error growing with the tokens per
-    split: 3e-3 at 1K, 2e-2 at 7.7K, b32 x 128K C4R4, 2026-11-30).
-
-    ``wd [NB, BN, W/2]`` int16 words = byte pairs (channels 2c, 2c+1): 16-bit elements let the tensor-core operand
-    be read transposed from shared memory (ldmatrix.trans; bytes would be gathered one by one), so the even and
-    odd channels are two products ``oe``, ``oo`` of width W/2."""
-    SH: tl.constexpr = FIELD * BITS
-    pw = (p3 * s).to(tl.float16)  # [NB, BH, BN]
-    oe = tl.dot(pw, _codes_words(wd, False, SH, BITS, ASM) - 1024.0, oe * alpha3)
-    oo = tl.dot(pw, _codes_words(wd, True, SH, BITS, ASM) - 1024.0, oo * alpha3)
-    f = f * alpha2 + tl.sum(p3 * m, axis=2)
-    return oe, oo, f
-
-
-@triton.jit(do_not_specialize=["PPS", "NS_TOTAL"])  # one compile per format across shapes
-def _splitd_kernel(
-    QL, QP, POOL8, POOL16, BT, LENS, PO, PL, qk_scale,
-    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_bt,
-    H, PPS, NS_TOTAL,
-    PAGE_BYTES: tl.constexpr, C_OFF: tl.constexpr, R_OFF: tl.constexpr, M_OFF: tl.constexpr,
-    P: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
-    NB: tl.constexpr,
-    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
-    RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
-    SINK: tl.constexpr, LOCAL: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """Packed pages, "split-D" variant (``variant="splitd"``, docs/kernels.md): the latent is cut into ``NB`` chunks
-    per bit field, the batch entries of 3-D ``tl.dot`` s (the warps split chunks x tokens), so every warp keeps its
-    slice of q and of the output in registers, unpacks only its chunk's codes, applies scales on the [BH, BN]
-    products and reduces the offset terms within its chunk. The partial scores are summed over the chunks (one
-    cross-warp sum per tile); the softmax of the tile is computed per chunk (redundantly).
-
-    Content bytes of a token: ``CB = DC * CBITS / 8``; chunk ``j`` of field ``f`` = channels ``f * CB + j * W ..
-    + W`` (``W = CB / NB``) = bit field ``f`` of bytes ``j * W .. + W``, read as int16 words (even / odd channels).
-    RoPE: entry ``e`` = dims ``e * DRE .. + DRE`` (``DRE = DR / NB``)."""
-    F: tl.constexpr = 8 // CBITS
-    CB: tl.constexpr = DC * CBITS // 8
-    W: tl.constexpr = CB // NB
-    RB: tl.constexpr = DR * RBITS // 8
-    DRE: tl.constexpr = DR // NB
-    b = tl.program_id(0)
-    sp = tl.program_id(1)
-    n = tl.load(LENS + b)
-    j3 = tl.arange(0, NB)[:, None, None]  # batch entry (chunk)
-    h3 = tl.arange(0, BLOCK_H)[None, :, None]
-    hm3 = h3 < H
-    c3 = tl.arange(0, W // 2)[None, None, :]
-    qb = QL + b.to(tl.int64) * stride_qlb + h3 * stride_qlh + j3 * W + 2 * c3  # [NB, BH, W/2] even channels
-    ones = tl.full([NB, W // 2, BLOCK_N], 1.0, dtype=tl.float16)  # N = BLOCK_N: the layout of the score products
-    e0, d0, qs0 = _splitd_q(qb, hm3, qk_scale, ones)
-    o0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)  # even channels of field 0 (u0: odd)
-    u0 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-    f0 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)  # sum_n p m (per chunk)
-    if F >= 2:
-        e1, d1, qs1 = _splitd_q(qb + CB, hm3, qk_scale, ones)
-        o1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        u1 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        f1 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
-    if F >= 4:
-        e2, d2, qs2 = _splitd_q(qb + 2 * CB, hm3, qk_scale, ones)
-        e3, d3, qs3 = _splitd_q(qb + 3 * CB, hm3, qk_scale, ones)
-        o2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        u2 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        o3 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        u3 = tl.zeros([NB, BLOCK_H, W // 2], dtype=tl.float32)
-        f2 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
-        f3 = tl.zeros([NB, BLOCK_H], dtype=tl.float32)
-    # RoPE entry e: dims e*DRE.., bit field (e*DRE) // RB of bytes (e*DRE) % RB.., group (e*DRE) // RG
-    ei3 = tl.arange(0, NB)[:, None, None]
-    dr3 = tl.arange(0, DRE)[None, None, :]
-    qr = tl.load(QP + b.to(tl.int64) * stride_qpb + h3 * stride_qph + ei3 * DRE + dr3, mask=hm3, other=0.0)
-    qr = (qr.to(tl.float32) * qk_scale).to(tl.float16)  # [NB, BH, DRE]
-    qsr = _qsum(qr, tl.full([NB, DRE, BLOCK_N], 1.0, dtype=tl.float16))
-    rsh3 = ((ei3 * DRE) // RB) * RBITS  # [NB, 1, 1] bit shift of the entry's codes
-    rmask3 = (((1 << RBITS) - 1) << rsh3).to(tl.int16)
-    rinv3 = tl.exp2(-rsh3.to(tl.float32))
-    rbyte3 = (ei3 * DRE) % RB + tl.arange(0, DRE)[None, :, None]  # [NB, DRE, 1]
-    rrow2 = (tl.arange(0, NB)[:, None] * DRE) // RG
-    crow2 = tl.arange(0, NB)[:, None] * W // CG  # content group of chunk j in field 0 (field f adds f * CB // CG)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    lo = SINK
-    hi = tl.maximum(n - LOCAL, SINK)
-    pg0 = lo // P + sp * PPS
-    pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
-    for pg in range(pg0, pg1):
-        page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
-        base8 = POOL8 + page * PAGE_BYTES
-        mptr = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2
-        for sb in tl.static_range(P // BLOCK_N):
-            rows = sb * BLOCK_N + tl.arange(0, BLOCK_N)
-            pos = pg * P + rows
-            valid = (pos >= lo) & (pos < hi)
-            n2 = rows[None, :]  # meta vectors load as [NB, BN] (a [NB, 1, BN] load costs a layout conversion)
-            valid2 = valid[None, :]
-            # content codes as int16 words: channel-major [NB, W/2, BN] for the score products here, token-major
-            # [NB, BN, W/2] for the output products below (the same bytes twice: each is a 16-bit operand read
-            # straight from shared memory in its product's layout)
-            wbase = POOL16 + page * (PAGE_BYTES // 2) + (C_OFF // 2) + j3 * (W // 2)
-            wt = tl.load(wbase + rows[None, None, :] * (CB // 2) + tl.arange(0, W // 2)[None, :, None])
-            wt = wt.to(tl.int16, bitcast=True)
-            acc = tl.zeros([NB, BLOCK_H, BLOCK_N], dtype=tl.float32)
-            acc, s0, m0 = _splitd_field_score(acc, e0, d0, qs0, wt, mptr, crow2, n2, valid2, 0, CBITS, CSYM,
-                                                  CSROW, COROW, P, ASM)  # fmt: skip
-            if F >= 2:
-                acc, s1, m1 = _splitd_field_score(acc, e1, d1, qs1, wt, mptr, crow2 + CB // CG, n2, valid2, 1,
-                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
-            if F >= 4:
-                acc, s2, m2 = _splitd_field_score(acc, e2, d2, qs2, wt, mptr, crow2 + 2 * CB // CG, n2, valid2, 2,
-                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
-                acc, s3, m3 = _splitd_field_score(acc, e3, d3, qs3, wt, mptr, crow2 + 3 * CB // CG, n2, valid2, 3,
-                                                      CBITS, CSYM, CSROW, COROW, P, ASM)  # fmt: skip
-            # RoPE: [NB, BN, DRE] codes, per-entry field mask and scale
-            rbt = tl.load(base8 + R_OFF + rows[None, None, :] * RB + rbyte3).to(tl.int16)  # [NB, DRE, BN]
-            kr = ((rbt & rmask3) | 0x6400).to(tl.float16, bitcast=True)
-            sr = _meta_rows(mptr, RSROW + rrow2, n2, valid2, P)
-            if RSYM:
-                mr = sr * (-(1 << (RBITS - 1)))
-            else:
-                mr = _meta_rows(mptr, ROROW + rrow2, n2, valid2, P)
-            sr = sr * rinv3
-            dr = tl.dot(qr, kr)
-            acc = acc + dr * sr + qsr * (mr - 1024.0 * sr)
-            p, alpha, m_i, l_i = _softmax_update(tl.sum(acc, axis=0), valid, m_i, l_i)
-            # token-major int16 words [NB, BN, W/2] for the output products
-            wd = tl.load(wbase + rows[None, :, None] * (CB // 2) + tl.arange(0, W // 2)[None, None, :])
-            wd = wd.to(tl.int16, bitcast=True)
-            p3 = p[None, :, :]
-            alpha3 = alpha[None, :, None]
-            alpha2 = alpha[None, :]
-            o0, u0, f0 = _splitd_field_out(o0, u0, f0, p3, alpha3, alpha2, wd, 0, CBITS, s0, m0, ASM)
-            if F >= 2:
-                o1, u1, f1 = _splitd_field_out(o1, u1, f1, p3, alpha3, alpha2, wd, 1, CBITS, s1, m1, ASM)
-            if F >= 4:
-                o2, u2, f2 = _splitd_field_out(o2, u2, f2, p3, alpha3, alpha2, wd, 2, CBITS, s2, m2, ASM)
-                o3, u3, f3 = _splitd_field_out(o3, u3, f3, p3, alpha3, alpha2, wd, 3, CBITS, s3, m3, ASM)
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    hs = tl.arange(0, BLOCK_H)
-    row = (b.to(tl.int64) * NS_TOTAL + sp) * H + hs  # [BLOCK_H]
-    tl.store(PL + row, lse, mask=hs < H)
-    inv3 = inv_l[None, :, None]
-    z0 = f0[:, :, None]
-    if F >= 2:
-        z1 = f1[:, :, None]
-    if F >= 4:
-        z2 = f2[:, :, None]
-        z3 = f3[:, :, None]
-    hm3 = h3 < H
-    ob = PO + row[None, :, None] * DC + j3 * W + 2 * tl.arange(0, W // 2)[None, None, :]  # even channels
-    tl.store(ob, (o0 + z0) * inv3, mask=hm3)
-    tl.store(ob + 1, (u0 + z0) * inv3, mask=hm3)
-    if F >= 2:
-        tl.store(ob + CB, (o1 + z1) * inv3, mask=hm3)
-        tl.store(ob + CB + 1, (u1 + z1) * inv3, mask=hm3)
-    if F >= 4:
-        tl.store(ob + 2 * CB, (o2 + z2) * inv3, mask=hm3)
-        tl.store(ob + 2 * CB + 1, (u2 + z2) * inv3, mask=hm3)
-        tl.store(ob + 3 * CB, (o3 + z3) * inv3, mask=hm3)
-        tl.store(ob + 3 * CB + 1, (u3 + z3) * inv3, mask=hm3)
 
 
 @triton.jit
@@ -660,51 +448,6 @@ def _num_sms(device: torch.device) -> int:
 # 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
 TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
-# the "splitd" packed kernel (offline sm_90 compiles, benchmarks/compile_decode.py). Triton 3.9 spreads the warps
-# of a 3-D dot over batch x tokens: 8 warps over nb = 2 latent chunks (C8: 4) x 4 token slices, 211-248 registers.
-# Triton 3.6 (the H200 image) puts every warp on the batch dimension (8 warps over 2 chunks = 4 copies of the same
-# work), so there warps = chunks = 4: 255 registers (some spills), two programs per SM.
-_TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
-TUNING_SPLITD = dict(TUNING, num_stages=2, maxnreg=None)
-TUNING_SPLITD.update(dict(num_warps=8, nb=2) if _TRITON_VERSION >= (3, 9) else dict(num_warps=4, nb=4))
-
-VARIANTS = ("base", "splitd")
-VARIANT_ENV = "QUANTMLA_DECODE_VARIANT"
-
-
-def resolve_variant(variant: str | None) -> str:
-    """``variant`` or, when None, env ``QUANTMLA_DECODE_VARIANT`` (default ``"base"``)."""
-    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "base").strip().lower() or "base")
-    if v not in VARIANTS:
-        raise ValueError(f"decode variant must be one of {VARIANTS}, got {v!r}")
-    return v
-
-
-def splitd_chunks(fmt, kv_lora_rank: int, rope_dim: int, prefer: int = 2) -> int:
-    """Number of latent chunks (batch entries) of the split-D kernel for this format, 0 if it cannot run it.
-
-    Needs: chunk width ``W = CB / nb`` a power of two >= 32 (the output products are W/2 wide) and at most one
-    content group, RoPE entry width ``DRE = DR / nb`` a power of two >= 16 (tensor-core K) inside one bit plane and
-    one RoPE group. Takes ``prefer`` if valid, else the nearest valid count above, else below (fewer chunks = less
-    redundant per-chunk work on the [heads, tokens] tiles; C8 needs 4 for DeepSeek shapes: W <= 128)."""
-    c, r = fmt.content, fmt.rope
-    if c is None or r is None:
-        return 0
-    cb = kv_lora_rank * c.bits // 8
-    rb = rope_dim * r.bits // 8
-
-    def ok(nb: int) -> bool:
-        if cb % nb or rope_dim % nb:
-            return False
-        w, dre = cb // nb, rope_dim // nb
-        return (w >= 32 and dre >= 16 and w & (w - 1) == 0 and dre & (dre - 1) == 0 and c.group_size % w == 0
-                and rb % dre == 0 and r.group_size % dre == 0)  # fmt: skip
-
-    up = [prefer << i for i in range(4)]
-    down = [prefer >> i for i in range(1, 4) if prefer >> i >= 1]
-    return next((nb for nb in up + down if ok(nb)), 0)
-
-
 def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
     """Split-K factor.
 
@@ -736,16 +479,31 @@ def decode_attention_triton(
     num_splits: int | None = None,
     return_lse: bool = False,
     workspace: dict | None = None,
-    variant: str | None = None,
 ):
     """Triton decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
 
-    ``variant``: packed-page kernel, ``"base"`` (``_decode_kernel``) or ``"splitd"`` (``_splitd_kernel``); None
-    reads env ``QUANTMLA_DECODE_VARIANT`` (default ``"base"``). BF16 caches, and packed shapes the split-D kernel
-    cannot tile (:func:`splitd_chunks` = 0), always run ``"base"``."""
+    Heads are processed in groups of at most ``MAX_HEADS`` per launch (the kernels keep a ``[heads, Dc]`` tile
+    per program, which for 128 heads does not fit in shared memory)."""
     from quantmla.kernels.reference import _check_q
 
     _check_q(q_lat, q_pe, cache, 3)
+    H = q_lat.shape[1]
+    if H > MAX_HEADS:
+        parts = [
+            _decode_heads(q_lat[:, h : h + MAX_HEADS], q_pe[:, h : h + MAX_HEADS], cache, softmax_scale, num_splits)
+            for h in range(0, H, MAX_HEADS)
+        ]
+        out, lse = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    else:
+        out, lse = _decode_heads(q_lat, q_pe, cache, softmax_scale, num_splits)
+    return (out, lse) if return_lse else out
+
+
+MAX_HEADS = 64  # heads per launch
+
+
+def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | None):
+    """One launch sequence (pages, BF16 buffers, combine) for ``H <= MAX_HEADS`` heads -> (out, lse)."""
     B, H, Dc = q_lat.shape
     L = cache.layout
     fmt = cache.fmt
@@ -754,10 +512,7 @@ def decode_attention_triton(
     quant = fmt.is_quantized
     lens = cache.lengths()
     max_pages = max(1, math.ceil(max(lens, default=0) / P))
-    nb = 0
-    if quant and resolve_variant(variant) == "splitd":
-        nb = splitd_chunks(fmt, Dc, Dr, TUNING_SPLITD["nb"])
-    tun = (TUNING_SPLITD if nb else TUNING) if quant else TUNING_BF16
+    tun = TUNING if quant else TUNING_BF16
     ns = num_splits or default_num_splits(B, max_pages, q_lat.device, tun)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
@@ -774,7 +529,7 @@ def decode_attention_triton(
     out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0 or H == 0:
-        return (out, lse) if return_lse else out
+        return out, lse
     c = _spec_args(fmt.content, Dc, L.content_scale_row, L.content_offset_row)
     r = _spec_args(fmt.rope, Dr, L.rope_scale_row, L.rope_offset_row)
     block_n = min(tun["block_n"], P)
@@ -799,17 +554,7 @@ def decode_attention_triton(
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",
     )  # fmt: skip
     # packed (or BF16) pages: one program per (sequence, split)
-    if nb:
-        _splitd_kernel[(B, ns)](
-            q_lat, q_pe, cache.pool, cache.pool.view(torch.float16), cache.block_table, cache.seq_lens, po, pl,
-            softmax_scale * LOG2E, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-            cache.block_table.stride(0), H, pps, ns_total,
-            **{k: v for k, v in consts.items() if k not in ("QUANT", "INTERP")}, NB=nb, ASM=not consts["INTERP"],
-            num_warps=tun["num_warps"], num_stages=tun["num_stages"],
-            **({"maxnreg": tun["maxnreg"]} if tun.get("maxnreg") and not consts["INTERP"] else {}),
-        )  # fmt: skip
-    else:
-        _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
+    _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
     if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
         _buffers_kernel[(B, n_buf_tiles)](
             q_lat, q_pe, cache.sink, cache.local, cache.seq_lens, po, pl, softmax_scale * LOG2E,
@@ -822,4 +567,4 @@ def decode_attention_triton(
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
         num_warps=4,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse

@@ -4,8 +4,9 @@ One program per (sequence, new token). For each path it reproduces :func:`quantm
 bit for bit: fp32 group statistics, the offset rounded *down* and the scale rounded *up* to fp16 (round to
 nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``), IEEE division (``div_rn``),
 round-half-to-even (the ``1.5 * 2^23`` trick, exact for |y| < 2^22; larger values are clamped anyway),
-then the planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of a ``b``-bit row holds channel
-``j + p * D / k`` in bits ``[p*b, (p+1)*b)``). Tokens in the sequence's final local window are copied as
+then the grouped planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of group ``g`` of a ``b``-bit
+row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``, see :mod:`quantmla.kernels.paged`).
+Tokens in the sequence's final local window are copied as
 BF16 into the ring (only those, so that a long prefill chunk writes each ring slot exactly once); tokens
 at positions below ``sink`` go into the sink buffer. Works on CUDA and under ``TRITON_INTERPRET=1``.
 
@@ -63,7 +64,8 @@ def _write_path(
     pl = tl.arange(0, K)[:, None]  # [K, 1]
     j = tl.arange(0, WP)[None, :]  # [1, WP]
     inb = (j < W) & (pl < K)  # [K, WP]
-    ch = pl * W + j  # channel of each (plane, byte): [K, WP]
+    GB: tl.constexpr = GROUP // K  # packed bytes per quantization group (grouped planar packing)
+    ch = (j // GB) * GROUP + (j % GB) + pl * GB  # channel of each (plane, byte): [K, WP]
     x = tl.load(x_ptr + ch, mask=(inb & valid) != 0, other=0.0).to(tl.float32)
     gid = ch // GROUP
     s_e = tl.zeros([K, WP], dtype=tl.float32)
