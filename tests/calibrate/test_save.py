@@ -80,6 +80,39 @@ def test_failed_save_leaves_nothing(fused, tmp_path, monkeypatch):
         save_fused(model, out, make_quant_config(FMT))
 
 
+def test_second_run_publishing_later_is_refused_and_the_first_kept(fused, tmp_path, monkeypatch):
+    """Issue 13 item 2: two runs without force both passed the early existence check; the later one then replaced
+    the first one's checkpoint. Now the final rename refuses to replace anything."""
+    model, _ = fused
+    out = tmp_path / "ckpt"
+    real = model.save_pretrained
+
+    def save_while_another_run_finishes(path, **kw):
+        real(path, **kw)
+        monkeypatch.setattr(model, "save_pretrained", real)
+        save_fused(model, out, make_quant_config(FMT, method="first"))  # the other run publishes meanwhile
+
+    monkeypatch.setattr(model, "save_pretrained", save_while_another_run_finishes)
+    with pytest.raises(FileExistsError, match="force"):
+        save_fused(model, out, make_quant_config(FMT, method="second"))
+    assert load_quant_config(out)["method"] == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_reports_are_written_inside_the_checkpoint_before_it_appears(fused, tmp_path):
+    from quantmla.artifacts import read_manifest
+
+    model, report = fused
+    out = save_fused(model, tmp_path / "ckpt", make_quant_config(FMT), extra_json={"r.json": report.to_dict()})
+    assert json.loads((out / "r.json").read_text())["layers"] == report.to_dict()["layers"]
+    assert "r.json" in read_manifest(str(out))["files"] and QUANT_CONFIG_NAME in read_manifest(str(out))["files"]
+    with pytest.raises(ValueError, match="plain file names"):
+        save_fused(model, tmp_path / "x", make_quant_config(FMT), extra_json={"../escape.json": {}})
+    with pytest.raises(TypeError):
+        save_fused(model, tmp_path / "y", make_quant_config(FMT), extra_json={"r.json": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_calibrate_command(tmp_path, monkeypatch):
     model = tiny_model("deepseek_v2")
     ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(3))
@@ -120,6 +153,9 @@ def test_calibrate_command(tmp_path, monkeypatch):
     assert qc["method"] == "quantmla" and qc["calibration"]["steps_rope"] == 3 and qc["calibration"]["local"] == 4
     rep = json.loads((out / "calibration_report.json").read_text())
     assert len(rep["layers"]) == 2 and rep["layers"][0]["content"]["steps"] == 3
+    from quantmla.artifacts import read_manifest
+
+    assert "calibration_report.json" in read_manifest(str(out))["files"]  # published with the folder, not after
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-5)  # fusion kept full precision
     with pytest.raises(SystemExit, match="already exists"):

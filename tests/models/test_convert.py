@@ -200,21 +200,101 @@ def test_tiled_rope_frequencies():
         QuantMLAConfig(qk_rope_head_dim=16, rope_frequency_dim=6)
 
 
-def test_model_dir_writes_are_atomic_and_guarded(tmp_path):
-    class Broken:
-        def save_pretrained(self, path):
-            open(os.path.join(path, "half-written.bin"), "w").close()
-            raise OSError("disk full")
+def _cc(variant, calib_text, **kw):
+    return ConvertConfig(**{"variant": variant, "latent_multiple": 16, "calib_source": calib_text,
+                            "calib_tokens": 512, **kw})  # fmt: skip
 
-    final = str(tmp_path / "models" / "m")
-    with pytest.raises(OSError, match="disk full"):
-        cv.save_model_dir(final, Broken(), None, {"x": 1})
-    assert os.listdir(tmp_path / "models") == []  # no final folder, no temp folder left behind
-    os.makedirs(final)
-    with pytest.raises(FileExistsError, match="not a quantmla model folder"):
-        cv.reusable_model_dir(final, force=False)
-    assert cv.reusable_model_dir(final, force=True) is False
-    cv.save_model_dir(final, tiny_llama(), None, {"x": 2}, force=True)
-    assert cv.reusable_model_dir(final, force=False) is True
-    with open(os.path.join(final, cv.MARKER)) as f:
-        assert json.load(f) == {"x": 2}
+
+def _model_type(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)["model_type"]
+
+
+def test_out_holding_another_conversion_is_refused_not_returned(source_dir, calib_text, tmp_path, monkeypatch):
+    """Issue 13 item 1: ``--variant b --out DIR`` over a variant-a folder used to return the variant-a model."""
+    out = str(tmp_path / "m")
+    assert cv.converted_model_dir(source_dir, _cc("a", calib_text), out=out, progress=False) == out
+    assert _model_type(out) == "quantmla_mla"
+    with pytest.raises(FileExistsError, match=r"config\.variant: 'a' there, 'b' asked"):
+        cv.converted_model_dir(source_dir, _cc("b", calib_text), out=out, progress=False)
+    with pytest.raises(FileExistsError, match="calib_tokens"):
+        cv.converted_model_dir(source_dir, _cc("a", calib_text, calib_tokens=256), out=out, progress=False)
+    assert _model_type(out) == "quantmla_mla"
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the same conversion must be reused, not rebuilt")
+
+    with monkeypatch.context() as m:
+        m.setattr(cv, "convert_model", no_conversion)
+        assert cv.converted_model_dir(source_dir, _cc("a", calib_text), out=out, progress=False) == out
+    cv.converted_model_dir(source_dir, _cc("b", calib_text), out=out, force=True, progress=False)
+    assert _model_type(out) == "deepseek_v3" and os.listdir(tmp_path) == ["m"]
+
+
+def test_incomplete_model_folder_is_never_trusted(source_dir, calib_text, tmp_path, monkeypatch):
+    """Issue 13 item 3: a folder whose weights are missing (an interrupted replace) used to pass as finished."""
+    out = str(tmp_path / "m")
+    cc = _cc("a", calib_text)
+    cv.converted_model_dir(source_dir, cc, out=out, progress=False)
+    os.remove(os.path.join(out, "model.safetensors"))
+    with pytest.raises(FileExistsError, match="incomplete"):
+        cv.converted_model_dir(source_dir, cc, out=out, progress=False)
+    cv.converted_model_dir(source_dir, cc, out=out, force=True, progress=False)
+    assert cv.load_model(out)[0].config.model_type == "quantmla_mla"
+    # in quantmla's own cache an incomplete folder is simply rebuilt
+    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path / "cache"))
+    cached = cv.converted_model_dir(source_dir, cc, progress=False)
+    with open(os.path.join(cached, "model.safetensors"), "r+b") as fh:
+        fh.truncate(100)
+    assert cv.converted_model_dir(source_dir, cc, progress=False) == cached
+    torch.testing.assert_close(cv.load_model(cached)[0](X).logits, cv.load_model(out)[0](X).logits, rtol=0, atol=0)
+
+
+def test_force_replace_interrupted_keeps_the_old_model(source_dir, calib_text, tmp_path, monkeypatch):
+    """Issue 13 item 3: ``--force`` used to delete the old folder before the rename; an interrupt in between left
+    nothing usable. Now the old folder is set aside and put back when the swap fails."""
+    out = str(tmp_path / "m")
+    cv.converted_model_dir(source_dir, _cc("a", calib_text), out=out, progress=False)
+    real = {"rename": os.rename, "replace": os.replace}
+
+    def interrupted(name):
+        def fn(src, dst):
+            if os.path.abspath(dst) == out and ".tmp" in os.path.basename(src):
+                raise KeyboardInterrupt  # the moment the new folder would be renamed into place
+            return real[name](src, dst)
+
+        return fn
+
+    for name in real:
+        monkeypatch.setattr(os, name, interrupted(name))
+    with pytest.raises(KeyboardInterrupt):
+        cv.converted_model_dir(source_dir, _cc("b", calib_text), out=out, force=True, progress=False)
+    for name, fn in real.items():
+        monkeypatch.setattr(os, name, fn)
+    assert _model_type(out) == "quantmla_mla" and os.listdir(tmp_path) == ["m"]
+    assert cv.converted_model_dir(source_dir, _cc("a", calib_text), out=out, progress=False) == out  # complete
+
+
+def test_convert_command_refuses_another_variant(source_dir, calib_text, tmp_path):
+    """Through the entry point, in a fresh process: exit code != 0, the message names the difference, and the
+    variant-a folder is still there."""
+    import subprocess
+    import sys
+
+    import quantmla
+
+    out = str(tmp_path / "m")
+    src = os.path.dirname(os.path.dirname(quantmla.__file__))
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    base = ["convert", "--source", source_dir, "--out", out, "--calib-corpus", calib_text, "--calib-tokens", "512",
+            "--latent-multiple", "16"]  # fmt: skip
+
+    def run(*extra):
+        code = f"import sys; from quantmla.cli import main; sys.exit(main({[*base, *extra]!r}))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+    first = run("--variant", "a")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run("--variant", "b")
+    assert second.returncode != 0 and "variant" in second.stderr, second.stderr[-2000:]
+    assert _model_type(out) == "quantmla_mla"

@@ -154,9 +154,11 @@ def run_calibrate(args) -> int:
     qc["source_model"] = str(args.model)
     if args.corpus:
         qc["corpus"] = args.corpus
-    save_fused(model, out, qc, force=args.force, tokenizer=tokenizer)
-    with open(out / "calibration_report.json", "w") as f:
-        json.dump(report.to_dict(), f, indent=2)
+    try:  # the report is written inside the checkpoint folder, which appears whole or not at all
+        save_fused(model, out, qc, force=args.force, tokenizer=tokenizer,
+                   extra_json={"calibration_report.json": report.to_dict()})
+    except FileExistsError as e:
+        raise SystemExit(f"error: {e}") from None
     print(out)
     print(json.dumps(report.summary()))
     return 0

@@ -14,17 +14,15 @@ RoPE                           ``kv_a_proj_with_mqa`` RoPE rows (and bias) <- ti
                                head of ``q_proj`` / ``q_b_proj`` <- times ``z / |z|^2`` per pair
 =============================  ====================================================================================
 
-:func:`save_fused` writes the fused model with ``save_pretrained`` (safetensors) to a temporary directory next to
-the target, adds ``quantmla.json`` (the cache format and calibration settings), and renames it into place; it
-refuses to replace an existing directory unless ``force=True``.
+:func:`save_fused` writes the fused model with ``save_pretrained`` (safetensors), ``quantmla.json`` (the cache format
+and calibration settings) and any report files as one artifact folder (:mod:`quantmla.artifacts`: temp folder,
+completion manifest, rename); it never replaces an existing directory unless ``force=True``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -172,40 +170,39 @@ def make_quant_config(fmt: Any, calibration: Any = None, method: str = "quantmla
 
 
 def save_fused(
-    model: nn.Module, out_dir: str | os.PathLike, quant_config: dict, force: bool = False, tokenizer: Any = None
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    quant_config: dict,
+    force: bool = False,
+    tokenizer: Any = None,
+    extra_json: dict[str, Any] | None = None,
 ) -> Path:
     """Save the (fused) model as a transformers checkpoint with ``quantmla.json`` inside; return the directory.
 
-    Written to a temporary sibling directory first and renamed into place, so a failure never leaves a
-    half-written checkpoint at ``out_dir``. An existing ``out_dir`` is replaced only with ``force=True``.
+    ``extra_json`` (file name -> JSON-serializable object, e.g. ``{"calibration_report.json": report.to_dict()}``)
+    is written into the same folder. Everything goes to a temp folder first, a completion manifest last, then one
+    rename (:func:`quantmla.artifacts.staged`): a failure or interrupt never leaves a half-written checkpoint at
+    ``out_dir``, and without ``force`` an existing ``out_dir`` -- also one that appears while this runs -- is never
+    replaced (:class:`FileExistsError`). With ``force`` the old folder is set aside, swapped, then deleted.
     """
+    from quantmla.artifacts import staged, write_json
+
     out = Path(out_dir)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass force=True (--force) to replace it")
     if not isinstance(quant_config, dict):
         raise TypeError("quant_config must be a dict (see make_quant_config)")
-    json.dumps(quant_config)  # fail before writing anything if it is not serializable
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
-    try:
+    extra_json = dict(extra_json or {})
+    bad = [n for n in extra_json if os.path.basename(n) != n or n in (QUANT_CONFIG_NAME, "config.json")]
+    if bad:
+        raise ValueError(f"extra_json names must be plain file names other than config files, got {bad}")
+    json.dumps([quant_config, extra_json])  # fail before writing anything if they are not serializable
+    with staged(str(out), force=force, key={"kind": "fused", "method": quant_config.get("method")}) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        with open(tmp / QUANT_CONFIG_NAME, "w") as f:
+        with open(os.path.join(tmp, QUANT_CONFIG_NAME), "w") as f:
             json.dump(quant_config, f, indent=2, sort_keys=True)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists() and (old / "x").exists():
-            os.rename(old / "x", out)  # put the previous checkpoint back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        for name, obj in extra_json.items():
+            write_json(tmp, name, obj)
     return out
 
 

@@ -33,8 +33,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.utils import parametrize
 
-PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the linear maps of the latent path
-TRAINABLE = (*PROJECTIONS, "kv_a_layernorm")  # ... and the latent norm: what healing trains
+from quantmla.models.heal_delta import (  # noqa: F401  (re-exported)
+    PROJECTIONS,
+    TRAINABLE,
+    _latent_path_modules,
+    load_heal_delta,
+    merge_heal_delta,
+    save_heal_delta,
+)
 
 
 @dataclass(frozen=True)
@@ -70,13 +76,6 @@ class LowRankDelta(torch.nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w + (self.B @ self.A).to(w.dtype)
-
-
-def _latent_path_modules(model):
-    """(name, module) of every projection of the latent path, attention layer by layer."""
-    for name, mod in model.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJECTIONS and ".self_attn." in f".{name}" and hasattr(mod, "weight"):
-            yield name, mod
 
 
 def add_low_rank_deltas(model, rank: int, seed: int = 0) -> None:
@@ -120,63 +119,6 @@ def heal_delta(model) -> dict[str, torch.Tensor]:
         if ".self_attn.kv_a_layernorm." in name:
             out[name] = p.detach().float().cpu().contiguous()
     return out
-
-
-def merge_heal_delta(model, delta: dict[str, torch.Tensor]) -> None:
-    """Fold ``delta`` (from :func:`heal_delta`) into ``model``'s weights in place: remove the parametrizations if
-    any, then ``W += B @ A`` in fp32 with the stored (BF16) factors, and set the latent norm gains. Raises
-    ``KeyError`` naming what the model and the delta disagree on."""
-    for _, mod in list(_latent_path_modules(model)):
-        if parametrize.is_parametrized(mod, "weight"):
-            parametrize.remove_parametrizations(mod, "weight", leave_parametrized=False)
-    mods = dict(model.named_modules())
-    params = dict(model.named_parameters())
-    used = set()
-    for name, _ in list(_latent_path_modules(model)):
-        ka, kb = f"{name}.lora_A", f"{name}.lora_B"
-        if ka not in delta or kb not in delta:
-            raise KeyError(f"the healing delta has no factors for {name}: it was made for another model")
-        w = mods[name].weight
-        a, b = delta[ka].float(), delta[kb].float()
-        if (b.shape[0], a.shape[1]) != tuple(w.shape):
-            raise KeyError(f"{name}: delta {tuple(b.shape)} @ {tuple(a.shape)} does not match weight {tuple(w.shape)}")
-        with torch.no_grad():
-            w.copy_((w.float() + b.to(w.device) @ a.to(w.device)).to(w.dtype))
-        used |= {ka, kb}
-    for k, v in delta.items():
-        if k in used:
-            continue
-        if k not in params:
-            raise KeyError(f"the healing delta has {k}, which the model lacks: it was made for another model")
-        with torch.no_grad():
-            params[k].copy_(v.to(params[k].dtype))
-
-
-def save_heal_delta(delta: dict[str, torch.Tensor], path: str, meta: dict, *, force: bool = False) -> str:
-    """Write a delta (:func:`heal_delta`) to ``path`` (safetensors; ``meta`` stored as JSON strings), via a
-    temp file and a rename. Refuses to overwrite without ``force``."""
-    from safetensors.torch import save_file
-
-    if os.path.exists(path) and not force:
-        raise FileExistsError(f"{path} exists; pass --force to overwrite")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        save_file(delta, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
-
-
-def load_heal_delta(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, metadata) of a delta file written by :func:`save_heal_delta`."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
-        return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
 def healing_tokens(tokenizer, corpus: str, n_tokens: int) -> torch.Tensor:
@@ -266,18 +208,12 @@ def heal_smollm2(
     """Convert SmolLM2 to variant b, heal it against the original; save the model to ``out`` (a folder, written
     to a temp folder and renamed) and, with ``cfg.rank > 0``, the delta to ``delta_path``. Returns
     (healed model, tokenizer, report)."""
-    from quantmla.models.convert import (
-        ConvertConfig,
-        conversion_key,
-        converted_model_dir,
-        load_model,
-        load_source,
-        save_model_dir,
-    )
+    from quantmla.artifacts import check_destination, save_model_dir
+    from quantmla.models.convert import ConvertConfig, conversion_key, converted_model_dir, load_model, load_source
 
     for path in (out, delta_path):
-        if path and os.path.exists(path) and not force:
-            raise FileExistsError(f"{path} exists; pass --force to overwrite")
+        if path:
+            check_destination(path, force)  # before the work; the writes themselves refuse again, atomically
     if delta_path and cfg.rank == 0:
         raise ValueError("a delta file needs low-rank healing: pass --rank (e.g. 32)")
     torch.manual_seed(cfg.seed)
@@ -308,7 +244,8 @@ def heal_smollm2(
     if delta_path:
         save_heal_delta(delta, delta_path, report, force=force)
     if out:
-        save_model_dir(os.path.abspath(out), student, tok, report, force=True)  # existence checked above
+        key = {"kind": "healing_run", "base_conversion": report["base_conversion"], "heal": cfg.to_dict()}
+        save_model_dir(os.path.abspath(out), student, tok, report, key=key, force=force)
     return student, tok, report
 
 
