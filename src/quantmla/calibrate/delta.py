@@ -1,0 +1,236 @@
+"""The delta checkpoint: only the tensors QuantMLA changes, and the tools that apply it.
+
+Folding the content and RoPE transforms rewrites, per attention module, ``kv_a_proj_with_mqa`` (weight, bias),
+``kv_a_layernorm`` (gain), ``kv_b_proj`` and ``q_proj`` / ``q_b_proj`` (weight, bias) -- about 1% of a
+DeepSeek-V3 checkpoint. A delta stores exactly those tensors under their checkpoint names, in the dtype the
+calibration ran in, in one safetensors file whose metadata records (JSON strings):
+
+* ``format`` / ``version``: ``quantmla-delta`` / 1;
+* ``base_key``: :func:`quantmla.calibrate.checkpoint.base_key` of the checkpoint it was calibrated from;
+* ``base_digests``: per replaced tensor, the sha1 of the base bytes it replaces (FP8 scale included), so a delta
+  is never merged into a model with the same shapes but other weights (DeepSeek-V3 vs V3-Base);
+* ``recipe``: cache format, method, calibration settings, dtype, calibration-token digest; ``report``: the
+  per-layer calibration report.
+
+:func:`apply_delta` overwrites the tensors of a loaded model in place; :func:`merge_checkpoint` writes a
+complete new checkpoint shard by shard (one shard in memory at a time): replaced tensors are substituted, the
+``weight_scale_inv`` of a replaced FP8 weight is dropped (the folded weight is stored unquantized) and the module
+is added to ``quantization_config.modules_to_not_convert``; shards with nothing replaced are hard-linked (copied
+across file systems). Every file is written to a temporary path and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantmla.calibrate.checkpoint import (
+    INDEX_NAME,
+    SCALE_SUFFIX,
+    CheckpointError,
+    CheckpointReader,
+    base_key,
+    tensor_digest,
+)
+
+DELTA_FORMAT = "quantmla-delta"
+DELTA_VERSION = 1
+FOLDED_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj", "q_b_proj")
+
+
+def folded_tensor_names(attn: nn.Module, prefix: str) -> list[str]:
+    """Checkpoint names (``prefix`` + local name) of every tensor that folding may change in ``attn``."""
+    out = []
+    for mod_name in FOLDED_MODULES:
+        mod = getattr(attn, mod_name, None)
+        if mod is None:
+            continue
+        for p_name, _ in mod.named_parameters(recurse=False):
+            out.append(f"{prefix}{mod_name}.{p_name}")
+    return out
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]):
+    """safetensors ``save_file`` to a temporary sibling, then rename (no half-written file on failure)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False) -> Path:
+    """Write a delta (tensors by checkpoint name + ``meta``, each value stored as JSON). Refuses to overwrite an
+    existing file unless ``force``."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it")
+    full = {"format": DELTA_FORMAT, "version": DELTA_VERSION, **meta}
+    return atomic_save_safetensors(tensors, path, {k: json.dumps(v) for k, v in full.items()})
+
+
+def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, meta)`` of a delta written by :func:`save_delta`; raises on another kind of file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"delta {path} does not exist")
+    with safe_open(path, framework="pt") as f:
+        raw = f.metadata() or {}
+        if raw.get("format") != json.dumps(DELTA_FORMAT):
+            raise CheckpointError(f"{path} is not a quantmla delta (metadata format {raw.get('format')!r})")
+        meta = {k: json.loads(v) for k, v in raw.items()}
+        if meta.get("version") != DELTA_VERSION:
+            raise CheckpointError(
+                f"{path}: delta version {meta.get('version')!r} unsupported (expected {DELTA_VERSION})"
+            )
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+@torch.no_grad()
+def apply_delta(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite ``model``'s tensors named in ``tensors`` in place (values cast to the model's dtype and device).
+    Raises ``KeyError`` naming a tensor the model lacks and ``ValueError`` on a shape mismatch, before changing
+    anything."""
+    state = model.state_dict(keep_vars=True)
+    for name, t in tensors.items():
+        if name not in state:
+            raise KeyError(f"the delta has {name!r}, which the model lacks: it was made for another model")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"{name}: delta shape {tuple(t.shape)} != model shape {tuple(state[name].shape)}")
+    for name, t in tensors.items():
+        state[name].copy_(t.to(dtype=state[name].dtype, device=state[name].device))
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def merge_checkpoint(
+    base_dir: str | os.PathLike, delta_path: str | os.PathLike, out_dir: str | os.PathLike, *, force: bool = False
+) -> Path:
+    """Write ``base_dir`` with the delta applied to ``out_dir`` (a complete checkpoint), one shard at a time.
+
+    Checks first that the delta was made for this base (``base_key`` and the digest of every replaced tensor);
+    refuses an existing ``out_dir`` unless ``force``; writes to a temporary sibling directory and renames it."""
+    from safetensors.torch import save_file
+
+    base_dir, out = Path(base_dir), Path(out_dir)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    if out.resolve() == base_dir.resolve():
+        raise ValueError("--out must differ from --base (the base checkpoint is read while the merge is written)")
+    tensors, meta = load_delta(delta_path)
+    key = base_key(base_dir)
+    if meta.get("base_key") != key:
+        raise CheckpointError(
+            f"the delta was calibrated on {meta.get('base_key')!r}, this base is {key!r}: merge it into that model"
+        )
+    reader = CheckpointReader(base_dir)
+    missing = sorted(set(tensors) - set(reader.weight_map))
+    if missing:
+        raise CheckpointError(f"the base checkpoint has no {missing[:3]} that the delta replaces")
+    digests = meta.get("base_digests") or {}
+    drops = {n + SCALE_SUFFIX for n in tensors if reader.is_fp8(n)}
+    shards = sorted(set(reader.weight_map.values()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        new_map, total = {}, 0
+        for shard in shards:
+            names = [n for n, s in reader.weight_map.items() if s == shard]
+            touched = any(n in tensors or n in drops for n in names)
+            part = {}
+            for n in names:
+                if n in drops:
+                    continue
+                if n in tensors:
+                    src = [reader.raw(s) for s in reader.source_names(n)]
+                    if digests.get(n) != tensor_digest(src):
+                        raise CheckpointError(f"{n}: the base weights differ from those the delta was calibrated on")
+                    part[n] = tensors[n].contiguous()
+                elif touched:
+                    part[n] = reader.raw(n)
+                new_map[n] = shard
+            if touched:
+                save_file(part, tmp / shard, metadata={"format": "pt"})
+                total += sum(t.numel() * t.element_size() for t in part.values())
+            else:
+                _link_or_copy(base_dir / shard, tmp / shard)
+                total += os.path.getsize(base_dir / shard)
+            reader.close()
+        for f in base_dir.iterdir():
+            if f.is_file() and f.name not in shards and f.name not in (INDEX_NAME, "config.json"):
+                shutil.copy2(f, tmp / f.name)
+        if (base_dir / INDEX_NAME).exists():
+            with open(tmp / INDEX_NAME, "w") as fh:
+                json.dump({"metadata": {"total_size": total}, "weight_map": new_map}, fh, indent=2)
+        cfg = dict(reader.config)
+        if drops and cfg.get("quantization_config"):
+            q = dict(cfg["quantization_config"])
+            keep = sorted({_module_of(n) for n in tensors if n + SCALE_SUFFIX in drops})
+            q["modules_to_not_convert"] = sorted(set(q.get("modules_to_not_convert") or []) | set(keep))
+            cfg["quantization_config"] = q
+        with open(tmp / "config.json", "w") as fh:
+            json.dump(cfg, fh, indent=2)
+        with open(tmp / "quantmla_delta.json", "w") as fh:
+            json.dump({k: v for k, v in meta.items() if k != "report"}, fh, indent=2)
+        old = None
+        if out.exists():  # force: swap, so that a failed rename leaves the previous checkpoint in place
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "x")
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.rename(old / "x", out)
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    return hashlib.sha1(tokens.contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+__all__ = [
+    "DELTA_FORMAT",
+    "FOLDED_MODULES",
+    "apply_delta",
+    "atomic_save_safetensors",
+    "folded_tensor_names",
+    "load_delta",
+    "merge_checkpoint",
+    "save_delta",
+    "tokens_digest",
+]

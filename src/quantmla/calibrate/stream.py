@@ -1,0 +1,274 @@
+"""Streamed calibration: QuantMLA on a checkpoint far larger than memory, one decoder block at a time.
+
+:func:`calibrate_streamed` never holds more than one decoder block's weights. The model is built on the
+``meta`` device; only the embedding is loaded to compute the hidden states entering block 0 (then freed). For
+each block in turn it reads that block's tensors from the shards (memory-mapped, :mod:`.checkpoint`;
+FP8 block-scaled weights dequantized on load, directly on the calibration device), runs the calibration
+sequences through it, calibrates its attention module(s) exactly as :func:`quantmla.calibrate.calibrate_model`
+does (same captured inputs, same seeds, same code), folds the transforms, keeps only the tensors folding
+changed, and frees the block. The result is a delta checkpoint (:mod:`.delta`), equal bit for bit to what the
+in-memory calibration changes (tested), which ``quantmla merge`` applies.
+
+Memory: one block (in ``dtype``, on the device) plus the activation banks on the CPU -- the hidden states
+entering the block, those leaving it and the attention inputs, each [N, T, D] in ``dtype``.
+
+Resumable: progress lives in a work directory (``<out>.work`` by default): one delta part per finished block,
+the hidden states entering the next block (``bank.pt``) and ``progress.json``, each written to a temporary file
+and renamed, so an interrupt (or a crash) loses at most the block in flight. ``resume=True`` continues after the
+last finished block if the recipe and the base checkpoint are the same (else it refuses); the finished delta is
+identical to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantmla.calibrate.checkpoint import (
+    CheckpointReader,
+    base_key,
+    load_config,
+    load_module_tensors,
+    meta_model,
+    rebuild_nonpersistent_buffers,
+    tensor_digest,
+)
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
+from quantmla.calibrate.fuse import fold_transforms
+from quantmla.calibrate.trainer import (
+    LayerBanks,
+    _attention_by_block,
+    _check_policy_coverage,
+    _decoder_blocks,
+    _first_block_inputs,
+    _run_block,
+    _token_bank,
+    calibrate_attention,
+    resolve_device,
+)
+from quantmla.mla.rope import cos_sin_from_position_embeddings
+from quantmla.mla.spec import MLASpec
+from quantmla.quant.formats import CacheFormat, get_format
+
+PROGRESS = "progress.json"
+BANK = "bank.pt"
+STREAM_VERSION = 1
+
+
+@dataclass
+class StreamReport:
+    """Per-block costs (seconds to load, run and calibrate; resident memory) and the per-layer reports."""
+
+    blocks: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    bank_bytes: int = 0
+    block_bytes_max: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"blocks": self.blocks, "layers": self.layers, "bank_bytes": self.bank_bytes,
+                "block_bytes_max": self.block_bytes_max, "seconds": self.seconds}
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process in bytes (Linux ``/proc``; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            kv = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(kv["VmRSS"].split()[0]) * 1024, int(kv["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _recipe(fmt: CacheFormat, config: CalibrationConfig, dtype: torch.dtype, tokens: torch.Tensor) -> dict:
+    cal = {k: v for k, v in config.to_dict().items() if k != "progress"}
+    return {"cache_format": fmt.to_dict(), "method": config.method, "calibration": cal, "dtype": str(dtype),
+            "tokens_sha1": tokens_digest(tokens), "tokens_shape": list(tokens.shape), "stream_version": STREAM_VERSION}
+
+
+def _digest(d: dict) -> str:
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _save_bank(path: Path, h: torch.Tensor) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(h, tmp)
+    os.replace(tmp, path)
+
+
+def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict) -> int:
+    """Create / check the work directory; return the number of blocks already finished."""
+    if work.exists():
+        if resume:
+            try:
+                with open(work / PROGRESS) as f:
+                    prog = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise RuntimeError(f"{work}: cannot read {PROGRESS} ({e}); start over with --force") from None
+            for k in ("recipe_sha1", "base_key"):
+                if prog.get(k) != stamp[k]:
+                    raise ValueError(
+                        f"{work} holds progress of another run ({k} differs): resume with the same model, format, "
+                        "calibration settings and text, or start over with --force"
+                    )
+            done = int(prog["blocks_done"])
+            if done and not (work / BANK).exists():
+                raise RuntimeError(f"{work}: {BANK} is missing; start over with --force")
+            return done
+        if not force:
+            raise FileExistsError(
+                f"{work} holds an earlier run's progress: pass --resume to continue it or --force to start over"
+            )
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    _write_json(work / PROGRESS, {**stamp, "blocks_done": 0, "blocks": []})
+    return 0
+
+
+def calibrate_streamed(
+    model_dir: str | os.PathLike,
+    fmt: CacheFormat | str,
+    tokens: torch.Tensor,
+    config: CalibrationConfig | None = None,
+    out: str | os.PathLike = "quantmla-delta.safetensors",
+    *,
+    work: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    resume: bool = False,
+    force: bool = False,
+    keep_work: bool = False,
+    on_block_done: Callable[[int], None] | None = None,
+) -> StreamReport:
+    """Calibrate the checkpoint in ``model_dir`` block by block and write the delta to ``out``.
+
+    ``tokens``: calibration token ids [N >= train_seqs + val_seqs, >= seq_len]. ``dtype``: the dtype the weights are
+    materialized and the blocks run in (BF16 for the big FP8 models; the in-memory equivalent is the model loaded
+    in that dtype). ``resume``: continue an interrupted run from its work directory. ``force``: overwrite ``out``
+    and discard a previous work directory. ``on_block_done(b)`` is called after block ``b`` is committed to disk.
+    """
+    config = config or CalibrationConfig()
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    work = Path(work) if work is not None else out.with_name(out.name + ".work")
+    reader = CheckpointReader(model_dir, dtype)
+    hf_config = load_config(model_dir)
+    spec = MLASpec.from_config(hf_config)
+    fmt = get_format(fmt).adapted(spec.kv_lora_rank, spec.qk_rope_head_dim)
+    fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
+    device = resolve_device(config.device)
+    tokens = _token_bank(tokens, config)
+    _check_policy_coverage(int(tokens.shape[1]), config)
+    recipe = _recipe(fmt, config, dtype, tokens)
+    stamp = {"recipe_sha1": _digest(recipe), "base_key": base_key(model_dir)}
+    start = _prepare_work(work, resume, force and not resume, stamp)
+
+    t_start = time.time()
+    model = meta_model(hf_config, dtype)
+    base, blocks = _decoder_blocks(model)
+    prefix = next(name + "." for name, m in model.named_modules() if m is base) if base is not model else ""
+    rebuild_nonpersistent_buffers(base, hf_config)
+    for name, child in base.named_children():
+        if name != "layers" and any(p.is_meta for p in child.parameters()):
+            load_module_tensors(child, f"{prefix}{name}.", reader)
+    reader.close()
+    attn_of_block = _attention_by_block(model, blocks)
+    h, block_kwargs = _first_block_inputs(model, tokens, config.batch_size, device)
+    for name, child in base.named_children():
+        if name != "layers":
+            child.to("meta")  # the embedding is needed for block 0's inputs only
+    if start:
+        h = torch.load(work / BANK, weights_only=True)
+    report = StreamReport(bank_bytes=3 * h.numel() * h.element_size())
+    n_train = config.train_seqs
+    for b in range(start, len(blocks)):
+        block, stats = blocks[b], {"block": b}
+        t0 = time.time()
+        load_module_tensors(block, f"{prefix}layers.{b}.", reader, device)
+        names = [n for a in attn_of_block[b] for n in folded_tensor_names(a, _name_in(a, block, b, prefix))]
+        digests = {n: tensor_digest([reader.raw(s) for s in reader.source_names(n)]) for n in names}
+        reader.close()
+        block_bytes = sum(t.numel() * t.element_size() for t in block.state_dict().values())
+        report.block_bytes_max = max(report.block_bytes_max, block_bytes)
+        stats.update(load_s=time.time() - t0, block_bytes=block_bytes)
+        t1 = time.time()
+        h_next, attn_inputs, pe = _run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
+        cos, sin = cos_sin_from_position_embeddings(pe)
+        cos, sin = cos[:1].float(), sin[:1].float()
+        stats["forward_s"] = time.time() - t1
+        t2 = time.time()
+        reports = []
+        for attn, x in zip(attn_of_block[b], attn_inputs, strict=True):
+            banks = LayerBanks(x[:n_train], x[n_train:], cos, sin)
+            content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
+            fold_transforms(attn, spec, content, rope)
+            reports.append(rep.__dict__)
+        del attn_inputs
+        stats["calibrate_s"] = time.time() - t2
+        state, local = block.state_dict(), f"{prefix}layers.{b}."
+        part = {n: state[n[len(local) :]].detach().to("cpu").clone() for n in names}
+        del state, banks, x  # no reference to the block's weights or banks may outlive it
+        atomic_save_safetensors(part, work / f"block_{b:05d}.safetensors",
+                                {"digests": json.dumps(digests), "reports": json.dumps(reports)})
+        _save_bank(work / BANK, h_next)
+        block.to("meta")
+        h = h_next
+        stats["rss_bytes"], stats["peak_rss_bytes"] = rss_bytes()
+        stats["seconds"] = time.time() - t0
+        report.blocks.append(stats)
+        with open(work / PROGRESS) as f:
+            prog = json.load(f)
+        prog.update(blocks_done=b + 1, blocks=prog["blocks"] + [stats])
+        _write_json(work / PROGRESS, prog)
+        if on_block_done is not None:
+            on_block_done(b)
+    tensors, digests, layers = _assemble(work, len(blocks))
+    report.layers = layers
+    report.seconds = time.time() - t_start
+    meta = {"base_key": stamp["base_key"], "base_digests": digests, "recipe": recipe, "report": layers,
+            "model_type": spec.model_type, "num_blocks": len(blocks)}
+    save_delta(out, tensors, meta, force=force)
+    if not keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _name_in(attn: nn.Module, block: nn.Module, b: int, prefix: str) -> str:
+    """Checkpoint prefix of ``attn`` inside block ``b`` (``model.layers.b.self_attn.`` or ``...self_attn.0.``)."""
+    for name, m in block.named_modules():
+        if m is attn:
+            return f"{prefix}layers.{b}.{name}."
+    raise RuntimeError("attention module not found in its block")  # pragma: no cover
+
+
+def _assemble(work: Path, num_blocks: int) -> tuple[dict, dict, list]:
+    from safetensors import safe_open
+
+    tensors, digests, layers = {}, {}, []
+    for b in range(num_blocks):
+        with safe_open(work / f"block_{b:05d}.safetensors", framework="pt") as f:
+            meta = f.metadata()
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        digests.update(json.loads(meta["digests"]))
+        layers.extend(json.loads(meta["reports"]))
+    return tensors, digests, layers
+
+
+__all__ = ["StreamReport", "calibrate_streamed", "rss_bytes"]

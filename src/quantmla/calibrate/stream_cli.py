@@ -1,0 +1,122 @@
+"""``quantmla calibrate-stream`` and ``quantmla merge``: calibrate a checkpoint larger than memory into a delta,
+and apply the delta.
+
+Usage::
+
+    quantmla calibrate-stream --model /data/DeepSeek-V3-Base --format c4r4 --out v3-c4r4.delta.safetensors \\
+        --preset paper --dtype bfloat16 --device cuda [--tokens calib.pt] [--resume]
+    quantmla merge --base /data/DeepSeek-V3-Base --delta v3-c4r4.delta.safetensors --out /data/DeepSeek-V3-c4r4
+
+Calibration text: ``--tokens FILE`` (a ``torch.save``-d integer tensor [N, T], e.g. WikiText-2 tokenized with the
+model's own tokenizer elsewhere) or the model directory's tokenizer on ``--corpus`` (quantmla.data.corpus).
+An interrupted run continues with ``--resume`` (same arguments); ``--force`` starts over / overwrites ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_stream_args(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate-stream",
+        help="calibrate a sharded (FP8 block-scaled) checkpoint one decoder block at a time into a delta",
+        description="Streamed QuantMLA calibration: one decoder block in memory at a time, FP8 weights dequantized "
+        "on load, only the folded attention projections written (a delta checkpoint; apply with `quantmla merge`).",
+    )
+    p.add_argument("--model", required=True, help="local checkpoint directory (safetensors shards + index)")
+    p.add_argument("--format", default="c4r4", help="cache format (c4r4, c2r4, ...)")
+    p.add_argument("--out", required=True, help="the delta file to write (.safetensors)")
+    p.add_argument("--work", default=None, help="progress directory (default: OUT.work)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its progress directory")
+    p.add_argument("--force", action="store_true", help="overwrite --out and discard earlier progress")
+    p.add_argument("--keep-work", action="store_true", help="keep the progress directory after success")
+    p.add_argument("--tokens", default=None, help="calibration token ids: a torch.save-d integer tensor [N, T]")
+    p.add_argument("--corpus", default=None, help="else: text corpus tokenized with the model's tokenizer")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the blocks are materialized in")
+    p.add_argument("--report", default=None, help="also write the per-block costs and per-layer report (JSON)")
+    from quantmla.calibrate.cli import _FLAG_FIELDS  # the calibration flags of `quantmla calibrate`
+
+    p.add_argument("--preset", default=None, help="paper (default) or cpu-fast")
+    p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields")
+    for name in _FLAG_FIELDS:
+        if name != "method":
+            kind = str if name == "device" else (float if name.startswith("lr_") else int)
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--method", default=None, help="quantmla (default), rtn, smoothquant, quarot")
+    p.add_argument("--steps", type=int, default=None, help="steps for both paths")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_stream)
+
+    m = subparsers.add_parser(
+        "merge",
+        help="apply a QuantMLA delta to its base checkpoint (writes a complete checkpoint, shard by shard)",
+        description="Write BASE with the delta's tensors substituted to OUT (one shard in memory at a time). Refuses "
+        "a delta calibrated on another model.",
+    )
+    m.add_argument("--base", required=True, help="the checkpoint the delta was calibrated on")
+    m.add_argument("--delta", required=True, help="a delta from `quantmla calibrate-stream`")
+    m.add_argument("--out", required=True, help="output checkpoint directory")
+    m.add_argument("--force", action="store_true", help="replace an existing --out")
+    m.set_defaults(func=run_merge)
+
+
+def _tokens(args, config):
+    import torch
+
+    if args.tokens:
+        t = torch.load(args.tokens, weights_only=True)
+        if not isinstance(t, torch.Tensor):
+            raise SystemExit(f"error: --tokens {args.tokens!r} must hold one integer tensor [N, T]")
+        return t
+    from transformers import AutoTokenizer
+
+    from quantmla.calibrate.cli import calibration_tokens
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: no usable tokenizer in {args.model} ({e}); pass --tokens FILE") from None
+    return calibration_tokens(tok, config, args.corpus)
+
+
+def run_stream(args) -> int:
+    import torch
+
+    from quantmla.calibrate.checkpoint import CheckpointError
+    from quantmla.calibrate.cli import config_from_args
+    from quantmla.calibrate.stream import calibrate_streamed
+
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    tokens = _tokens(args, config)
+    try:
+        rep = calibrate_streamed(args.model, args.format, tokens, config, args.out, work=args.work,
+                                 dtype=getattr(torch, args.dtype), resume=args.resume, force=args.force,
+                                 keep_work=args.keep_work)  # fmt: skip
+    except (CheckpointError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.report:
+        from quantmla.eval.harness import write_result
+
+        write_result(rep.to_dict(), args.report, force=args.force)
+    print(args.out)
+    print(json.dumps({"blocks": len(rep.blocks), "seconds": round(rep.seconds, 1),
+                      "block_bytes_max": rep.block_bytes_max, "bank_bytes": rep.bank_bytes}))  # fmt: skip
+    return 0
+
+
+def run_merge(args) -> int:
+    from quantmla.calibrate.checkpoint import CheckpointError
+    from quantmla.calibrate.delta import merge_checkpoint
+
+    try:
+        out = merge_checkpoint(args.base, args.delta, args.out, force=args.force)
+    except (CheckpointError, FileExistsError, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(out)
+    return 0

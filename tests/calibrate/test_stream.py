@@ -1,0 +1,157 @@
+"""Streamed calibration: block by block from the shards (plain and FP8 block-scaled) gives, bit for bit, the tensors
+the in-memory calibration of the same model changes; the delta applies in memory and merges into a checkpoint
+that transformers loads; an interrupted run resumes to the identical delta; mismatched bases are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ckpt_util import fp8_checkpoint, save_sharded
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from quantmla.calibrate import stream as stream_mod
+from quantmla.calibrate.checkpoint import CheckpointError, load_full_model
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.delta import apply_delta, load_delta, merge_checkpoint
+from quantmla.calibrate.stream import calibrate_streamed
+from quantmla.calibrate.trainer import calibrate_model
+from quantmla.mla.tiny import tiny_model
+from quantmla.quant.formats import CacheFormat
+from quantmla.quant.spec import QuantSpec
+
+FMT = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
+CFG = CalibrationConfig(
+    seq_len=64, batch_size=2, train_seqs=4, val_seqs=2, steps_content=3, steps_rope=3, query_tokens=16, sink=4,
+    local=16, smoothquant_alphas=(0.5,), progress=False, device="cpu",
+)  # fmt: skip
+
+
+def _tokens(seed=0):
+    return torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(seed))
+
+
+def _in_memory(model):
+    calibrate_model(model, FMT, _tokens(), CFG)
+    return model.state_dict()
+
+
+def _assert_delta_matches(delta, fused, base):
+    assert delta, "empty delta"
+    for k, t in delta.items():
+        assert torch.equal(t, fused[k]), k
+    changed = {k for k in fused if not torch.equal(fused[k], base[k])}
+    assert changed and changed <= set(delta)  # every tensor calibration changed is in the delta
+    assert all("self_attn" in k for k in delta)  # and nothing outside the attention's folded projections
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "longcat_flash"])
+def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path):
+    path = save_sharded(tiny_model(family, seed=2), tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    fused = _in_memory(base)
+    out = tmp_path / "delta.safetensors"
+    rep = calibrate_streamed(path, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    delta, meta = load_delta(out)
+    _assert_delta_matches(delta, fused, base_state)
+    assert len(rep.blocks) == len(meta["report"]) // (2 if family == "longcat_flash" else 1)
+    assert meta["recipe"]["cache_format"]["name"] == "c2r4-tiny" and meta["base_key"].startswith("base-")
+    assert not (tmp_path / "delta.safetensors.work").exists()  # the progress directory is removed at the end
+    # the in-memory loader and the merged checkpoint reproduce the calibrated model
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    apply_delta(fresh, delta)
+    merged = merge_checkpoint(path, out, tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    for k in fused:
+        assert torch.equal(fresh.state_dict()[k], fused[k]) and torch.equal(loaded[k], fused[k]), k
+    with pytest.raises(FileExistsError, match="force"):
+        merge_checkpoint(path, out, merged)
+    with pytest.raises(FileExistsError, match="force"):
+        calibrate_streamed(path, FMT, _tokens(), CFG, out, dtype=torch.float32)
+
+
+def test_streamed_fp8_block_checkpoint_equals_in_memory_dequantized(tmp_path):
+    src = save_sharded(tiny_model("deepseek_v3", seed=4), tmp_path / "bf")
+    fp8, deq = fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "deq", block=(32, 32))
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()  # transformers' loader
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    fused = _in_memory(base)
+    out = tmp_path / "delta.safetensors"
+    calibrate_streamed(fp8, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    delta, meta = load_delta(out)
+    _assert_delta_matches(delta, fused, base_state)
+    merged = merge_checkpoint(fp8, out, tmp_path / "merged")
+    with open(merged / "config.json") as f:
+        q = json.load(f)["quantization_config"]
+    with open(merged / "model.safetensors.index.json") as f:
+        wmap = json.load(f)["weight_map"]
+    for k in delta:  # the folded weight is stored unquantized, its block scales dropped, its module not converted
+        assert k + "_scale_inv" not in wmap
+        if k.endswith("proj.weight"):
+            assert k.rsplit(".", 1)[0] in q["modules_to_not_convert"]
+    assert any(k.endswith("experts.0.gate_proj.weight_scale_inv") for k in wmap)  # the rest stays FP8
+    loaded = load_full_model(merged, torch.float32).state_dict()
+    for k in fused:
+        assert torch.equal(loaded[k], fused[k]), k
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
+    path = save_sharded(tiny_model("deepseek_v3_half", seed=5), tmp_path / "base")  # 3 blocks
+    ref = tmp_path / "ref.safetensors"
+    calibrate_streamed(path, FMT, _tokens(), CFG, ref, dtype=torch.float32)
+    out, work = tmp_path / "delta.safetensors", tmp_path / "work"
+
+    def stop_after_first(b):
+        if b == 0:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32,
+                           on_block_done=stop_after_first)  # fmt: skip
+    assert not out.exists()
+    with open(work / "progress.json") as f:
+        assert json.load(f)["blocks_done"] == 1
+    with pytest.raises(FileExistsError, match="--resume"):
+        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32)
+    with pytest.raises(ValueError, match="another run"):
+        calibrate_streamed(path, FMT, _tokens(seed=9), CFG, out, work=work, dtype=torch.float32, resume=True)
+
+    # a crash inside block 1's calibration: nothing of block 1 is committed
+    real = stream_mod.calibrate_attention
+
+    def crash(attn, *a, **k):
+        if attn.layer_idx == 1:
+            raise _Stop
+        return real(attn, *a, **k)
+
+    monkeypatch.setattr(stream_mod, "calibrate_attention", crash)
+    with pytest.raises(_Stop):
+        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("block_")) == ["block_00000.safetensors"]
+    monkeypatch.setattr(stream_mod, "calibrate_attention", real)
+    calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+    got, _ = load_delta(out)
+    want, _ = load_delta(ref)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_merge_refuses_a_delta_of_another_model(tmp_path):
+    a = save_sharded(tiny_model("deepseek_v2", seed=0), tmp_path / "m")
+    out = tmp_path / "delta.safetensors"
+    calibrate_streamed(a, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    b = save_sharded(tiny_model("deepseek_v2", seed=1), tmp_path / "other" / "m")  # same name and shapes
+    with pytest.raises(CheckpointError, match="differ from those the delta"):
+        merge_checkpoint(b, out, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists() and not any(p.name.startswith(".merged") for p in tmp_path.iterdir())
+    c = save_sharded(tiny_model("deepseek_v2", seed=0, kv_lora_rank=32), tmp_path / "c")
+    with pytest.raises(CheckpointError, match="calibrated on"):
+        merge_checkpoint(c, out, tmp_path / "merged")
+    with safe_open(out, framework="pt") as f:
+        assert json.loads(f.metadata()["format"]) == "quantmla-delta"

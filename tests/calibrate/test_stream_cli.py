@@ -1,0 +1,38 @@
+"""``quantmla calibrate-stream`` and ``quantmla merge`` end to end on a tiny sharded checkpoint: the merged
+checkpoint loads in transformers with the same full-precision logits, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_util import save_sharded
+from transformers import AutoModelForCausalLM
+
+from quantmla.cli import main
+from quantmla.mla.tiny import tiny_model
+
+FLAGS = ["--seq-len", "64", "--train-seqs", "4", "--val-seqs", "2", "--steps", "2", "--query-tokens", "16",
+         "--sink", "4", "--local", "16", "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--no-progress"]
+
+
+def test_calibrate_stream_then_merge(tmp_path, capsys):
+    model = tiny_model("glm4_moe_lite", seed=1)
+    base = save_sharded(model, tmp_path / "base")
+    toks = tmp_path / "tokens.pt"
+    torch.save(torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(0)), toks)
+    delta = tmp_path / "d.safetensors"
+    assert main(["calibrate-stream", "--model", str(base), "--format", "c2r4", "--out", str(delta), "--tokens",
+                 str(toks), "--report", str(tmp_path / "rep.json"), *FLAGS]) == 0
+    assert delta.exists() and (tmp_path / "rep.json").exists()
+    assert main(["merge", "--base", str(base), "--delta", str(delta), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # folding keeps the full-precision function
+        torch.testing.assert_close(merged(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(SystemExit, match="exists"):
+        main(["merge", "--base", str(base), "--delta", str(delta), "--out", str(tmp_path / "merged")])
+    with pytest.raises(SystemExit, match="not a quantmla delta"):
+        shard = sorted(base.glob("model-*.safetensors"))[0]
+        main(["merge", "--base", str(base), "--delta", str(shard), "--out", str(tmp_path / "m2")])
+    with pytest.raises(SystemExit, match="tokenizer"):
+        main(["calibrate-stream", "--model", str(base), "--out", str(tmp_path / "e.safetensors"), *FLAGS])
