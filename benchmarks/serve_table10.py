@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     out_json, out_md = Path(args.out_dir, "serve_table10.json"), Path(args.out_dir, "serve_table10.md")
     if not args.force and (out_json.exists() or out_md.exists()):
         sys.exit(f"{out_json} or {out_md} exists; pass --force to overwrite")
-    max_num_seqs = args.max_num_seqs or SchedulerConfig.model_fields["max_num_seqs"].default
+    max_num_seqs = args.max_num_seqs or SchedulerConfig.DEFAULT_MAX_NUM_SEQS
     costs = StepCosts.from_json(args.costs) if args.costs else placeholder_costs()
     # the byte budget of the paper's BF16 row: its usable slots + vLLM's null block, 64 tokens per block
     budget = (PAPER["bf16"]["usable_slots"] // 64 + 1) * ServeGeometry("bf16", NUM_LAYERS).block_bytes() * NUM_LAYERS
