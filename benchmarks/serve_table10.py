@@ -196,7 +196,8 @@ def main(argv=None) -> int:
                          "preemption_recompute": r["events"]})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "preemption_recompute"}),
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    meta = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "python": platform.python_version(),
+    meta = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
+            "python": platform.python_version(),
             "vllm": vllm.__version__, "commit": _commit(), "command": "python benchmarks/serve_table10.py "
             + " ".join(argv if argv is not None else sys.argv[1:]), "workload": "5 x (131072 prompt + 1024 output), "
             "block 64, chunked prefill, max_num_batched_tokens 8192, FCFS, prefix caching off, DeepSeek-V2-Lite",

@@ -2,7 +2,8 @@
 
 vLLM sizes its KV cache as ``num_blocks = budget // (page bytes per block x layers)``; every block holds
 ``block_size`` tokens ("slots") and block 0 is vLLM's null block, so requests can use ``(num_blocks - 1) x
-block_size`` slots (the paper's Table 10 counts them so: 657,856 BF16 slots = 10,280 blocks of 64). For a QuantMLA format a block is one page of :class:`PagedLayout` (the
+block_size`` slots (the paper's Table 10 counts them so: 657,856 BF16 slots = 10,280 blocks of 64).
+For a QuantMLA format a block is one page of :class:`PagedLayout` (the
 packed store: codes + fp16 meta, 16-byte aligned regions); the BF16 sink/local copies live outside the pages,
 per request and layer (:mod:`quantmla.serve.request_state`), so they come off the budget first for the
 ``max_num_seqs`` requests vLLM may run at once. BF16 has no such state: a block is ``block_size x 1152`` bytes.
