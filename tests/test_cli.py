@@ -1,6 +1,7 @@
 """The command line: `quantmla info` numbers and errors, `quantmla generate` on a local model directory."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,16 +48,16 @@ def test_info_table_marks_the_chosen_format(capsys):
         (["info", "--context", "0"], "positive"),
     ],
 )
-def test_info_bad_input(argv, match):
-    with pytest.raises(SystemExit, match=match):
-        main(argv)
+def test_info_bad_input(argv, match, capsys):
+    assert main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
 
 
-def test_info_refuses_non_mla_config(tmp_path):
+def test_info_refuses_non_mla_config(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    with pytest.raises(SystemExit, match="not an MLA model"):
-        main(["info", "--model-config", str(cfg)])
+    assert main(["info", "--model-config", str(cfg)]) == 2
+    assert "not an MLA model" in capsys.readouterr().err
 
 
 def _tiny_dir(tmp_path):
@@ -86,9 +87,52 @@ def test_generate_on_a_local_model_dir(tmp_path, capsys):
         ref = model.generate(ids, max_new_tokens=6, do_sample=False)
     want = tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
     assert out.splitlines()[0] == want  # BF16 cache: the very tokens of transformers' own cache
-    assert "tok/s" in out and "B physical" in out
+    assert "tok/s" in out and "B on a BF16 model" in out and "smaller than BF16" not in out
 
 
-def test_generate_bad_model_dir():
-    with pytest.raises(SystemExit, match="not a directory"):
-        main(["generate", "--model", "/nonexistent", "--prompt", "hi"])
+def test_generate_bad_model_dir(capsys):
+    assert main(["generate", "--model", "/nonexistent", "--prompt", "hi"]) == 2
+    assert "neither a folder nor a built-in name" in capsys.readouterr().err
+
+
+def test_generate_takes_the_model_names_eval_takes(tmp_path, monkeypatch, capsys):
+    import quantmla.models.names as names
+
+    path, model, tok = _tiny_dir(tmp_path)
+    seen = []
+    monkeypatch.setattr(names, "resolve_model", lambda name, dtype: (seen.append(name), model, tok, name)[1:])
+    code, out = _run(capsys, "generate", "--model", "smollm2-mla", "--prompt", "w3 w4 w5", "--max-new-tokens", "2")
+    assert code == 0 and seen == ["smollm2-mla"]
+
+
+def test_generate_bad_prompts_and_folders(tmp_path, capsys):
+    path, model, tok = _tiny_dir(tmp_path)
+    assert main(["generate", "--model", path, "--prompt", "  "]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    limit = model.config.max_position_embeddings
+    long_prompt = " ".join(f"w{3 + i % 100}" for i in range(limit))
+    assert main(["generate", "--model", path, "--prompt", long_prompt, "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"the prompt is {limit} tokens + --max-new-tokens 4 > the model's context of {limit} tokens" in err
+    weightless = tmp_path / "no-weights"
+    weightless.mkdir()
+    (weightless / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
+    assert main(["generate", "--model", str(weightless), "--prompt", "w3"]) == 2
+    assert "has a config.json but no weights" in capsys.readouterr().err
+
+
+def test_generate_byte_report_for_bf16_and_c4r4(tmp_path, capsys):
+    from quantmla.quant.formats import cache_bytes
+
+    path, model, tok = _tiny_dir(tmp_path)
+    prompt = " ".join(f"w{i}" for i in range(3, 40))
+    for fmt in ("bf16", "c4r4"):
+        code, out = _run(capsys, "generate", "--model", path, "--format", fmt, "--prompt", prompt,
+                         "--max-new-tokens", "6")  # fmt: skip
+        line = out.strip().splitlines()[-1]
+        n = int(re.match(r"cache: (\d+) tokens", line).group(1))
+        assert len(tok(prompt).input_ids) < n <= len(tok(prompt).input_ids) + 6
+        spec = dict(kv_lora_rank=model.config.kv_lora_rank, rope_dim=model.config.qk_rope_head_dim,
+                    num_layers=model.config.num_hidden_layers, context=n, batch=1)  # fmt: skip
+        assert f"{cache_bytes(fmt, **spec).total:,} B on a BF16 model" in line and "allocated" in line
+        assert ("less than BF16" in line) == (fmt != "bf16")  # no "1.00x smaller" for BF16 itself

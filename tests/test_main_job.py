@@ -1,15 +1,23 @@
-"""`quantmla run` end to end on the tiny model: calibrate (smoke budget), score every cache, write JSON."""
+"""`quantmla run` end to end on the tiny model: calibrate (smoke budget), score every cache, write JSON; compact
+progress with the time left when stderr is not a terminal; the output ends with the results and the headline."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import quantmla
 from quantmla.cli import main
+
+TINY = ["run", "--tiny", "--tokens", "400", "--context", "200", "--preset", "smoke"]
 
 
 def test_main_job_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "run.json"
-    argv = ["run", "--tiny", "--tokens", "400", "--context", "200", "--preset", "smoke", "--out", str(out)]
+    argv = [*TINY, "--out", str(out)]
     assert main(argv) == 0
     d = json.loads(out.read_text())
     rows = {r["label"]: r for r in d["rows"]}
@@ -23,11 +31,24 @@ def test_main_job_tiny_end_to_end(tmp_path, capsys):
     assert rows["C4R4 QuantMLA"]["cache_bytes_bf16_model"] == rows["C4R4 RTN"]["cache_bytes_bf16_model"]
     assert rows["C4R4 RTN"]["cache_bytes_bf16_model"] < rows["BF16"]["cache_bytes_bf16_model"]
     assert d["calibration"]["config"]["steps_rope"] == 2 and d["summary"]["compression_this_model_32k"] > 3
+    assert len(rows["BF16"]["window_nll"]) == 2 and d["summary"]["windows"] == 2
     assert "Accuracy kept" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--force"):  # never overwrite without --force
-        main(argv)
+    assert main(argv) == 2  # never overwrite without --force
+    assert "exists; pass --force" in capsys.readouterr().err
 
 
-def test_main_job_rejects_windows_inside_the_local_window():
-    with pytest.raises(SystemExit, match="sink \\+ local"):
-        main(["run", "--tiny", "--tokens", "256", "--context", "128", "--no-calibrate"])
+def test_main_job_rejects_windows_inside_the_local_window(capsys):
+    assert main(["run", "--tiny", "--tokens", "256", "--context", "128", "--no-calibrate"]) == 2
+    assert "sink + local" in capsys.readouterr().err
+
+
+def test_main_job_log_is_compact_and_ends_with_the_headline():
+    """stderr a pipe (a CI log): no tqdm refreshes, a time-left estimate; stdout ends with the results."""
+    env = {**os.environ, "PYTHONPATH": str(Path(quantmla.__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "quantmla.cli", *TINY], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "\r" not in r.stderr and "left" in r.stderr
+    assert len(r.stderr.splitlines()) < 40, r.stderr
+    out = r.stdout.rstrip().splitlines()
+    assert out[-2].startswith("== Accuracy kept (C4R4): QuantMLA ") and out[-1].startswith("   Perplexity")
+    assert out[-3].startswith("== Memory saved") and out[-4].startswith("   C4R4 QuantMLA")

@@ -27,7 +27,16 @@ def cache_dims(config: dict) -> tuple[int, int, int]:
     for k in ("kv_lora_rank", "qk_rope_head_dim"):
         if config.get(k) is None:
             raise UnsupportedModelError(f"config lacks the MLA field {k!r}")
-    layers = config.get("num_hidden_layers") or config.get("num_layers")
-    if mt == "longcat_flash" and config.get("num_layers"):
-        layers = 2 * int(config["num_layers"])  # two attention sublayers per decoder block
-    return int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"]), int(layers)
+    layer_key = "num_layers" if mt == "longcat_flash" and config.get("num_layers") else "num_hidden_layers"
+    if config.get(layer_key) is None and config.get("num_layers") is not None:
+        layer_key = "num_layers"
+    dims = {k: config.get(k) for k in ("kv_lora_rank", "qk_rope_head_dim", layer_key)}
+    for k, v in dims.items():
+        if v is None:
+            raise UnsupportedModelError(f"config lacks the field {k!r} (the number of decoder layers)")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"config field {k!r} must be a positive integer, got {v!r}")
+    layers = dims[layer_key]
+    if mt == "longcat_flash" and layer_key == "num_layers":
+        layers = 2 * layers  # two attention sublayers per decoder block
+    return dims["kv_lora_rank"], dims["qk_rope_head_dim"], layers

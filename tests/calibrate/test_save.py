@@ -15,6 +15,7 @@ from quantmla.calibrate import cli
 from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.fuse import QUANT_CONFIG_NAME, load_quant_config, make_quant_config, save_fused
 from quantmla.calibrate.trainer import calibrate_model
+from quantmla.cli_support import UsageError
 from quantmla.mla.tiny import tiny_model
 from quantmla.quant.formats import CacheFormat
 from quantmla.quant.spec import QuantSpec
@@ -127,10 +128,11 @@ def test_calibrate_command(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     cli.add_calibrate_args(parser.add_subparsers(dest="command"))
     out = tmp_path / "fused"
+    model.save_pretrained(tmp_path / "src")  # --model is checked (config + weights) before loading
     argv = [
         "calibrate",
         "--model",
-        str(tmp_path),
+        str(tmp_path / "src"),
         "--out",
         str(out),
         "--seq-len",
@@ -158,5 +160,5 @@ def test_calibrate_command(tmp_path, monkeypatch):
     assert "calibration_report.json" in read_manifest(str(out))["files"]  # published with the folder, not after
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-5)  # fusion kept full precision
-    with pytest.raises(SystemExit, match="already exists"):
+    with pytest.raises(UsageError, match="exists; pass --force"):  # refused before any work
         args.func(parser.parse_args(argv))

@@ -1,15 +1,27 @@
 """quantmla.analysis: the dual-path error model (content vs RoPE output distortion at matched cache NMSE) and its
-first-order predictor from operator traces and error allocation."""
+first-order predictor from operator traces and error allocation.
 
-from quantmla.analysis.error_model import ErrorModelReport, LayerResponse, analyze_model, plot_atlas
-from quantmla.analysis.predictor import PredictorReport, predict_model, validate_predictor
+The names below are loaded on first use, so ``quantmla.analysis.cli`` (argument parsing) stays light.
+"""
 
-__all__ = [
-    "ErrorModelReport",
-    "LayerResponse",
-    "PredictorReport",
-    "analyze_model",
-    "plot_atlas",
-    "predict_model",
-    "validate_predictor",
-]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "ErrorModelReport": "quantmla.analysis.error_model",
+    "LayerResponse": "quantmla.analysis.error_model",
+    "analyze_model": "quantmla.analysis.error_model",
+    "plot_atlas": "quantmla.analysis.error_model",
+    "PredictorReport": "quantmla.analysis.predictor",
+    "predict_model": "quantmla.analysis.predictor",
+    "validate_predictor": "quantmla.analysis.predictor",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

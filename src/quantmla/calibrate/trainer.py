@@ -342,11 +342,9 @@ class LayerProblem:
 def _progress(it: Iterable, desc: str, enabled: bool):
     if not enabled:
         return it
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return it
-    return tqdm(it, desc=desc, leave=False)
+    from quantmla.progress import progress  # tqdm on a terminal, a compact line with the time left otherwise
+
+    return progress(it, desc)
 
 
 def calibrate_attention(

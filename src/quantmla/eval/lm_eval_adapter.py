@@ -50,7 +50,7 @@ class QuantMLALM(_LMBase):
         if model is None:
             if pretrained is None:
                 raise ValueError("pass a model and tokenizer, or pretrained=DIR")
-            from quantmla.eval.cli import resolve_model
+            from quantmla.models.names import resolve_model
 
             model, tokenizer, _ = resolve_model(pretrained, dtype)
         self.model = prepare_model(model.to(device))

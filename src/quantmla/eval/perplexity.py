@@ -87,9 +87,9 @@ def perplexity(
     total, count, kl_total, agree = 0.0, 0, 0.0, 0
     it = range(n_win)
     if progress:
-        from tqdm.auto import tqdm
+        from quantmla.progress import progress as _progress
 
-        it = tqdm(it, desc=f"ppl {cache.label()}", leave=False)
+        it = _progress(it, f"ppl {cache.label()}")
     for w in it:
         x = ids[w * context : (w + 1) * context].to(device)[None]  # [1, C]
         logits = forward_logits(model, x, make_cache(model, cache))  # [1, C, V]

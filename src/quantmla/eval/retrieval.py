@@ -36,9 +36,9 @@ def run_samples(
     eos = eos_token_ids(model, tokenizer)
     it = samples
     if progress:
-        from tqdm.auto import tqdm
+        from quantmla.progress import progress as _progress
 
-        it = tqdm(samples, desc=f"needle {cache.label()}", leave=False)
+        it = _progress(samples, f"needle {cache.label()}")
     out = []
     for s in it:
         ids = torch.tensor([s.input_ids], device=device)

@@ -8,11 +8,13 @@ The integer codes are packed ``8 // bits`` to a byte (see :mod:`quantmla.quant.p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor dtype is needed, so `quantmla --help` stays light
+    import torch
 
 SUPPORTED_BITS = (2, 4, 8)
-SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SCALE_DTYPES = ("fp16", "bf16")  # names of torch.float16 / torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class QuantSpec:
     # -- layout -------------------------------------------------------------------------------
     @property
     def torch_scale_dtype(self) -> torch.dtype:
-        return SCALE_DTYPES[self.scale_dtype]
+        import torch
+
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.scale_dtype]
 
     @property
     def levels(self) -> int:
