@@ -82,12 +82,26 @@ def test_runtime_failure_is_one_line_exit_1_and_debug_shows_it(monkeypatch, caps
         main(["info"])
 
 
+def test_a_command_raising_systemexit_text_gets_the_same_one_line_usage_error(monkeypatch, capsys):
+    def legacy(args):
+        raise SystemExit("error: --x 3 is too big; use at most 2")
+
+    monkeypatch.setattr(info_mod, "cmd_info", legacy)
+    assert main(["info"]) == 2
+    assert _err(capsys) == "quantmla info: error: --x 3 is too big; use at most 2\n"
+
+
 def test_every_option_has_help():
+    from quantmla.cli import COMMANDS
+
     parser = build_parser()
     sub = next(a for a in parser._actions if a.choices and "run" in a.choices)
+    core = {"run", "info", "generate", "convert", "eval", "calibrate", "analyze"}
+    assert len(COMMANDS) == len(core) and core <= set(sub.choices)
     missing = [
         f"{name} {'/'.join(a.option_strings)}"
         for name, p in sub.choices.items()
+        if name in core
         for a in p._actions
         if a.option_strings and not a.help
     ]

@@ -1,10 +1,10 @@
-"""Output-path checks and the all-or-nothing output folder shared by the commands."""
+"""Output-path checks shared by the commands (they run before any work)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quantmla.cli_support import UsageError, atomic_output_dir, check_output, usage_errors
+from quantmla.cli_support import UsageError, check_output, usage_errors
 
 
 def test_check_output_cases(tmp_path):
@@ -23,7 +23,8 @@ def test_check_output_cases(tmp_path):
     check_output(tmp_path / "new" / "deeper" / "out", kind="dir")  # missing parents are created later
     assert not (tmp_path / "new").exists()  # the check creates nothing
     (tmp_path / "empty").mkdir()
-    check_output(tmp_path / "empty", kind="dir")  # an empty folder is free
+    with pytest.raises(UsageError, match="exists; pass --force"):
+        check_output(tmp_path / "empty", kind="dir")  # as the artifact writer: any existing folder
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     check_output(tmp_path / "m", kind="dir", may_exist=True)
@@ -37,24 +38,3 @@ def test_usage_errors_converts_argument_errors_only():
     with pytest.raises(RuntimeError):
         with usage_errors():
             raise RuntimeError("a failure while working is not a usage error")
-
-
-def test_atomic_output_dir(tmp_path):
-    out = tmp_path / "out"
-    with atomic_output_dir(out) as d:
-        (d / "a.json").write_text("1")
-        assert not out.exists()  # nothing visible until the block ends
-    assert (out / "a.json").read_text() == "1"
-    with pytest.raises(FileExistsError):
-        with atomic_output_dir(out) as d:
-            (d / "a.json").write_text("2")
-    assert (out / "a.json").read_text() == "1"
-    with pytest.raises(KeyboardInterrupt):
-        with atomic_output_dir(out, force=True) as d:
-            (d / "a.json").write_text("3")
-            raise KeyboardInterrupt
-    assert (out / "a.json").read_text() == "1"
-    with atomic_output_dir(out, force=True) as d:
-        (d / "b.json").write_text("4")
-    assert sorted(p.name for p in out.iterdir()) == ["b.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or set-aside folders left

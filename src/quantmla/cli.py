@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # `raise SystemExit("error: ...")`: a command's own argument check
+        if debug or not isinstance(e.code, str):
+            raise
+        msg = e.code[len("error: ") :] if e.code.startswith("error: ") else e.code
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if debug:
             raise

@@ -1,5 +1,5 @@
-"""What every ``quantmla`` command shares: the error that means "fix your arguments", output-path checks that run
-before the expensive work, and an output folder that appears whole or not at all.
+"""What every ``quantmla`` command shares: the error that means "fix your arguments" and output-path checks that run
+before the expensive work (the folders themselves are written by :mod:`quantmla.artifacts`).
 
 Exit codes (set by :func:`quantmla.cli.main`): 2 for a :class:`UsageError` (bad arguments, caught before the work
 starts), 1 for a failure while the job runs, 130 on Ctrl-C. Light on purpose: no torch here.
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 
 class UsageError(Exception):
@@ -42,10 +40,9 @@ def check_output(path: str | os.PathLike, *, flag: str = "--out", force: bool = 
                  may_exist: bool = False) -> None:  # fmt: skip
     """Raise :class:`UsageError` now if ``path`` could not be written when the job ends.
 
-    kind: ``"file"`` or ``"dir"`` (an existing empty folder counts as free). An existing ``path`` needs ``force``
-    unless ``may_exist`` (a command that reuses what it finds, like ``convert``). The nearest existing ancestor
-    must be a folder in which a file can be created (checked by creating and removing one: permission bits do
-    not tell for root or read-only mounts).
+    kind: ``"file"`` or ``"dir"``. An existing ``path`` needs ``force`` unless ``may_exist`` (a command that reuses
+    what it finds, like ``convert``). The nearest existing ancestor must be a folder in which a file can be created
+    (checked by creating and removing one: permission bits do not tell for root or read-only mounts).
     """
     p = os.path.abspath(os.fspath(path))
     if os.path.exists(p):
@@ -53,8 +50,7 @@ def check_output(path: str | os.PathLike, *, flag: str = "--out", force: bool = 
             raise UsageError(f"{flag} {path} is a folder; give a file path")
         if kind == "dir" and not os.path.isdir(p):
             raise UsageError(f"{flag} {path} is a file; give a folder path")
-        empty_dir = kind == "dir" and not os.listdir(p)
-        if not (force or may_exist or empty_dir):
+        if not (force or may_exist):
             raise UsageError(f"{flag} {path} exists; pass --force to overwrite it, or choose another path")
     parent = _existing_ancestor(p)
     if not os.path.isdir(parent):
@@ -65,36 +61,3 @@ def check_output(path: str | os.PathLike, *, flag: str = "--out", force: bool = 
         os.unlink(probe)
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror}); choose a writable place") from None
-
-
-@contextlib.contextmanager
-def atomic_output_dir(final: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temp folder next to ``final``; when the block ends without an error it becomes ``final``.
-
-    An existing ``final`` (not an empty folder) is replaced only with ``force``: it is renamed aside first, the new
-    folder renamed in, then the old one deleted, so an interrupt leaves either the old or the new folder. On an
-    error the temp folder is removed and ``final`` is untouched.
-    """
-    final = os.path.abspath(os.fspath(final))
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; the result is an ordinary folder
-    try:
-        yield Path(tmp)
-        if os.path.isdir(final) and not os.listdir(final):
-            os.rmdir(final)
-        if os.path.exists(final):
-            if not force:
-                raise FileExistsError(f"{final} appeared while the job ran; pass --force to replace it")
-            aside = tempfile.mkdtemp(prefix=f".old-{os.path.basename(final)}-", dir=parent)
-            os.rename(final, os.path.join(aside, "old"))
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

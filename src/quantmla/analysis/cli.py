@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from quantmla.models.names import MODEL_HELP
 
@@ -74,7 +75,8 @@ def check_analyze_args(args) -> list[float]:
 def run_analyze(args) -> int:
     levels = check_analyze_args(args)
     from quantmla.analysis.error_model import analyze_model, plot_atlas
-    from quantmla.cli_support import atomic_output_dir, usage_errors
+    from quantmla.artifacts import staged, write_json
+    from quantmla.cli_support import usage_errors
     from quantmla.data import corpus as corpora
     from quantmla.models.names import resolve_model
 
@@ -93,13 +95,12 @@ def run_analyze(args) -> int:
         from quantmla.analysis.predictor import predict_model
 
         pred = predict_model(model, tokens, args.format, levels, args.batch_size, args.query_tokens, args.device)
-    with atomic_output_dir(args.out, force=args.force) as tmp:  # the folder appears whole, or not at all
-        rep.save_json(tmp / "error_model.json")
+    with staged(args.out, force=args.force) as tmp:  # the folder appears whole, or not at all
+        rep.save_json(Path(tmp) / "error_model.json")
         for lv in rep.levels:
-            plot_atlas(rep, tmp / f"atlas_nmse{lv:g}.png", lv)
+            plot_atlas(rep, Path(tmp) / f"atlas_nmse{lv:g}.png", lv)
         if pred is not None:
-            with open(tmp / "predictor.json", "w") as f:
-                json.dump(pred.to_dict(), f, indent=2)
+            write_json(tmp, "predictor.json", pred.to_dict())
     if pred is not None:
         print(json.dumps(pred.metrics))
     print(args.out)
