@@ -99,3 +99,41 @@ def test_triton_writer_splits_long_chunks(monkeypatch):
     assert torch.equal(ref.pool, tri.pool)
     assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
     assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c8r8", "c2r4"])
+def test_triton_writer_bit_exact_on_large_values_nan_and_inf(name):
+    """Issue 13 item 4: values that overflowed the fp16 scale/offset (-7e4, +-1e6, 1e7) saturate identically in
+    both writers; NaN / inf stay in their own group (other groups and tokens read back as without them)."""
+    policy = CachePolicy(sink=1, local=2, page_size=4)
+    g = torch.Generator().manual_seed(11)
+    B, T, dc, dr = 2, 7, 128, 32
+    c, k = torch.randn(B, T, dc, generator=g), torch.randn(B, T, dr, generator=g)
+    clean_c, clean_k = c.clone(), k.clone()
+    c[0, 0, 3], c[0, 1, 10], k[0, 1, 2], c[0, 2, 64] = -7e4, 1e6, -1e6, 1e7
+    c[1, 1, 5], k[1, 2, 7], c[1, 3, 100], c[1, 4, :] = float("nan"), float("inf"), float("-inf"), 3e38
+    caches = {}
+    for impl in ("torch", "triton"):
+        cache = PagedMLACache(name, B, T, kv_lora_rank=dc, rope_dim=dr, policy=policy, device=DEVICE, fill_byte=0xFF)
+        cache.write(c.to(DEVICE), k.to(DEVICE), impl=impl)
+        caches[impl] = cache
+    ref, tri = caches["torch"], caches["triton"]
+    assert torch.equal(ref.pool, tri.pool)
+    assert torch.equal(ref.sink.view(torch.int16), tri.sink.view(torch.int16))
+    assert torch.equal(ref.local.view(torch.int16), tri.local.view(torch.int16))
+    fmt = ref.fmt
+    for b in range(B):
+        got = ref.read_packed(b, torch.arange(T)).cpu()  # [T, dc + dr]
+        want = torch.cat([fake_quantize(clean_c[b], fmt.content), fake_quantize(clean_k[b], fmt.rope)], -1)
+        hit = torch.zeros(T, dc + dr, dtype=torch.bool)  # the groups holding an extreme value
+        for t, ch in ([(0, 3), (1, 10), (1, dc + 2), (2, 64)] if b == 0 else
+                      [(1, 5), (2, dc + 7), (3, 100)] + [(4, i) for i in range(dc)]):  # fmt: skip
+            gs = fmt.content.group_size if ch < dc else fmt.rope.group_size
+            start = ch // gs * gs if ch < dc else dc + (ch - dc) // gs * gs
+            hit[t, start : start + gs] = True
+        assert torch.equal(got[~hit], want[~hit]), "an extreme value leaked into another group or token"
+        nan_group = hit[1] & (torch.arange(dc + dr) < dc) if b == 1 else torch.zeros(dc + dr, dtype=torch.bool)
+        assert torch.isnan(got[1][nan_group]).all()
+        finite = torch.ones(T, dc + dr, dtype=torch.bool)
+        finite[1] = ~nan_group
+        assert torch.isfinite(got[finite]).all(), "a finite (or inf) input read back as NaN/inf"

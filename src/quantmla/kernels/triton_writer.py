@@ -2,7 +2,8 @@
 
 One program per (sequence, new token). For each path it reproduces :func:`quantmla.quant.quantize.quantize_codes`
 bit for bit: fp32 group statistics, the offset rounded *down* and the scale rounded *up* to fp16 (round to
-nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``), IEEE division (``div_rn``),
+nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``) after saturating both to the finite
+fp16 range, NaN groups flagged explicitly (GPU min/max skip NaN, torch's propagate it), IEEE division (``div_rn``),
 round-half-to-even (the ``1.5 * 2^23`` trick, exact for |y| < 2^22; larger values are clamped anyway),
 then the grouped planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of group ``g`` of a ``b``-bit
 row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``, see :mod:`quantmla.kernels.paged`).
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 
 _RNE_MAGIC = 12582912.0  # 1.5 * 2^23
+F16_MAX: tl.constexpr = tl.constexpr(65504.0)  # scale and offset saturate here (never inf), as in torch
+NAN_F16_BITS: tl.constexpr = tl.constexpr(0x7E00)  # the one NaN a NaN group's scale/offset is stored as
 
 
 @triton.jit
@@ -72,16 +75,21 @@ def _write_path(
     m_e = tl.zeros([K, WP], dtype=tl.float32)
     for gi in tl.static_range(NG):
         sel = inb & (gid == gi)
+        # a NaN in the group makes its scale/offset NaN, as in torch (GPU min/max would skip the NaN)
+        nan_g = tl.max(tl.max(tl.where(sel & (x != x), 1.0, 0.0), axis=1), axis=0) > 0.0
+        nan16 = tl.full([], NAN_F16_BITS, tl.int16).to(tl.float16, bitcast=True)
         if SYM:
             amax = tl.max(tl.max(tl.where(sel, tl.abs(x), 0.0), axis=1), axis=0)
-            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(amax, QMAX_S * 1.0), 1e-8))
+            s32 = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX_S * 1.0), 1e-8), F16_MAX)  # saturate
+            s16 = tl.where(nan_g, nan16, _round_up_f16(s32))
             tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
             s_e = tl.where(sel, s16.to(tl.float32), s_e)
         else:
             lo = tl.min(tl.min(tl.where(sel, x, float("inf")), axis=1), axis=0)
             hi = tl.max(tl.max(tl.where(sel, x, float("-inf")), axis=1), axis=0)
-            o16 = _round_down_f16(lo)
-            s16 = _round_up_f16(tl.maximum(tl.math.div_rn(hi - o16.to(tl.float32), QMAX_A * 1.0), 1e-8))
+            o16 = tl.where(nan_g, nan16, _round_down_f16(tl.minimum(tl.maximum(lo, -F16_MAX), F16_MAX)))
+            s32 = tl.minimum(tl.maximum(tl.math.div_rn(hi - o16.to(tl.float32), QMAX_A * 1.0), 1e-8), F16_MAX)
+            s16 = tl.where(nan_g, nan16, _round_up_f16(s32))
             tl.store(meta_ptr + (SROW + gi) * P, s16, mask=valid)
             tl.store(meta_ptr + (OROW + gi) * P, o16, mask=valid)
             s_e = tl.where(sel, s16.to(tl.float32), s_e)
@@ -89,10 +97,12 @@ def _write_path(
     s_e = tl.where(inb, s_e, 1.0)
     if SYM:
         y = tl.math.div_rn(x, s_e)
+        y = tl.where(y == y, y, 0.0)  # NaN -> 0 (torch: nan_to_num), on every device
         q = (y + 12582912.0) - 12582912.0  # round half to even
         q = tl.minimum(tl.maximum(q, -QMAX_S * 1.0), QMAX_S * 1.0) + (1 << (BITS - 1))
     else:
         y = tl.math.div_rn(x - m_e, s_e)
+        y = tl.where(y == y, y, 0.0)
         q = (y + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(q, 0.0), QMAX_A * 1.0)
     codes = q.to(tl.int32) << (pl * BITS)  # [K, WP]

@@ -9,6 +9,18 @@ stored with offset ``2^(b-1)``; ``x_hat = (q - 2^(b-1)) * s``.
 
 Either way the reconstruction error of every element is at most half a quantization step (up to
 fp32 rounding). All arithmetic is fp32, whatever the input dtype.
+
+**Saturation** (large finite inputs; a serving cache must not raise mid-generation). ``m`` and ``s`` are clamped
+to the finite range ``[-F, F]`` of the scale dtype (``F`` = 65504 for fp16; for bf16 ``F_max(fp32) / 4`` and
+``/ (4 qmax)`` so that the reconstruction stays finite in fp32) before they are rounded, so they never overflow
+to inf (which used to turn the whole group into NaN). The stored grid then covers
+``[m, m + (2^b - 1) s]`` (asymmetric) or ``[-(2^(b-1)-1) s, (2^(b-1)-1) s]`` (symmetric) and every code is
+clamped to it, so the error bound becomes ``|x - x_hat| <= s / 2 + dist(x, grid)``: unchanged for groups whose
+values fit (asymmetric fp16: ``min >= -F`` and ``max <= m + (2^b - 1) F``, e.g. ``max - min <= 982,560`` at 4 bits;
+symmetric fp16: ``absmax <= (2^(b-1) - 1) F``, 8.3e6 at 8 bits), and values beyond the grid are clipped to
+its nearest end (-7e4 is stored as -65504). +-inf inputs clip the same way. A NaN input makes its own group's
+scale/offset NaN (that group reads back as NaN; its codes are those of 0 relative to the offset / zero point);
+it never reaches another group or token.
 """
 
 from __future__ import annotations
@@ -62,6 +74,19 @@ def _div(x: torch.Tensor, d: int) -> torch.Tensor:
     return x / torch.full_like(x, float(d))
 
 
+def _saturation(sd: torch.dtype, qmax: int) -> tuple[float, float]:
+    """(offset bound, scale bound) of a scale dtype: its largest finite value (65504 for fp16), and for the
+    fp32-range bf16 small enough that ``|m| + qmax * s`` (the reconstruction) stays finite in fp32."""
+    f, big = torch.finfo(sd).max, torch.finfo(torch.float32).max / 4
+    return min(f, big), min(f, big / qmax)
+
+
+def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """One NaN bit pattern (0x7E00 in fp16) for every NaN, whatever the arithmetic produced: the stored bytes
+    must not depend on the device."""
+    return t.masked_fill(torch.isnan(t), float("nan"))
+
+
 def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
     if not torch.is_floating_point(x):
         raise TypeError(f"can only quantize floating-point tensors, got {x.dtype}")
@@ -77,19 +102,23 @@ def quantize_codes(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     xg = x.float().reshape(*x.shape[:-1], d // g, g)  # [..., G, g]
     if spec.symmetric:
         qmax = (1 << (spec.bits - 1)) - 1
+        _, smax = _saturation(sd, qmax)
         absmax = xg.abs().amax(dim=-1)
-        scale = _round_up(_div(absmax, qmax).clamp_min(_TINY), sd)  # [..., G]
-        q = torch.round(xg / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
+        scale = _round_up(_div(absmax, qmax).clamp(_TINY, smax), sd)  # [..., G]
+        q = torch.round(xg / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax).nan_to_num_(nan=0.0)  # NaN -> 0
         codes = (q + (1 << (spec.bits - 1))).to(torch.uint8)
         offset = None
     else:
         qmax = (1 << spec.bits) - 1
+        omax, smax = _saturation(sd, qmax)
         lo = xg.amin(dim=-1)
         hi = xg.amax(dim=-1)
-        offset = _round_down(lo, sd)
-        scale = _round_up(_div(hi - offset.float(), qmax).clamp_min(_TINY), sd)
+        offset = _round_down(lo.clamp(-omax, omax), sd)
+        scale = _round_up(_div(hi - offset.float(), qmax).clamp(_TINY, smax), sd)
         q = torch.round((xg - offset.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, qmax)
-        codes = q.to(torch.uint8)
+        codes = q.nan_to_num_(nan=0.0).to(torch.uint8)  # NaN -> code 0
+        offset = _canonical_nan(offset)
+    scale = _canonical_nan(scale)
     return codes.reshape(x.shape), scale, offset
 
 
