@@ -1,10 +1,12 @@
-"""Choosing between the Triton kernels and their torch references, and the public attention entry points.
+"""Choosing between the CUDA, Triton and torch implementations, and the public attention entry points.
 
-``impl="auto"`` picks Triton when the tensors are on a CUDA device, Triton imports and the format/shape
-is one the kernels handle; otherwise torch. Overrides, strongest first: an explicit ``impl="torch"`` or
-``"triton"`` argument; :func:`force_impl` (a context manager for tests); the environment variable
-``QUANTMLA_KERNEL_IMPL`` (``auto``, ``torch`` or ``triton``). Asking for Triton where it cannot run
-raises an error that says why instead of silently falling back.
+``impl="auto"`` for decode attention on a CUDA device picks the CUDA C++ kernel (``kernels/csrc``, built with
+nvcc on first use) when the GPU is sm_80 or newer and the cache's format/shape is one it handles, else Triton
+when it handles them, else torch; on the CPU it is torch. If the CUDA kernel cannot be built (no nvcc), auto
+says so once (a warning) and uses Triton. Writes use Triton on CUDA. Overrides, strongest first: an explicit
+``impl="torch"``, ``"triton"`` or ``"cuda"`` argument; :func:`force_impl` (a context manager for tests); the
+environment variable ``QUANTMLA_KERNEL_IMPL`` (``auto``, ``torch``, ``triton`` or ``cuda``). Asking for an
+implementation where it cannot run raises an error that says why instead of silently falling back.
 
 Nothing here imports Triton at module import time.
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
 
 from quantmla.quant.formats import CacheFormat
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "cuda")
 ENV_VAR = "QUANTMLA_KERNEL_IMPL"
 _forced: list[str] = []
 
@@ -79,8 +82,32 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
     return ""
 
 
-def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, layout=None) -> str:
-    """``"torch"`` or ``"triton"`` for a call on tensor ``x`` with format ``fmt``."""
+_CUDA_OK: dict[str, bool] = {}
+
+
+def cuda_kernel_available(device: torch.device) -> bool:
+    """True when the CUDA decode kernel can run on ``device`` (sm_80+, and it builds); a build failure is
+    reported once as a warning and remembered."""
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _CUDA_OK:
+        from quantmla.kernels.cuda_build import CudaBuildError, load
+
+        ok = torch.cuda.get_device_capability(device)[0] >= 8
+        if ok:
+            try:
+                load("decode_mla", device)
+            except CudaBuildError as e:
+                warnings.warn(f"quantmla: CUDA decode kernel unavailable, using Triton ({e})", stacklevel=3)
+                ok = False
+        _CUDA_OK[key] = ok
+    return _CUDA_OK[key]
+
+
+def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, layout=None, cache=None) -> str:
+    """``"torch"``, ``"triton"`` or ``"cuda"`` for a call on tensor ``x`` with format ``fmt`` (``cache``: the
+    decode cache, needed to consider the CUDA kernel)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
@@ -94,7 +121,23 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
     dims = (512, 64, 64) if layout is None else (layout.kv_lora_rank, layout.rope_dim, layout.page_size)
     reason = triton_unsupported_reason(fmt, *dims, kernel=kernel)
     on_gpu = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "cuda":
+        if kernel != "decode" or cache is None:
+            raise ValueError(f"impl='cuda' exists for decode attention only, not for {kernel}")
+        from quantmla.kernels.cuda_decode import cuda_unsupported_reason
+
+        why = cuda_unsupported_reason(cache)
+        if why:
+            raise ValueError(f"impl='cuda' cannot run decode for format {fmt.name!r}: {why}")
+        if not x.is_cuda:
+            raise RuntimeError("impl='cuda' needs CUDA tensors")
+        return "cuda"
     if impl == "auto":
+        if x.is_cuda and kernel == "decode" and cache is not None and triton_available():
+            from quantmla.kernels.cuda_decode import cuda_unsupported_reason
+
+            if not cuda_unsupported_reason(cache) and cuda_kernel_available(x.device):
+                return "cuda"
         return "triton" if x.is_cuda and not reason and triton_available() else "torch"
     if impl == "triton":
         if not triton_available():
@@ -121,7 +164,11 @@ def decode_attention(
     ``q_lat [B, H, Dc]`` (absorbed query, latent part), ``q_pe [B, H, Dr]`` (rotated RoPE part) ->
     ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]`` natural log when ``return_lse``). ``num_splits``: split-K
     factor (default: a heuristic that fills the GPU)."""
-    which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout)
+    which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout, cache=cache)
+    if which == "cuda":
+        from quantmla.kernels.cuda_decode import decode_attention_cuda
+
+        return decode_attention_cuda(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, return_lse=return_lse)
     if which == "torch":
         from quantmla.kernels.reference import decode_attention_torch
 

@@ -517,8 +517,7 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
-    n_buf_tiles = 1 + math.ceil(cache.n_local / 64) if quant else 0  # sink tile + local-ring tiles
-    ns_total = ns + n_buf_tiles
+    ns_total = ns + buffer_tiles(cache)
     dev = q_lat.device
     if q_lat.stride(-1) != 1:
         q_lat = q_lat.contiguous()
@@ -526,15 +525,11 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
         q_pe = q_pe.contiguous()
     po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
-    out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0 or H == 0:
-        return out, lse
+        return torch.empty(B, H, Dc, device=dev), torch.empty(B, H, device=dev)
     c = _spec_args(fmt.content, Dc, L.content_scale_row, L.content_offset_row)
     r = _spec_args(fmt.rope, Dr, L.rope_scale_row, L.rope_offset_row)
     block_n = min(tun["block_n"], P)
-    if cache.n_sink > 64:
-        raise ValueError(f"the Triton decode kernel reads the sink in one 64-token tile: sink={cache.n_sink} > 64")
     args = (
         q_lat, q_pe,
         cache.pool, cache.pool.view(torch.float16), cache.pool.view(torch.bfloat16),
@@ -555,13 +550,32 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
     )  # fmt: skip
     # packed (or BF16) pages: one program per (sequence, split)
     _decode_kernel[(B, ns)](*args, 0, **consts, num_warps=tun["num_warps"], num_stages=tun["num_stages"])
-    if quant:  # BF16 sink + local window: one program per sequence, partial slot ns
-        _buffers_kernel[(B, n_buf_tiles)](
+    return finish_partials(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+
+
+def buffer_tiles(cache) -> int:
+    """Partial slots the BF16 sink/local buffers take (0 for a BF16 cache): the sink tile + the ring's tiles."""
+    return 1 + math.ceil(cache.n_local / 64) if cache.fmt.is_quantized else 0
+
+
+def finish_partials(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int):
+    """Given the page kernels' partials in slots ``[0, ns)`` of ``po [B, NS_TOTAL, H, Dc]`` / ``pl [B, NS_TOTAL, H]``
+    (normalized output, log2-sum-exp), attend over the BF16 sink/local buffers into the remaining slots and merge
+    all slots into one softmax -> ``(out [B, H, Dc] fp32, lse [B, H] natural log)``. Used by the CUDA kernel too."""
+    B, ns_total, H, Dc = po.shape
+    Dr = q_pe.shape[-1]
+    out = torch.empty(B, H, Dc, dtype=torch.float32, device=po.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=po.device)
+    if cache.n_sink > 64:
+        raise ValueError(f"the decode kernels read the sink in one 64-token tile: sink={cache.n_sink} > 64")
+    n_buf = ns_total - ns
+    if n_buf:  # BF16 sink + local window: one program per (sequence, tile), partial slots ns ..
+        _buffers_kernel[(B, n_buf)](
             q_lat, q_pe, cache.sink, cache.local, cache.seq_lens, po, pl, softmax_scale * LOG2E,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.sink.stride(0),
             cache.local.stride(0), H, ns_total, ns,
-            BLOCK_N=64, DC=Dc, DR=Dr, BLOCK_H=consts["BLOCK_H"], SINK=cache.n_sink, LOCAL=cache.n_local,
-            INTERP=consts["INTERP"], num_warps=8,
+            BLOCK_N=64, DC=Dc, DR=Dr, BLOCK_H=max(16, triton.next_power_of_2(H)), SINK=cache.n_sink,
+            LOCAL=cache.n_local, INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=8,
         )  # fmt: skip
     _combine_kernel[(B, H)](
         po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),

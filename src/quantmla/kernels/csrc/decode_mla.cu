@@ -1,0 +1,511 @@
+// Packed low-bit MLA decode attention over the paged cache (quantmla.kernels.paged), CUDA C++ for sm_80+.
+//
+// One CTA = 4 warps = one (16-head group, split, sequence). Warp w owns content quantization group w
+// (latent channels 128w .. 128w+127) for both products ("split-D"), so every per-token, per-group scale is a
+// per-column scale of that warp's products and is applied to accumulators, never per element:
+//
+//   score:  S[h, t] = sum_g s_g[t] * (q_g . k_g[t]) + o'_g[t] * qsum_g[h]    (k = 128 + code, o' = o - 128 s)
+//   output: O_g[h, :] = sum_t bf16(P[h,t] s_g[t]) (128 + c[t, :]) - 128 sum_t bf16(P s_g) + sum_t P[h,t] o_g[t]
+//
+// Codes reach the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) exactly: a b-bit field becomes the
+// bf16 number 128 + code with one shift and one LOP3 per register pair (0x4300 = 128). The page's bytes are
+// staged in shared memory with cp.async (3 stages); the SAME bytes are read with ldmatrix for the score product
+// (B = K^T: pairs of channels of one token) and with ldmatrix.trans for the output product (B = V: pairs of
+// tokens of one channel): a 16-bit element of a row holds 16/b codes of one token, and the grouped planar
+// packing makes every 16-byte chunk of a row belong to one group. Chunk x of token n sits at
+// 16 * (x ^ (n & 7)) in its shared-memory row (bank-conflict-free ldmatrix); RoPE chunks are stored
+// chunk-major. Channel of field j of element e of group-chunk c: 16c + 2e + j / F + PS * (j % F), F = 8 / b
+// codes per byte, PS = group / F (the plane stride of the grouped planar packing).
+//
+// Per 64-token tile: (1) each warp: its group's partial scores for all 64 tokens (64 mma), plus the RoPE
+// scores of its own 16 tokens (8 mma); (2) partials through shared memory, every warp sums all four (one
+// barrier) and runs the same online softmax on the full tile; (3) each warp: P * s_g in bf16 as the A operand
+// of its group's output product (64 mma, accumulators fresh per tile, O = alpha O + tile) plus one mma against
+// ones for sum_t bf16(P s_g). Writes the split's normalized partial output and its log2-sum-exp in the layout
+// of the Triton kernels (quantmla/kernels/triton_decode.py), whose sink/local-buffer and combine kernels
+// finish the attention.
+//
+// The torch reference of the same byte layout is the definition: quantmla/kernels/reference.py.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace qmla {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kHeads = 16;   // heads per CTA (rows of the mma tiles)
+constexpr int kPage = 64;    // tokens per page = per tile
+constexpr int kDc = 512;     // content latent width
+constexpr int kDr = 64;      // RoPE key width
+constexpr int kGroup = 128;  // content quantization group (one warp each)
+constexpr int kStages = 3;
+
+struct Params {
+  const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
+  const void* q_pe;   // [B, H, 64]
+  long long q_lat_sb, q_lat_sh, q_pe_sb, q_pe_sh;  // element strides
+  const uint8_t* pool;  // [num_pages, page_bytes]
+  long long page_bytes;
+  int c_off, r_off, m_off;       // byte offsets of the regions inside a page
+  int c_srow, c_orow, r_srow, r_orow;  // meta rows (orow < 0: symmetric spec)
+  const int* block_table;  // [B, max_pages]
+  long long bt_stride;
+  const int* lens;  // [B]
+  float* po;        // [B, NS_TOTAL, H, 512] normalized partial outputs
+  float* pl;        // [B, NS_TOTAL, H] log2-sum-exp of each partial
+  int H, ns_total, pps, sink, local;
+  float qk_scale;  // softmax_scale * log2(e)
+  int q_fp32;      // 1: q tensors are fp32, 0: bf16
+};
+
+template <int CB>  // bits of a content code (2 or 4); RoPE codes are 4 bits
+struct Cfg {
+  static constexpr int F = 8 / CB;                 // codes per byte (planes)
+  static constexpr int NF = 16 / CB;               // codes per 16-bit element (fields)
+  static constexpr int CBYTES = kDc * CB / 8;      // content bytes per token
+  static constexpr int CPG = kGroup * CB / 8 / 16; // 16-byte chunks per group
+  static constexpr int PS = kGroup / F;            // plane stride of the grouped planar packing
+  static constexpr int RBYTES = kDr * 4 / 8;       // RoPE bytes per token (4-bit)
+  static constexpr int RCH = RBYTES / 16;          // RoPE chunks per token
+  static constexpr int C_SM = 0;
+  static constexpr int R_SM = kPage * CBYTES;
+  static constexpr int M_SM = R_SM + kPage * RBYTES;
+  static constexpr int META_ROWS = 10;             // upper bound (4 + 4 content, 1 + 1 RoPE)
+  static constexpr int STAGE = M_SM + META_ROWS * kPage * 2;
+  static constexpr int PART = kWarps * 8 * 32 * 16;  // partial scores [warp][n-block][lane] float4
+  static constexpr int QFRAG = kWarps * (CPG * F + 4) * 32 * 16;  // q A fragments [warp][k-block][lane] uint4
+  static constexpr int SMEM = kStages * STAGE + PART + QFRAG;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// field j (b bits) of both 16-bit halves of r -> bf16x2 (128 + code_lo, 128 + code_hi), exact
+template <int B>
+__device__ __forceinline__ uint32_t field(uint32_t r, int j) {
+  const uint32_t x = r >> (B * j), mask = ((1u << B) - 1u) * 0x00010001u, magic = 0x43004300u;
+  uint32_t y;  // (x & mask) | magic in one LOP3 (the compiler splits it when both constants are immediates)
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
+  return y;
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ float load_q(const void* base, long long idx, int fp32) {
+  return fp32 ? reinterpret_cast<const float*>(base)[idx]
+              : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[idx]);
+}
+
+// channel (within its group) of k-index kk of k-block (chunk c, plane p) of the score product
+template <int PS>
+__device__ __forceinline__ int chan_k(int c, int p, int kk) {
+  return 16 * c + PS * p + 4 * ((kk & 7) >> 1) + 2 * (kk & 1) + (kk >> 3);
+}
+
+// A fragment of a 16-head x 16-channel block of q: a0 (h=g, k=2t,2t+1), a1 (g+8), a2 (g, 2t+8,2t+9), a3 (g+8)
+template <int PS>
+__device__ __forceinline__ void load_qfrag(uint32_t (&a)[4], float (&qs)[2], const void* q, long long sb_off,
+                                           long long sh, int h0, int H, int ch0, int c, int p, int g, int t,
+                                           float scale, int fp32) {
+  float v[2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = h0 + g + 8 * r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kk = (i < 2 ? 2 * t + i : 2 * t + 8 + (i - 2));
+      float x = 0.f;
+      if (h < H) x = load_q(q, sb_off + h * sh + ch0 + chan_k<PS>(c, p, kk), fp32) * scale;
+      x = bf16_round(x);
+      v[r][i] = x;
+      qs[r] += x;
+    }
+  }
+  a[0] = pack_bf16(v[0][0], v[0][1]);
+  a[1] = pack_bf16(v[1][0], v[1][1]);
+  a[2] = pack_bf16(v[0][2], v[0][3]);
+  a[3] = pack_bf16(v[1][2], v[1][3]);
+}
+
+template <int CB>
+__device__ __forceinline__ void load_page(uint8_t* stage, const uint8_t* page, const Params& p, int meta_rows) {
+  using C = Cfg<CB>;
+  const int tid = threadIdx.x;
+  constexpr int CX = C::CBYTES / 16;  // chunks per token row
+  constexpr int NC = kPage * CX, NR = kPage * C::RCH;
+  static_assert(NC % kThreads == 0 && NR <= kThreads, "copy split");
+  const uint32_t s0 = smem_u32(stage);
+#pragma unroll
+  for (int i = 0; i < NC / kThreads; ++i) {
+    const int k = tid + i * kThreads;
+    const int n = k / CX, x = k % CX;
+    cp_async16(s0 + C::C_SM + n * C::CBYTES + 16 * (x ^ (n & 7)), page + p.c_off + n * C::CBYTES + 16 * x);
+  }
+  if (tid < NR) {
+    const int n = tid / C::RCH, x = tid % C::RCH;
+    cp_async16(s0 + C::R_SM + x * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * x);
+  }
+  if (tid < meta_rows * kPage * 2 / 16) cp_async16(s0 + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
+}
+
+template <int CB>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+  using C = Cfg<CB>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  float4* part = reinterpret_cast<float4*>(smem + kStages * C::STAGE);
+
+  const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int h0 = hg * kHeads;
+  const int n = p.lens[b];
+  const int lo = p.sink;
+  const int hi = max(n - p.local, p.sink);
+  const int pg0 = lo / kPage + sp * p.pps;
+  const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
+  const int meta_rows = (p.c_orow >= 0 ? 8 : 4) + (p.r_orow >= 0 ? 2 : 1);
+  const bool csym = p.c_orow < 0, rsym = p.r_orow < 0;
+
+  // ---- q fragments (bf16 of q * qk_scale) into shared memory (this warp's k-blocks: its content group, then
+  // the 4 RoPE k-blocks), and their group sums in registers
+  constexpr int KB = C::CPG * C::F + 4;
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART) + warp * KB * 32;
+  float qsc[2] = {0.f, 0.f}, qsr[2] = {0.f, 0.f};
+  {
+    const long long ql_off = (long long)b * p.q_lat_sb, qp_off = (long long)b * p.q_pe_sb;
+    uint32_t a[4];
+#pragma unroll 1
+    for (int c = 0; c < C::CPG; ++c)
+#pragma unroll 1
+      for (int pl = 0; pl < C::F; ++pl) {
+        load_qfrag<C::PS>(a, qsc, p.q_lat, ql_off, p.q_lat_sh, h0, p.H, kGroup * warp, c, pl, g, t, p.qk_scale,
+                          p.q_fp32);
+        qfrag[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll 1
+    for (int c = 0; c < 2; ++c)
+#pragma unroll 1
+      for (int pl = 0; pl < 2; ++pl) {
+        load_qfrag<32>(a, qsr, p.q_pe, qp_off, p.q_pe_sh, h0, p.H, 0, c, pl, g, t, p.qk_scale, p.q_fp32);
+        qfrag[(C::CPG * C::F + c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], 1);
+      qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], 2);
+      qsr[r] += __shfl_xor_sync(0xffffffffu, qsr[r], 1);
+      qsr[r] += __shfl_xor_sync(0xffffffffu, qsr[r], 2);
+    }
+  }
+
+  float o[C::CPG * C::NF][4];
+#pragma unroll
+  for (int i = 0; i < C::CPG * C::NF; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {0.f, 0.f};
+
+  const uint8_t* pool = p.pool;
+  const int* bt = p.block_table + (long long)b * p.bt_stride;
+  auto issue = [&](int pg, int st) {
+    const uint8_t* page = pool + (long long)bt[pg] * p.page_bytes;
+    load_page<CB>(smem + st * C::STAGE, page, p, meta_rows);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (pg0 + s < pg1) issue(pg0 + s, s);
+    cp_async_commit();
+  }
+
+  const float c_bias = csym ? 128.f + (float)(1 << (CB - 1)) : 128.f;  // o' = o - c_bias * s (sym: o = -2^(b-1) s)
+  const float r_bias = rsym ? 128.f + 8.f : 128.f;
+
+  for (int it = 0; pg0 + it < pg1; ++it) {
+    const int pg = pg0 + it;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (pg + kStages - 1 < pg1) issue(pg + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    const uint8_t* st = smem + (it % kStages) * C::STAGE;
+    const uint32_t st_u = smem_u32(st);
+    const __half* meta = reinterpret_cast<const __half*>(st + C::M_SM);
+    const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
+
+    // ---- (1) partial scores of group `warp`, all 64 tokens: acc[n-block][c-frag]
+    float s_acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < C::CPG; ++c) {
+      const int chunk = warp * C::CPG + c;
+      uint32_t R[8];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int tok = 8 * (4 * hf + (lane >> 3)) + (lane & 7);
+        ldsm_x4(R[4 * hf], R[4 * hf + 1], R[4 * hf + 2], R[4 * hf + 3],
+                st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+      }
+#pragma unroll
+      for (int pl = 0; pl < C::F; ++pl) {
+        const uint4 q4 = qfrag[(c * C::F + pl) * 32 + lane];
+        const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) mma(s_acc[nb], qa, field<CB>(R[nb], pl), field<CB>(R[nb], C::F + pl));
+      }
+    }
+    // scale by the group's per-token scale and offset
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      const int tau = 8 * nb + 2 * t;
+      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + warp) * kPage + tau));
+      float2 o2 = make_float2(0.f, 0.f);
+      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + warp) * kPage + tau));
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float s = e ? s2.y : s2.x;
+        const float op = fmaf(-c_bias, s, e ? o2.y : o2.x);  // o' = o - bias * s
+        s_acc[nb][e] = fmaf(s, s_acc[nb][e], op * qsc[0]);
+        s_acc[nb][e + 2] = fmaf(s, s_acc[nb][e + 2], op * qsc[1]);
+      }
+    }
+    // RoPE scores of this warp's 16 tokens (n-blocks 2w, 2w+1)
+    {
+      uint32_t rr[4];  // [chunk][n-block half]: matrices (tokens 16w + 8(mi&1) .., chunk mi>>1)
+      const int mi = lane >> 3;
+      const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
+      ldsm_x4(rr[0], rr[1], rr[2], rr[3], st_u + C::R_SM + (mi >> 1) * (kPage * 16) + tok * 16);
+      float racc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int pl = 0; pl < 2; ++pl) {
+          const uint4 q4 = qfrag[(C::CPG * C::F + c * 2 + pl) * 32 + lane];
+          const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int nbl = 0; nbl < 2; ++nbl)
+            mma(racc[nbl], qa, field<4>(rr[2 * c + nbl], pl), field<4>(rr[2 * c + nbl], 2 + pl));
+        }
+#pragma unroll
+      for (int nbl = 0; nbl < 2; ++nbl) {
+        const int tau = 16 * warp + 8 * nbl + 2 * t;
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_srow * kPage + tau));
+        float2 o2 = make_float2(0.f, 0.f);
+        if (!rsym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_orow * kPage + tau));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float s = e ? s2.y : s2.x;
+          const float op = fmaf(-r_bias, s, e ? o2.y : o2.x);
+          racc[nbl][e] = fmaf(s, racc[nbl][e], op * qsr[0]);
+          racc[nbl][e + 2] = fmaf(s, racc[nbl][e + 2], op * qsr[1]);
+        }
+      }
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)  // (static indices: n-blocks 2w, 2w+1 get the RoPE scores)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[nb][e] += (nb >> 1) == warp ? racc[nb & 1][e] : 0.f;
+    }
+    // ---- (2) exchange partials; every warp sums all four (full scores of the tile)
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+      part[(warp * 8 + nb) * 32 + lane] = make_float4(s_acc[nb][0], s_acc[nb][1], s_acc[nb][2], s_acc[nb][3]);
+    __syncthreads();
+#pragma unroll
+    for (int v = 1; v < kWarps; ++v) {
+      const int w2 = (warp + v) & (kWarps - 1);
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {
+        const float4 x = part[(w2 * 8 + nb) * 32 + lane];
+        s_acc[nb][0] += x.x;
+        s_acc[nb][1] += x.y;
+        s_acc[nb][2] += x.z;
+        s_acc[nb][3] += x.w;
+      }
+    }
+    // online softmax (log2 units: q carries qk_scale)
+    float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tau = 8 * nb + 2 * t + e;
+        const bool valid = tau >= tok_lo && tau < tok_hi;
+        s_acc[nb][e] = valid ? s_acc[nb][e] : -INFINITY;
+        s_acc[nb][e + 2] = valid ? s_acc[nb][e + 2] : -INFINITY;
+        mt[0] = fmaxf(mt[0], s_acc[nb][e]);
+        mt[1] = fmaxf(mt[1], s_acc[nb][e + 2]);
+      }
+    float alpha[2], msafe[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
+      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
+      const float m_new = fmaxf(m_run[r], mt[r]);
+      msafe[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = ex2(m_run[r] - msafe[r]);
+      m_run[r] = m_new;
+      l_run[r] *= alpha[r];
+      corr[r] *= alpha[r];
+    }
+    // P, P * s_g in bf16 as A fragments (k-block kb = tokens 16kb .. 16kb+15), offset term sum_t P o_g
+    uint32_t ap[4][4];
+    float poff[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      const int tau = 8 * nb + 2 * t;
+      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + warp) * kPage + tau));
+      float2 o2 = make_float2(0.f, 0.f);
+      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + warp) * kPage + tau));
+      float sv[2], ov[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
+        const bool valid = (tau + e >= tok_lo) && (tau + e < tok_hi);
+        const float s = e ? s2.y : s2.x;
+        sv[e] = valid ? s : 0.f;
+        ov[e] = valid ? (csym ? -(float)(1 << (CB - 1)) * s : (e ? o2.y : o2.x)) : 0.f;
+      }
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pv[e] = ex2(s_acc[nb][e] - msafe[e >> 1]);
+        l_run[e >> 1] += pv[e];
+        poff[e >> 1] = fmaf(pv[e], ov[e & 1], poff[e >> 1]);
+      }
+      const int kb = nb >> 1, hf = nb & 1;
+      ap[kb][2 * hf] = pack_bf16(pv[0] * sv[0], pv[1] * sv[1]);
+      ap[kb][2 * hf + 1] = pack_bf16(pv[2] * sv[0], pv[3] * sv[1]);
+    }
+    // ---- (3) output product of group `warp`: O = alpha O + sum over the tile, fresh accumulators per chunk
+    float ones[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) mma(ones, ap[kb], 0x3F803F80u, 0x3F803F80u);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      poff[r] += __shfl_xor_sync(0xffffffffu, poff[r], 1);
+      poff[r] += __shfl_xor_sync(0xffffffffu, poff[r], 2);
+      corr[r] += poff[r] - 128.f * ones[2 * r];
+    }
+#pragma unroll
+    for (int c = 0; c < C::CPG; ++c) {
+      const int chunk = warp * C::CPG + c;
+      float acc[C::NF][4];
+#pragma unroll
+      for (int j = 0; j < C::NF; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp) {  // two k-blocks (32 tokens) per ldmatrix.x4.trans
+        uint32_t R[4];
+        const int mi = lane >> 3;
+        const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
+        ldsm_x4_t(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < C::NF; ++j)
+            mma(acc[j], ap[2 * kp + h], field<CB>(R[2 * h], j), field<CB>(R[2 * h + 1], j));
+      }
+#pragma unroll
+      for (int j = 0; j < C::NF; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c * C::NF + j][e] = fmaf(alpha[e >> 1], o[c * C::NF + j][e], acc[j][e]);
+    }
+  }
+
+  // ---- epilogue: normalized partial output and log2-sum-exp of this split
+  float inv_l[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+    lse[r] = l > 0.f ? m_run[r] + log2f(l) : -INFINITY;
+  }
+  const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = h0 + g + 8 * r;
+    if (h >= p.H) continue;
+    float* out = p.po + (row0 + h) * kDc + kGroup * warp;
+    if (warp == 0 && t == 0) p.pl[row0 + h] = lse[r];
+#pragma unroll
+    for (int c = 0; c < C::CPG; ++c)
+#pragma unroll
+      for (int j = 0; j < C::NF; ++j) {
+        const int ch = 16 * c + 4 * t + j / C::F + C::PS * (j % C::F);
+        out[ch] = (o[c * C::NF + j][2 * r] + corr[r]) * inv_l[r];
+        out[ch + 2] = (o[c * C::NF + j][2 * r + 1] + corr[r]) * inv_l[r];
+      }
+  }
+}
+
+template <int CB>
+static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
+  using C = Cfg<CB>;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  decode_kernel<CB><<<dim3(grid_x, grid_y, grid_z), kThreads, C::SMEM, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace qmla
+
+extern "C" {
+
+// Size of the Params struct, so the host side can check its ctypes mirror.
+int qmla_params_size() { return (int)sizeof(qmla::Params); }
+
+int qmla_smem_bytes(int cbits) {
+  return cbits == 4 ? qmla::Cfg<4>::SMEM : cbits == 2 ? qmla::Cfg<2>::SMEM : -1;
+}
+
+// Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
+int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (cbits == 4) return qmla::launch<4>(*p, grid_x, grid_y, grid_z, s);
+  if (cbits == 2) return qmla::launch<2>(*p, grid_x, grid_y, grid_z, s);
+  return (int)cudaErrorInvalidValue;
+}
+
+const char* qmla_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+}  // extern "C"

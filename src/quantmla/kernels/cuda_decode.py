@@ -1,0 +1,161 @@
+"""Host side of the CUDA C++ packed-page decode kernel (``csrc/decode_mla.cu``): checks, launch, finish.
+
+The kernel attends over a sequence's packed pages (one CTA per 16-head group x split x sequence, see the
+source's header for the design); the BF16 sink/local buffers and the merge of the splits run the Triton
+kernels of :mod:`quantmla.kernels.triton_decode` (:func:`~quantmla.kernels.triton_decode.finish_partials`), so
+the result has the contract of :func:`quantmla.kernels.reference.decode_attention_torch`.
+
+Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
+content 4 or 2 bits and RoPE 4 bits (C4R4, C2R4; asymmetric or symmetric), fp16 scales, any number of heads,
+q in bf16 or fp32 (others are converted). :func:`cuda_unsupported_reason` says why a cache is not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+HEADS_PER_CTA = 16
+CTAS_PER_SM = 2  # __launch_bounds__(128, 2): 255 registers, ~94 KB shared memory per CTA
+
+
+class _Params(ctypes.Structure):
+    """Mirror of ``qmla::Params`` (checked against the library's ``sizeof`` on load)."""
+
+    _fields_ = [
+        ("q_lat", ctypes.c_void_p), ("q_pe", ctypes.c_void_p),
+        ("q_lat_sb", ctypes.c_longlong), ("q_lat_sh", ctypes.c_longlong),
+        ("q_pe_sb", ctypes.c_longlong), ("q_pe_sh", ctypes.c_longlong),
+        ("pool", ctypes.c_void_p), ("page_bytes", ctypes.c_longlong),
+        ("c_off", ctypes.c_int), ("r_off", ctypes.c_int), ("m_off", ctypes.c_int),
+        ("c_srow", ctypes.c_int), ("c_orow", ctypes.c_int), ("r_srow", ctypes.c_int), ("r_orow", ctypes.c_int),
+        ("block_table", ctypes.c_void_p), ("bt_stride", ctypes.c_longlong),
+        ("lens", ctypes.c_void_p),
+        ("po", ctypes.c_void_p), ("pl", ctypes.c_void_p),
+        ("H", ctypes.c_int), ("ns_total", ctypes.c_int), ("pps", ctypes.c_int), ("sink", ctypes.c_int),
+        ("local", ctypes.c_int),
+        ("qk_scale", ctypes.c_float),
+        ("q_fp32", ctypes.c_int),
+    ]  # fmt: skip
+
+
+def cuda_unsupported_reason(cache) -> str:
+    """Empty string when the CUDA kernel handles this cache's format and shapes, else why not."""
+    fmt, L = cache.fmt, cache.layout
+    c, r = fmt.content, fmt.rope
+    if c is None or r is None:
+        return "the CUDA kernel needs both paths quantized (BF16 pages run the Triton kernel)"
+    if L.kv_lora_rank != 512 or L.rope_dim != 64:
+        return f"the CUDA kernel is built for latent 512 / RoPE 64, got {L.kv_lora_rank} / {L.rope_dim}"
+    if L.page_size != 64:
+        return f"the CUDA kernel needs pages of 64 tokens, got {L.page_size}"
+    if c.bits not in (2, 4) or c.group_size != 128:
+        return f"content must be 2 or 4 bits in groups of 128 (got {c.bits} bits, group {c.group_size})"
+    if r.bits != 4 or r.group_size != 64:
+        return f"RoPE must be 4 bits in one group of 64 (got {r.bits} bits, group {r.group_size})"
+    if c.scale_dtype != "fp16" or r.scale_dtype != "fp16":
+        return "scales must be fp16"
+    if cache.n_sink > 64:
+        return f"sink must be at most 64 tokens, got {cache.n_sink}"
+    return ""
+
+
+def _lib(device):
+    from quantmla.kernels.cuda_build import CudaBuildError, load
+
+    lib = load("decode_mla", device)
+    if not getattr(lib, "_qmla_checked", False):
+        lib.qmla_params_size.restype = ctypes.c_int
+        lib.qmla_decode.restype = ctypes.c_int
+        lib.qmla_decode.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p]  # fmt: skip
+        lib.qmla_error_string.restype = ctypes.c_char_p
+        lib.qmla_error_string.argtypes = [ctypes.c_int]
+        if lib.qmla_params_size() != ctypes.sizeof(_Params):
+            raise CudaBuildError(
+                f"Params layout mismatch: library {lib.qmla_params_size()} B, ctypes {ctypes.sizeof(_Params)} B"
+            )
+        lib._qmla_checked = True
+    return lib
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def cuda_num_splits(batch: int, head_groups: int, max_pages: int, sms: int) -> int:
+    """Split-K factor that fills whole waves: minimizes (waves x pages per CTA) + 1 per wave (prologue and
+    partial writes), preferring fewer splits on ties."""
+    slots = max(1, CTAS_PER_SM * sms)
+    best, best_cost = 1, float("inf")
+    for ns in range(1, max_pages + 1):
+        ctas = batch * head_groups * ns
+        waves = math.ceil(ctas / slots)
+        cost = waves * (math.ceil(max_pages / ns) + 1)
+        if cost < best_cost - 1e-9:
+            best, best_cost = ns, cost
+    return best
+
+
+def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
+                          return_lse: bool = False):  # fmt: skip
+    """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
+    from quantmla.kernels.reference import _check_q
+    from quantmla.kernels.triton_decode import buffer_tiles, finish_partials
+
+    _check_q(q_lat, q_pe, cache, 3)
+    reason = cuda_unsupported_reason(cache)
+    if reason:
+        raise ValueError(f"impl='cuda' cannot run format {cache.fmt.name!r}: {reason}")
+    if not (q_lat.is_cuda and q_pe.is_cuda and cache.pool.is_cuda):
+        raise RuntimeError("impl='cuda' needs q and the cache on a CUDA device")
+    B, H, Dc = q_lat.shape
+    L = cache.layout
+    dev = q_lat.device
+    if q_lat.dtype not in (torch.bfloat16, torch.float32):
+        q_lat = q_lat.float()
+    if q_pe.dtype != q_lat.dtype:
+        q_pe = q_pe.to(q_lat.dtype)
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    lens = cache.lengths()
+    max_pages = max(1, math.ceil(max(lens, default=0) / L.page_size))
+    hg = math.ceil(H / HEADS_PER_CTA)
+    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev))
+    ns = max(1, min(ns, max_pages))
+    pps = math.ceil(max_pages / ns)
+    ns = math.ceil(max_pages / pps)
+    ns_total = ns + buffer_tiles(cache)
+    po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
+    pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
+    if B == 0 or H == 0:
+        out, lse = torch.empty(B, H, Dc, device=dev), torch.empty(B, H, device=dev)
+        return (out, lse) if return_lse else out
+    c, r = cache.fmt.content, cache.fmt.rope
+    p = _Params(
+        q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
+        q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
+        pool=cache.pool.data_ptr(), page_bytes=L.page_bytes,
+        c_off=L.content_offset, r_off=L.rope_offset, m_off=L.meta_offset,
+        c_srow=L.content_scale_row, c_orow=-1 if c.symmetric else L.content_offset_row,
+        r_srow=L.rope_scale_row, r_orow=-1 if r.symmetric else L.rope_offset_row,
+        block_table=cache.block_table.data_ptr(), bt_stride=cache.block_table.stride(0),
+        lens=cache.seq_lens.data_ptr(), po=po.data_ptr(), pl=pl.data_ptr(),
+        H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
+        qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
+    )  # fmt: skip
+    lib = _lib(dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.device(dev):
+        err = lib.qmla_decode(ctypes.byref(p), c.bits, hg, ns, B, ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
+    out, lse = finish_partials(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+    return (out, lse) if return_lse else out
