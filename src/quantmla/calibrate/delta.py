@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantmla.artifacts import MANIFEST, staged, write_json
 from quantmla.calibrate.checkpoint import (
     INDEX_NAME,
     SCALE_SUFFIX,
@@ -130,7 +131,8 @@ def merge_checkpoint(
     """Write ``base_dir`` with the delta applied to ``out_dir`` (a complete checkpoint), one shard at a time.
 
     Checks first that the delta was made for this base (``base_key`` and the digest of every replaced tensor);
-    refuses an existing ``out_dir`` unless ``force``; writes to a temporary sibling directory and renames it."""
+    refuses an existing ``out_dir`` unless ``force``; written through :func:`quantmla.artifacts.staged` (a temporary
+    sibling folder, sealed with a completion manifest, renamed into place)."""
     from safetensors.torch import save_file
 
     base_dir, out = Path(base_dir), Path(out_dir)
@@ -151,9 +153,9 @@ def merge_checkpoint(
     digests = meta.get("base_digests") or {}
     drops = {n + SCALE_SUFFIX for n in tensors if reader.is_fp8(n)}
     shards = sorted(set(reader.weight_map.values()))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    key = {"base_key": key, "delta_recipe": meta.get("recipe")}
+    with staged(str(out), force=force, key=key) as tmp_name:
+        tmp = Path(tmp_name)
         new_map, total = {}, 0
         for shard in shards:
             names = [n for n, s in reader.weight_map.items() if s == shard]
@@ -178,37 +180,18 @@ def merge_checkpoint(
                 total += os.path.getsize(base_dir / shard)
             reader.close()
         for f in base_dir.iterdir():
-            if f.is_file() and f.name not in shards and f.name not in (INDEX_NAME, "config.json"):
+            if f.is_file() and f.name not in shards and f.name not in (INDEX_NAME, "config.json", MANIFEST):
                 shutil.copy2(f, tmp / f.name)
         if (base_dir / INDEX_NAME).exists():
-            with open(tmp / INDEX_NAME, "w") as fh:
-                json.dump({"metadata": {"total_size": total}, "weight_map": new_map}, fh, indent=2)
+            write_json(tmp_name, INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": new_map})
         cfg = dict(reader.config)
         if drops and cfg.get("quantization_config"):
             q = dict(cfg["quantization_config"])
             keep = sorted({_module_of(n) for n in tensors if n + SCALE_SUFFIX in drops})
             q["modules_to_not_convert"] = sorted(set(q.get("modules_to_not_convert") or []) | set(keep))
             cfg["quantization_config"] = q
-        with open(tmp / "config.json", "w") as fh:
-            json.dump(cfg, fh, indent=2)
-        with open(tmp / "quantmla_delta.json", "w") as fh:
-            json.dump({k: v for k, v in meta.items() if k != "report"}, fh, indent=2)
-        old = None
-        if out.exists():  # force: swap, so that a failed rename leaves the previous checkpoint in place
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            if old is not None:
-                os.rename(old / "x", out)
-            raise
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp_name, "config.json", cfg)
+        write_json(tmp_name, "quantmla_delta.json", {k: v for k, v in meta.items() if k != "report"})
     return out
 
 
