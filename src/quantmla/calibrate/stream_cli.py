@@ -66,10 +66,12 @@ def add_stream_args(subparsers) -> None:
 def _tokens(args, config):
     import torch
 
+    from quantmla.cli_support import UsageError
+
     if args.tokens:
         t = torch.load(args.tokens, weights_only=True)
         if not isinstance(t, torch.Tensor):
-            raise SystemExit(f"error: --tokens {args.tokens!r} must hold one integer tensor [N, T]")
+            raise UsageError(f"--tokens {args.tokens!r} must hold one integer tensor [N, T] (torch.save)")
         return t
     from transformers import AutoTokenizer
 
@@ -78,31 +80,28 @@ def _tokens(args, config):
     try:
         tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: no usable tokenizer in {args.model} ({e}); pass --tokens FILE") from None
+        raise UsageError(f"no usable tokenizer in {args.model} ({str(e).splitlines()[0]}); pass --tokens FILE") from e
     return calibration_tokens(tok, config, args.corpus)
 
 
 def run_stream(args) -> int:
     import torch
 
-    from quantmla.calibrate.checkpoint import CheckpointError
     from quantmla.calibrate.cli import config_from_args
     from quantmla.calibrate.stream import calibrate_streamed
+    from quantmla.cli_support import check_output, usage_errors
+    from quantmla.eval.harness import write_result
 
-    try:
+    with usage_errors():
         config = config_from_args(args)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    tokens = _tokens(args, config)
-    try:
-        rep = calibrate_streamed(args.model, args.format, tokens, config, args.out, work=args.work,
-                                 dtype=getattr(torch, args.dtype), resume=args.resume, force=args.force,
-                                 keep_work=args.keep_work)  # fmt: skip
-    except (CheckpointError, FileExistsError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    check_output(args.out, force=args.force)
     if args.report:
-        from quantmla.eval.harness import write_result
-
+        check_output(args.report, flag="--report", force=args.force)
+    tokens = _tokens(args, config)
+    rep = calibrate_streamed(args.model, args.format, tokens, config, args.out, work=args.work,
+                             dtype=getattr(torch, args.dtype), resume=args.resume, force=args.force,
+                             keep_work=args.keep_work)  # fmt: skip
+    if args.report:
         write_result(rep.to_dict(), args.report, force=args.force)
     print(args.out)
     print(json.dumps({"blocks": len(rep.blocks), "seconds": round(rep.seconds, 1),
@@ -111,12 +110,9 @@ def run_stream(args) -> int:
 
 
 def run_merge(args) -> int:
-    from quantmla.calibrate.checkpoint import CheckpointError
     from quantmla.calibrate.delta import merge_checkpoint
+    from quantmla.cli_support import check_output
 
-    try:
-        out = merge_checkpoint(args.base, args.delta, args.out, force=args.force)
-    except (CheckpointError, FileExistsError, FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    print(out)
+    check_output(args.out, kind="dir", force=args.force)
+    print(merge_checkpoint(args.base, args.delta, args.out, force=args.force))
     return 0
