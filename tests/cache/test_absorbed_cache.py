@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from quantmla.cache.hf import QuantMLACache
 from quantmla.compat import with_cache
+from quantmla.eval.runtime import _dynamic_cache_class
 from quantmla.mla.attention import disable_absorbed_attention, enable_absorbed_attention
 from quantmla.mla.tiny import TINY_MODELS, tiny_model
 from quantmla.quant.formats import CachePolicy
@@ -28,7 +28,7 @@ def test_absorbed_bf16_cache_greedy_equals_transformers(name):
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                             **with_cache(DynamicCache(config=model.config)))
+                             **with_cache(_dynamic_cache_class()[1](config=model.config)))  # BF16 latents
         enable_absorbed_attention(model)
         got = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                              **with_cache(QuantMLACache(model.config, "bf16")))
@@ -49,5 +49,8 @@ def test_absorbed_decode_matches_compatible_path(name, fmt):
     enable_absorbed_attention(model)
     absorbed = _decode_logits(model, ids, QuantMLACache(model.config, fmt, pol), prefill=8)
     disable_absorbed_attention(model)
-    # prefill of 8 tokens = sink 2 + local 6: every query reads every token in full precision either way
-    torch.testing.assert_close(absorbed, compat, rtol=1e-4, atol=1e-4)
+    # prefill of 8 tokens = sink 2 + local 6: every query reads every token in full precision either way.
+    # The two attention forms compute a layer's output with different fp32 rounding, so the next layer's latent can
+    # land on the other side of a BF16 rounding boundary in a few elements (measured: <= 2.2e-3 in the logits on
+    # LongCat-Flash, 1e-6 elsewhere); reading one token from the wrong copy moves every step by >= 1.2e-2.
+    torch.testing.assert_close(absorbed, compat, rtol=1e-3, atol=3e-3)

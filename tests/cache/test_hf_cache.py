@@ -6,6 +6,7 @@ from transformers import DynamicCache, LlamaConfig
 
 from quantmla.cache.hf import QuantMLACache
 from quantmla.compat import with_cache
+from quantmla.eval.runtime import _dynamic_cache_class
 from quantmla.mla.spec import UnsupportedModelError
 from quantmla.mla.tiny import TINY_MODELS, tiny_model
 from quantmla.quant.formats import CachePolicy
@@ -32,11 +33,18 @@ def _nmse(a, b):
     return float(((a - b) ** 2).mean() / (b**2).mean())
 
 
+def bf16_dynamic_cache(config):
+    """transformers' own DynamicCache holding the latents rounded to BF16 (what the BF16 format stores)."""
+    return _dynamic_cache_class()[1](config=config)
+
+
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_bf16_format_greedy_tokens_equal_transformers_cache(name):
+    # The BF16 format stores BF16 (also on an fp32 model): transformers' cache of BF16-rounded latents is the
+    # reference, and the compatible path returns exactly those values.
     model = tiny_model(name)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    ref = _greedy(model, ids, DynamicCache(config=model.config))
+    ref = _greedy(model, ids, bf16_dynamic_cache(model.config))
     got = _greedy(model, ids, QuantMLACache(model.config, "bf16"))
     assert torch.equal(ref, got)
 

@@ -1,5 +1,5 @@
 """Decode attention: the Triton kernels against the fp32 torch reference, and the reference itself against an
-independent dense computation; chunked prefill over the quantized cache.
+independent dense computation (chunked prefill: test_prefill.py).
 
 Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cores; the reference is fp32):
 ``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995;
@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernels_testutil import DEVICE, assert_close, make_cache
 
-from quantmla.kernels import decode_attention, prefill_attention
+from quantmla.kernels import decode_attention
 from quantmla.kernels.reference import decode_attention_torch
 from quantmla.quant.formats import CachePolicy
 from quantmla.quant.quantize import fake_quantize
@@ -93,33 +93,6 @@ def test_reference_matches_dense_long(name):
     q_lat, q_pe = (t.cpu() for t in _q(2, 3, 128, 32))
     out = decode_attention_torch(q_lat, q_pe, cache, SCALE)
     torch.testing.assert_close(out, _dense_reference(cache, c, k, q_lat, q_pe, SCALE), rtol=1e-4, atol=1e-4)
-
-
-def test_prefill_over_quantized_cache():
-    """Chunked prefill appending to an existing cache: row t equals decode at that length for the last row,
-    and a dense causal computation for all rows."""
-    policy = CachePolicy(sink=4, local=16, page_size=16)
-    cache, c, k = make_cache("c4r4", [40, 25], policy=policy, seed=7, device="cpu")
-    T = 9
-    g = torch.Generator().manual_seed(1)
-    c2, k2 = torch.randn(2, T, 128, generator=g), torch.randn(2, T, 32, generator=g)
-    n_new = [T, 4]
-    cache.write(c2, k2, n_new, impl="torch")
-    q_lat, q_pe = torch.randn(2, 3, T, 128, generator=g), torch.randn(2, 3, T, 32, generator=g)
-    o = prefill_attention(q_lat, q_pe, cache, SCALE, n_new)
-    assert o.shape == (2, 3, T, 128) and torch.all(o[1, :, 4:] == 0)
-    last = decode_attention_torch(torch.stack([q_lat[0, :, T - 1], q_lat[1, :, 3]]),
-                                  torch.stack([q_pe[0, :, T - 1], q_pe[1, :, 3]]), cache, SCALE)  # fmt: skip
-    torch.testing.assert_close(o[0, :, T - 1], last[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(o[1, :, 3], last[1], rtol=1e-5, atol=1e-5)
-    for b in range(2):
-        n = cache.lengths()[b]
-        kv = cache.read_tokens(b)
-        for t in range(n_new[b]):
-            upto = n - n_new[b] + t + 1
-            q = torch.cat([q_lat[b, :, t], q_pe[b, :, t]], -1)
-            want = torch.softmax(q @ kv[:upto].T * SCALE, -1) @ kv[:upto, :128]
-            torch.testing.assert_close(o[b, :, t], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

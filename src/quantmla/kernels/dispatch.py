@@ -180,9 +180,31 @@ def decode_attention(
     )
 
 
-def prefill_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache, softmax_scale: float, n_new=None, **kw):
-    """Chunked prefill over the quantized cache (torch only for now; see
-    :func:`quantmla.kernels.reference.prefill_attention_torch`). ``q_lat [B, H, T, Dc]`` -> ``[B, H, T, Dc]``."""
-    from quantmla.kernels.reference import prefill_attention_torch
+def prefill_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    softmax_scale: float,
+    n_new=None,
+    *,
+    recent: torch.Tensor | None = None,
+    impl: str = "auto",
+    **kw,
+):
+    """Chunked prefill over the paged cache, per-query policy: ``q_lat [B, H, T, Dc]`` -> ``[B, H, T, Dc]`` fp32
+    (contract: :func:`quantmla.kernels.reference.prefill_attention_torch`). ``impl``: ``"torch"`` (the fp32
+    reference), ``"sdpa"`` (:func:`quantmla.kernels.prefill.prefill_attention_sdpa`: a transient BF16 workspace
+    and torch's fused attention with the policy as its mask, the GPU path) or ``"auto"`` (``sdpa`` on CUDA
+    unless :func:`force_impl` or the environment ask for ``torch``)."""
+    if impl == "auto":
+        forced = _forced[-1] if _forced else (os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+        impl = "sdpa" if q_lat.is_cuda and forced != "torch" else "torch"
+    if impl == "torch":
+        from quantmla.kernels.reference import prefill_attention_torch
 
-    return prefill_attention_torch(q_lat, q_pe, cache, softmax_scale, n_new, **kw)
+        return prefill_attention_torch(q_lat, q_pe, cache, softmax_scale, n_new, recent=recent, **kw)
+    if impl == "sdpa":
+        from quantmla.kernels.prefill import prefill_attention_sdpa
+
+        return prefill_attention_sdpa(q_lat, q_pe, cache, softmax_scale, n_new, recent=recent, **kw)
+    raise ValueError(f"prefill impl must be 'auto', 'torch' or 'sdpa', got {impl!r}")

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantmla.kernels.pages import PageTable
 from quantmla.quant.formats import CacheFormat, CachePolicy, get_format
 from quantmla.quant.packing import pack, unpack
 from quantmla.quant.quantize import dequantize_codes, quantize_codes
@@ -150,6 +151,14 @@ class PagedLayout:
         return (self.kv_lora_rank + self.rope_dim) * 2
 
 
+def buffer_slots(fmt: CacheFormat, policy: CachePolicy, capacity: int) -> tuple[int, int]:
+    """(sink slots, local slots) of a cache holding at most ``capacity`` tokens per sequence: the policy's sizes,
+    capped at the capacity (a window longer than any sequence reads the same tokens), 0 for the BF16 format."""
+    if not fmt.is_quantized:
+        return 0, 0
+    return min(policy.sink, capacity), min(policy.local, capacity)
+
+
 class PagedMLACache:
     """One layer's paged MLA cache for a batch of ``batch`` sequences.
 
@@ -157,8 +166,12 @@ class PagedMLACache:
       ``pool``        uint8 ``[num_pages, page_bytes]`` (see :class:`PagedLayout`)
       ``block_table`` int32 ``[batch, max_pages]``; entries past a sequence's pages point at ``pad_page``
       ``seq_lens``    int32 ``[batch]``
-      ``sink``        bf16 ``[batch, sink, Dc + Dr]`` (quantized formats only, else 0 slots)
-      ``local``       bf16 ``[batch, local, Dc + Dr]`` (ring: slot = position % local)
+      ``sink``        bf16 ``[batch, n_sink, Dc + Dr]`` (quantized formats only, else 0 slots)
+      ``local``       bf16 ``[batch, n_local, Dc + Dr]`` (ring: slot = position % n_local)
+
+    ``n_sink``/``n_local`` are the policy's sizes capped at ``max_seq_len`` (:func:`buffer_slots`): attention
+    reads the same tokens from BF16 either way, and ``CachePolicy(sink=10**9)`` allocates no more than the
+    cache can hold. Page bookkeeping lives in a :class:`~quantmla.kernels.pages.PageTable` (``table``).
 
     ``shuffle`` draws pages from the free list in random order (hostile tests); ``fill_byte`` initializes
     pool and buffers (0xFF makes every unwritten scale/BF16 value NaN). ``pad_page`` (default 0) is
@@ -182,38 +195,83 @@ class PagedMLACache:
         pad_page: int = 0,
     ) -> None:
         fmt = get_format(fmt)
-        self.fmt = fmt.adapted(kv_lora_rank, rope_dim) if hasattr(fmt, "adapted") else fmt
-        self.policy = policy or CachePolicy()
-        self.layout = PagedLayout(self.fmt, kv_lora_rank, rope_dim, self.policy.page_size)
-        self.batch = batch
-        self.max_seq_len = max_seq_len
-        self.device = torch.device(device)
-        P = self.policy.page_size
-        self.max_pages = max(1, math.ceil(max_seq_len / P))
+        fmt = fmt.adapted(kv_lora_rank, rope_dim) if hasattr(fmt, "adapted") else fmt
+        policy = policy or CachePolicy()
+        layout = PagedLayout(fmt, kv_lora_rank, rope_dim, policy.page_size)
+        if batch < 0 or max_seq_len < 0:
+            raise ValueError(f"batch and max_seq_len must be >= 0, got {batch} and {max_seq_len}")
+        device = torch.device(device)
+        max_pages = max(1, math.ceil(max_seq_len / policy.page_size))
         if num_pages is None:
-            num_pages = batch * self.max_pages
-        self.num_pages = num_pages
-        self.pool = torch.full((num_pages, self.layout.page_bytes), fill_byte, dtype=torch.uint8, device=self.device)
-        self.pad_page = pad_page
-        self.block_table = torch.full((batch, self.max_pages), pad_page, dtype=torch.int32, device=self.device)
-        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=self.device)
+            num_pages = batch * max_pages
+        table = PageTable(batch, max_pages, num_pages, device=device, pad_page=pad_page, shuffle=shuffle, seed=seed)
+        pool = torch.full((num_pages, layout.page_bytes), fill_byte, dtype=torch.uint8, device=device)
+        n_sink, n_local = buffer_slots(fmt, policy, max_seq_len)
         d = kv_lora_rank + rope_dim
-        n_sink = self.policy.sink if self.fmt.is_quantized else 0
-        n_local = self.policy.local if self.fmt.is_quantized else 0
-        self.sink = torch.full((batch, n_sink, d), 0, dtype=torch.bfloat16, device=self.device)
-        self.local = torch.full((batch, n_local, d), 0, dtype=torch.bfloat16, device=self.device)
+        sink = torch.zeros(batch, n_sink, d, dtype=torch.bfloat16, device=device)
+        local = torch.zeros(batch, n_local, d, dtype=torch.bfloat16, device=device)
         if fill_byte:
-            self.sink.view(torch.uint8).fill_(fill_byte)
-            self.local.view(torch.uint8).fill_(fill_byte)
-        order = list(range(num_pages))
-        if shuffle:
-            g = torch.Generator().manual_seed(seed)
-            order = [order[i] for i in torch.randperm(num_pages, generator=g).tolist()]
-        self._free = order[::-1]  # pop() from the end hands out pages in `order`
-        self._pages: list[list[int]] = [[] for _ in range(batch)]
-        self._lens = [0] * batch  # host mirror of seq_lens
+            sink.view(torch.uint8).fill_(fill_byte)
+            local.view(torch.uint8).fill_(fill_byte)
+        self._bind(layout, policy, table, pool, sink, local, max_seq_len)
+
+    @classmethod
+    def on_storage(
+        cls,
+        layout: PagedLayout,
+        policy: CachePolicy,
+        table: PageTable,
+        pool: torch.Tensor,
+        sink: torch.Tensor,
+        local: torch.Tensor,
+        *,
+        max_seq_len: int,
+    ) -> PagedMLACache:
+        """A cache over storage its caller owns, e.g. one layer of a model-wide cache whose layers share one
+        :class:`PageTable` (one block table) and slices of one pool allocation.
+
+        ``pool`` uint8 ``[table.num_pages, layout.page_bytes]``; ``sink``/``local`` bf16 ``[batch, slots, Dc + Dr]``
+        (:func:`buffer_slots` slots). The owner may later replace ``pool`` (more pages, same layout), ``sink`` and
+        ``local`` (more slots, same positions) and raise ``max_seq_len`` between calls."""
+        self = cls.__new__(cls)
+        self._bind(layout, policy, table, pool, sink, local, max_seq_len)
+        return self
+
+    def _bind(self, layout, policy, table, pool, sink, local, max_seq_len: int) -> None:
+        d = layout.kv_lora_rank + layout.rope_dim
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.page_bytes:
+            raise ValueError(f"pool must be uint8 [pages, {layout.page_bytes}], got {pool.dtype} {list(pool.shape)}")
+        for name, t in (("sink", sink), ("local", local)):
+            if t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[0] != table.batch or t.shape[2] != d:
+                raise ValueError(f"{name} must be bf16 [{table.batch}, slots, {d}], got {t.dtype} {list(t.shape)}")
+        self.layout, self.fmt, self.policy, self.table = layout, layout.fmt, policy, table
+        self.device = pool.device
+        self.max_seq_len = max_seq_len
+        self.pool, self.sink, self.local = pool, sink, local
+        self.seq_lens = torch.zeros(table.batch, dtype=torch.int32, device=self.device)
+        self._lens = [0] * table.batch  # host mirror of seq_lens
 
     # -- geometry ---------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.table.batch
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.table.block_table
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.max_pages
+
+    @property
+    def pad_page(self) -> int:
+        return self.table.pad_page
+
     @property
     def kv_lora_rank(self) -> int:
         return self.layout.kv_lora_rank
@@ -262,24 +320,29 @@ class PagedMLACache:
     def reserve(self, new_lens: list[int]) -> None:
         """Make sure sequence ``b`` owns enough pages for ``new_lens[b]`` tokens (host-side bookkeeping;
         copies the changed block-table rows to the device)."""
-        P = self.page_size
-        changed = False
         for b, n in enumerate(new_lens):
             if n > self.max_seq_len:
                 raise ValueError(f"sequence {b} would hold {n} tokens, more than max_seq_len={self.max_seq_len}")
-            need = math.ceil(n / P)
-            while len(self._pages[b]) < need:
-                if not self._free:
-                    raise RuntimeError(
-                        f"out of cache pages ({self.num_pages} allocated); create the cache with more num_pages"
-                    )
-                self._pages[b].append(self._free.pop())
-                changed = True
-        if changed:
-            bt = torch.full((self.batch, self.max_pages), self.pad_page, dtype=torch.int32)
-            for b, pages in enumerate(self._pages):
-                bt[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            self.block_table.copy_(bt)
+        self.table.reserve(list(new_lens), self.page_size)
+
+    def select(self, index) -> None:
+        """Keep sequences ``index`` (a list or 1-D tensor of row numbers; repeats allowed, as in beam search)
+        of a cache that owns its :class:`PageTable`. Caches sharing a table call ``table.select`` once and then
+        :meth:`apply_select` on each of them."""
+        index = [int(i) for i in (index.tolist() if torch.is_tensor(index) else index)]
+        self.apply_select(index, self.table.select(index))
+
+    def apply_select(self, index: list[int], copies: list[tuple[int, int]]) -> None:
+        """This cache's part of ``table.select(index)``: copy pages ``copies`` (source, destination) inside the
+        pool, then reorder lengths and BF16 buffers."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+            self.pool[dst] = self.pool[src]
+        idx = torch.tensor(index, dtype=torch.long, device=self.device)
+        self.sink, self.local = self.sink[idx], self.local[idx]
+        self._lens = [self._lens[i] for i in index]
+        self.seq_lens = torch.tensor(self._lens, dtype=torch.int32, device=self.device)
 
     def _plan_write(self, T: int, n_new) -> tuple[list[int], list[int]]:
         if n_new is None:
@@ -333,7 +396,7 @@ class PagedMLACache:
             if k == 0:
                 continue
             pos = torch.arange(start[b], final[b])
-            pages = torch.tensor(self._pages[b], dtype=torch.long)[pos // P].to(self.device)  # [k]
+            pages = torch.tensor(self.table.pages(b), dtype=torch.long)[pos // P].to(self.device)  # [k]
             slots = (pos % P).to(self.device)  # [k]
             for which, x, spec, width in (
                 ("content", c_kv[b, :k], self.fmt.content, L.kv_lora_rank),
@@ -393,7 +456,7 @@ class PagedMLACache:
         """fp32 ``[len(pos), Dc + Dr]``: tokens ``pos`` of sequence ``b`` dequantized from their packed copy."""
         L, P = self.layout, self.page_size
         pos = pos.to(torch.long).cpu()
-        pages = torch.tensor(self._pages[b], dtype=torch.long)[pos // P].to(self.device)
+        pages = torch.tensor(self.table.pages(b), dtype=torch.long)[pos // P].to(self.device)
         slots = (pos % P).to(self.device)
         out = []
         for which, spec, width in (("content", self.fmt.content, L.kv_lora_rank), ("rope", self.fmt.rope, L.rope_dim)):

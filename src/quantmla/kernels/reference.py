@@ -1,25 +1,30 @@
-"""fp32 torch references for attention over a :class:`PagedMLACache` (the oracles the kernels match).
+"""fp32 torch references for attention over a :class:`~quantmla.kernels.paged.PagedMLACache` (the oracles the
+kernels match).
 
 Absorbed MLA attention in latent space, for one layer: with ``K[j] = [c_kv[j], k_pe[j]]`` the token as
-attention reads it (BF16 for sink/local positions, dequantized packed copy otherwise, see
-:meth:`PagedMLACache.read_tokens`), ``score[h, j] = softmax_scale * (q_lat[h] . c_kv[j] + q_pe[h] . k_pe[j])``,
-one softmax over all valid tokens, and ``o_lat[h] = sum_j p[h, j] c_kv[j]``. A sequence of length 0 gives
-``o_lat = 0`` and ``lse = -inf``.
+attention reads it, ``score[h, j] = softmax_scale * (q_lat[h] . c_kv[j] + q_pe[h] . k_pe[j])``, one softmax over
+all valid tokens, and ``o_lat[h] = sum_j p[h, j] c_kv[j]``. A sequence of length 0 gives ``o_lat = 0`` and
+``lse = -inf``.
 
-:func:`prefill_attention_torch` is the chunked prefill over the quantized cache: it is plain torch
-(correct, not fast). After ``T`` new tokens were appended, query ``t`` of sequence ``b`` sees positions
-``0 .. n_b - n_new[b] + t``, each read as decode would read it at the cache's *current* length (so the
-last ``local`` positions come from BF16, older ones from their packed copy).
+Which copy of token ``j`` a query at position ``p`` reads is the cache policy
+(:meth:`~quantmla.quant.formats.CachePolicy.reads_full`): the BF16 copy when ``j < sink`` or ``j > p - local``,
+else the packed copy. Decode (the newest token) finds its BF16 copies in the sink buffer and the local ring
+(:meth:`PagedMLACache.read_tokens`). :func:`prefill_attention_torch` applies the same rule to each of ``T`` new
+queries, so a prefill chunk sees exactly what token-by-token decoding would have seen; the BF16 copies of the
+window positions that the chunk's own write pushed out of the ring come from ``recent``.
+
+This module does not import :mod:`quantmla.kernels.paged` (the cache is duck-typed), so the kernels may import
+it without an import circle.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from quantmla.kernels.paged import PagedMLACache
 
-
-def _check_q(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: PagedMLACache, ndim: int) -> None:
+def _check_q(q_lat: torch.Tensor, q_pe: torch.Tensor, cache, ndim: int) -> None:
     if q_lat.dim() != ndim or q_pe.dim() != ndim:
         raise ValueError(f"q_lat and q_pe must have {ndim} dims, got {list(q_lat.shape)} and {list(q_pe.shape)}")
     if q_lat.shape[0] != cache.batch or q_lat.shape[-1] != cache.kv_lora_rank:
@@ -31,7 +36,7 @@ def _check_q(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: PagedMLACache, ndim
 def decode_attention_torch(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
-    cache: PagedMLACache,
+    cache,
     softmax_scale: float,
     *,
     return_lse: bool = False,
@@ -52,39 +57,90 @@ def decode_attention_torch(
     return (o, lse) if return_lse else o
 
 
+def full_precision_rows(cache, b: int, n: int, n_new: int, recent: torch.Tensor | None):
+    """BF16 copies (as fp32) of sequence ``b``'s tokens that its last ``n_new`` queries may read in full precision.
+
+    Returns ``full [n, Dc + Dr]`` (rows not held are 0) and ``held [n]`` bool. Sources: the sink buffer, then the
+    local ring (positions ``n - n_local ..``), then ``recent[b]`` (positions ``n - W .. n - 1``, ``W =
+    recent.shape[1]``), later sources overriding earlier ones; every row a query needs must be held."""
+    D = cache.kv_lora_rank + cache.rope_dim
+    full = torch.zeros(n, D, dtype=torch.float32, device=cache.device)
+    held = torch.zeros(n, dtype=torch.bool, device=cache.device)
+    sink, local = cache.bf16_positions(n)
+    if len(sink):
+        full[: sink.stop] = cache.sink[b, : sink.stop].float()
+        held[: sink.stop] = True
+    if len(local):
+        pos = torch.arange(local.start, local.stop, device=cache.device)
+        full[pos] = cache.local[b, pos % cache.n_local].float()
+        held[pos] = True
+    if recent is not None:
+        w = min(recent.shape[1], n)
+        if w:
+            full[n - w :] = recent[b, recent.shape[1] - w :].to(cache.device).float()
+            held[n - w :] = True
+    lo = max(cache.n_sink, n - n_new - cache.n_local + 1)  # oldest window position a new query reads from BF16
+    if cache.fmt.is_quantized and cache.n_local and lo < n and not bool(held[lo:].all()):
+        raise ValueError(
+            f"sequence {b}: {n_new} new queries read BF16 copies of positions {lo}..{n - 1}, but the local ring "
+            f"holds only the last {cache.n_local}; pass recent= with the BF16 rows of the last "
+            f"{n_new + cache.n_local - 1} positions"
+        )
+    return full, held
+
+
+def _n_new_list(n_new, B: int, T: int) -> list[int]:
+    out = [T] * B if n_new is None else [int(v) for v in (n_new.tolist() if torch.is_tensor(n_new) else n_new)]
+    if len(out) != B or any(not 0 <= v <= T for v in out):
+        raise ValueError(f"n_new must hold {B} counts in [0, {T}], got {out}")
+    return out
+
+
 def prefill_attention_torch(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
-    cache: PagedMLACache,
+    cache,
     softmax_scale: float,
     n_new=None,
     *,
+    recent: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     chunk: int = 1024,
 ) -> torch.Tensor:
     """``q_lat [B, H, T, Dc]``, ``q_pe [B, H, T, Dr]`` for the ``T`` newest tokens -> ``o_lat [B, H, T, Dc]`` fp32.
 
-    ``n_new[b]`` (default ``T``) is how many of the ``T`` rows are real for sequence ``b``; rows past it are
-    zero. Queries are processed ``chunk`` at a time (memory ``O(chunk * n)`` per sequence)."""
+    ``n_new[b]`` (default ``T``) is how many of the ``T`` rows are real for sequence ``b`` (its newest tokens,
+    already written); rows past it are zero. Query ``t`` of sequence ``b`` sits at position ``p = n_b - n_new[b] +
+    t``, sees tokens ``0 .. p`` and reads each through the policy. ``recent`` bf16 ``[B, W, Dc + Dr]``: row ``b``
+    holds the BF16 copies of positions ``n_b - W .. n_b - 1`` (needed when some ``n_new[b] > 1``, see
+    :func:`full_precision_rows`). ``mask``: optional bool ``[B, 1 or H, T, >= max n_b]`` over cache positions (query
+    rows as in ``q_lat``), True where attention is allowed, applied on top of causality; a query with no allowed
+    token gets 0. Queries are processed ``chunk`` at a time."""
     _check_q(q_lat, q_pe, cache, 4)
     B, H, T, Dc = q_lat.shape
-    lens = cache.lengths()
-    n_new = [T] * B if n_new is None else [int(v) for v in (n_new.tolist() if torch.is_tensor(n_new) else n_new)]
+    n_new = _n_new_list(n_new, B, T)
     o = torch.zeros(B, H, T, Dc, dtype=torch.float32, device=q_lat.device)
-    for b, n in enumerate(lens):
+    quant = cache.fmt.is_quantized
+    policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local)  # the buffers' sizes (capped, same reads)
+    for b, n in enumerate(cache.lengths()):
         k_new = n_new[b]
         if k_new == 0:
             continue
         if k_new > n:
             raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-        k = cache.read_tokens(b, n).to(q_lat.device)  # [n, Dc + Dr]
-        first = n - k_new  # position of query 0
+        packed = cache.read_packed(b, torch.arange(n)).to(q_lat.device)  # [n, Dc + Dr]
+        full = full_precision_rows(cache, b, n, k_new, recent)[0].to(q_lat.device) if quant else packed
+        kpos = torch.arange(n, device=q_lat.device)
         for t0 in range(0, k_new, chunk):
             t1 = min(k_new, t0 + chunk)
+            qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=q_lat.device)  # [t]
             q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).float()  # [H, t, Dc + Dr]
-            last = first + t1 - 1  # no query of this chunk sees past it
-            s = (q @ k[: last + 1].T) * softmax_scale  # [H, t, S]
-            qpos = torch.arange(first + t0, first + t1, device=q.device)  # [t]
-            kpos = torch.arange(last + 1, device=q.device)  # [S]
+            use_full = policy.reads_full(qpos, kpos) if quant else torch.ones(len(qpos), n, dtype=torch.bool)
+            use_full = use_full.to(q_lat.device)  # [t, n]
+            s = torch.where(use_full, q @ full.T, q @ packed.T) * softmax_scale  # [H, t, n]
             s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-            o[b, :, t0:t1] = torch.softmax(s, dim=-1) @ k[: last + 1, :Dc]
+            if mask is not None:
+                s = s.masked_fill(~mask[b, :, t0:t1, :n].to(s.device), float("-inf"))
+            p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> 0
+            o[b, :, t0:t1] = (p * use_full) @ full[:, :Dc] + (p * ~use_full) @ packed[:, :Dc]
     return o

@@ -167,6 +167,14 @@ class CachePolicy:
         if not isinstance(self.page_size, int) or self.page_size <= 0:
             raise ValueError(f"CachePolicy.page_size must be a positive integer, got {self.page_size!r}")
 
+    def reads_full(self, q_pos, k_pos):
+        """The policy itself: bool ``[Tq, S]``, True where the query at position ``q_pos[t]`` reads cached token
+        ``k_pos[j]`` from its full-precision copy (``j < sink`` or ``j > t - local``), False where it reads the
+        packed copy. Causality is not part of it (mask ``k_pos > q_pos`` separately). ``q_pos``/``k_pos``: 1-D
+        integer tensors. Every attention path over the cache (torch reference, kernels) follows this rule."""
+        q, k = q_pos[:, None], k_pos[None, :]
+        return (k < self.sink) | (k > q - self.local)
+
 
 @dataclass(frozen=True)
 class CacheBytes:

@@ -1,0 +1,256 @@
+"""One layer of the paged MLA cache as attention uses it: write, attend (absorbed form) and read (compatible path).
+
+Implements :class:`quantmla.cache.protocol.MLACacheLayer` over layer ``idx`` of a
+:class:`~quantmla.cache.store.PagedStore`. Every incoming token is quantized once, into its page, by the fused
+writer on CUDA or the torch reference elsewhere (:meth:`PagedMLACache.write`); the first ``sink`` and the last
+``local`` tokens are also kept in BF16. Which copy attention reads is the policy
+(:meth:`~quantmla.quant.formats.CachePolicy.reads_full`), per query:
+
+* a single new token per sequence (decode): :func:`quantmla.kernels.decode_attention` (``impl="auto"``: the
+  fastest kernel for the device, the fp32 torch reference on a CPU);
+* a chunk of new tokens (prefill): :func:`quantmla.kernels.prefill_attention` with the BF16 copies the chunk's
+  own write pushed out of the local ring (``recent``, transient), so query ``t`` sees exactly what decoding token
+  ``t`` alone would have seen;
+* any other attention mask: the fp32 reference with that mask (correct, not fast).
+
+``read()`` (the compatible path) returns the whole cache as the newest token sees it, dequantized into a tensor
+that lives only as long as the caller keeps it: nothing dequantized is stored.
+
+Batches of prompts of different lengths: left padding. On the first write ``attend`` learns each sequence's pad
+positions from the attention mask (leading keys no query may see), stores only the real tokens (the sequence's
+length in the cache excludes its padding, so the sink is its first real tokens) and maps the caller's key axis
+onto them; each sequence then behaves as if it had been run alone. The compatible path cannot see the mask: it
+stores padding like any token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.cache.store import PagedStore
+
+
+def _shift(x: torch.Tensor, skip: list[int], dim: int, left: bool) -> torch.Tensor:
+    """Per batch row ``b``, move the rows of ``dim`` by ``skip[b]`` (left: drop the first ``skip[b]`` and pad
+    the end with zeros; right: the inverse)."""
+    if not any(skip):
+        return x
+    out = torch.zeros_like(x)
+    T = x.shape[dim]
+    for b, s in enumerate(skip):
+        src = x[b].narrow(dim - 1, s if left else 0, T - s)
+        out[b].narrow(dim - 1, 0 if left else s, T - s).copy_(src)
+    return out
+
+
+class PagedCacheLayer:
+    """Layer ``idx`` of ``store`` (see the module docstring)."""
+
+    def __init__(self, store: PagedStore, idx: int):
+        self.store, self.idx = store, idx
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # written, not yet stored (see attend)
+
+    @property
+    def fmt(self):
+        return self.store.layouts[self.idx].fmt
+
+    @property
+    def policy(self):
+        return self.store.policy
+
+    @property
+    def view(self):
+        """The kernels' view of this layer (a :class:`~quantmla.kernels.paged.PagedMLACache`)."""
+        return self.store.layer(self.idx)
+
+    @property
+    def batch(self) -> int | None:
+        return self.store.batch if self.store.started else None
+
+    def _stored_length(self) -> int:
+        """Length of the caller's key axis already stored (padding included; equal for every sequence)."""
+        if not self.store.started or not self.store.batch:
+            return 0
+        return self.view.lengths()[0] + self.store.pads[0]
+
+    def get_seq_length(self) -> int:
+        return self._stored_length() + (0 if self._staged is None else self._staged[0].shape[1])
+
+    @property
+    def length(self) -> int:
+        return self.get_seq_length()
+
+    # -- writing ----------------------------------------------------------------------------------
+    def _check(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        if not (isinstance(c_kv, torch.Tensor) and isinstance(k_pe, torch.Tensor)):
+            raise TypeError(f"c_kv and k_pe must be tensors, got {type(c_kv).__name__} and {type(k_pe).__name__}")
+        if c_kv.dim() != 3 or k_pe.dim() != 3:
+            raise ValueError(
+                f"write expects c_kv [B, T, Dc] and k_pe [B, T, Dr], got shapes {tuple(c_kv.shape)} and "
+                f"{tuple(k_pe.shape)}"
+            )
+        if c_kv.shape[:2] != k_pe.shape[:2]:
+            raise ValueError(f"c_kv {tuple(c_kv.shape)} and k_pe {tuple(k_pe.shape)} disagree on [B, T]")
+        if not (torch.is_floating_point(c_kv) and torch.is_floating_point(k_pe)):
+            raise TypeError(f"c_kv and k_pe must be floating point, got {c_kv.dtype} and {k_pe.dtype}")
+        if c_kv.dtype != k_pe.dtype:
+            raise TypeError(f"c_kv ({c_kv.dtype}) and k_pe ({k_pe.dtype}) must share a dtype")
+        if c_kv.device != k_pe.device:
+            raise ValueError(f"c_kv is on {c_kv.device} but k_pe on {k_pe.device}")
+        L = self.store.layouts[self.idx]
+        if (c_kv.shape[-1], k_pe.shape[-1]) != (L.kv_lora_rank, L.rope_dim):
+            raise ValueError(
+                f"cache holds widths (content {L.kv_lora_rank}, rope {L.rope_dim}) but got "
+                f"({c_kv.shape[-1]}, {k_pe.shape[-1]})"
+            )
+        st = self.store
+        if st.dtype is not None and c_kv.dtype != st.dtype:
+            raise TypeError(f"cache holds {st.dtype} but got {c_kv.dtype}")
+        if st.started:
+            if c_kv.shape[0] != st.batch:
+                raise ValueError(f"cache holds batch {st.batch} but got a write of batch {c_kv.shape[0]}")
+            if c_kv.device != st.device:
+                raise ValueError(f"cache lives on {st.device} but got tensors on {c_kv.device}")
+
+    def write(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Append T tokens: ``c_kv`` [B, T, Dc] and ``k_pe`` [B, T, Dr] (after RoPE). Stored at once unless the
+        next call is :meth:`attend` (which first learns the batch's padding from its mask)."""
+        self._check(c_kv, k_pe)
+        self.flush()
+        self._staged = (c_kv, k_pe)
+
+    def flush(self) -> None:
+        """Store a pending write (no padding)."""
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            self._store(*staged, skip=None)
+
+    def _store(self, c_kv: torch.Tensor, k_pe: torch.Tensor, skip: list[int] | None):
+        """Store the last ``T - skip[b]`` rows of sequence ``b``; returns (n_new, recent)."""
+        B, T = c_kv.shape[:2]
+        st = self.store
+        skip = skip or [0] * B
+        if T == 0:
+            return [0] * B, None
+        if not st.started:
+            st.start(B, c_kv.device, T)
+            st.pads = list(skip)
+        elif any(skip):
+            raise RuntimeError("internal error: padding after the first write")
+        st.dtype = c_kv.dtype
+        n_new = [T - s for s in skip]
+        c_kv, k_pe = _shift(c_kv, skip, 1, left=True), _shift(k_pe, skip, 1, left=True)
+        old = self.view.lengths()
+        st.prepare([o + k for o, k in zip(old, n_new)])
+        view = self.view
+        recent = None
+        if self.fmt.is_quantized and view.n_local and max(n_new) > 1:
+            recent = self._recent(view, c_kv, k_pe, old, n_new)
+        view.write(c_kv, k_pe, n_new)
+        return n_new, recent
+
+    @staticmethod
+    def _recent(view, c_kv, k_pe, old: list[int], n_new: list[int]) -> torch.Tensor:
+        """BF16 ``[B, W, Dc + Dr]``: per sequence the copies of its last ``W = n_local - 1 + T`` positions after this
+        write (the ring before it, then the new tokens), which the new queries may read in full precision."""
+        B, T = c_kv.shape[:2]
+        nl = view.n_local
+        W = nl - 1 + T
+        recent = torch.zeros(B, W, c_kv.shape[-1] + k_pe.shape[-1], dtype=torch.bfloat16, device=c_kv.device)
+        for b in range(B):
+            n, k = old[b], n_new[b]
+            lo = max(0, n - (nl - 1))
+            if lo < n:
+                pos = torch.arange(lo, n, device=view.device)
+                recent[b, W - k - (n - lo) : W - k] = view.local[b, pos % nl].to(c_kv.device)
+            recent[b, W - k :] = torch.cat([c_kv[b, :k], k_pe[b, :k]], dim=-1).to(torch.bfloat16)
+        return recent
+
+    # -- attention ------------------------------------------------------------------------------
+    def _pads_and_causal(self, mask, B: int, T: int, S: int, first: bool) -> tuple[list[int], bool]:
+        """Leading pad positions per sequence (first write only) and whether ``mask`` is plain causal attention
+        over each sequence's real tokens (so the kernels' fast paths apply)."""
+        if mask is None:
+            return [0] * B, True
+        m = mask.to(torch.bool)
+        if m.dim() != 4 or m.shape[-2:] != (T, S) or m.shape[0] not in (1, B):
+            raise ValueError(f"attention mask must be bool [B, 1 or H, T={T}, S={S}], got {tuple(mask.shape)}")
+        m = m.expand(B, m.shape[1], T, S)
+        skip = [0] * B
+        if first:
+            unseen = (~m.any(dim=(1, 2))).int().cpu()  # [B, S] keys no query may see
+            skip = [int(u) for u in unseen.cumprod(1).sum(1)]  # leading run of them
+            for b, s in enumerate(skip):
+                if s >= T:
+                    raise ValueError(f"sequence {b} of the batch has no token any query may attend to")
+        pads = torch.tensor(skip if first else self.store.pads, device=m.device)[:, None, None]  # [B, 1, 1]
+        qpos = torch.arange(S - T, S, device=m.device)[None, :, None]  # [1, T, 1]
+        j = torch.arange(S, device=m.device)[None, None, :]
+        want = (j >= pads) & (j <= qpos)  # [B, T, S]
+        real = qpos >= pads  # [B, T, 1] queries of real tokens
+        causal = not bool(((m != want[:, None]) & real[:, None]).any())
+        return skip, causal
+
+    def attend(
+        self, q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Absorbed attention of the T newest tokens' queries over the cache, per-query policy.
+
+        q_lat [B, H, T, Dc], q_pe [B, H, T, Dr]; mask None (causal) or bool broadcastable to [B, H, T, S] over the
+        caller's key axis. Returns o_lat [B, H, T, Dc] fp32 (0 for padding queries)."""
+        from quantmla.kernels.dispatch import decode_attention, prefill_attention
+        from quantmla.kernels.reference import prefill_attention_torch
+
+        if q_lat.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_lat.shape[:3]:
+            raise ValueError(f"q_lat {tuple(q_lat.shape)} and q_pe {tuple(q_pe.shape)} must be [B, H, T, D] alike")
+        B, H, T, _ = q_lat.shape
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0].shape[1] != T:
+            self._store(*staged, skip=None)
+            raise ValueError(f"{T} queries but the last write held {staged[0].shape[1]} tokens")
+        S0 = self._stored_length()
+        S = S0 + (T if staged is not None else 0)
+        if T > S:
+            raise ValueError(f"{T} queries but only {S} cached tokens: write the new tokens before attending")
+        if self.store.started and B != self.store.batch or staged is not None and staged[0].shape[0] != B:
+            raise ValueError(f"{B} query sequences for a cache of batch {self.batch or staged[0].shape[0]}")
+        skip, causal = self._pads_and_causal(mask, B, T, S, first=S0 == 0 and staged is not None)
+        n_new, recent = self._store(*staged, skip=skip) if staged is not None else ([T] * B, None)
+        view = self.view
+        ql, qp = _shift(q_lat, skip, 2, left=True), _shift(q_pe, skip, 2, left=True)
+        if causal and T == 1:
+            o = decode_attention(ql[:, :, 0], qp[:, :, 0], view, scale)[:, :, None]  # [B, H, 1, Dc]
+            o = o * torch.tensor([k > 0 for k in n_new], device=o.device)[:, None, None, None]
+        elif causal:
+            o = prefill_attention(ql, qp, view, scale, n_new, recent=recent)
+        else:
+            o = prefill_attention_torch(ql, qp, view, scale, n_new, recent=recent, mask=self._cache_mask(mask, skip))
+        return _shift(o, skip, 2, left=False)
+
+    def _cache_mask(self, mask: torch.Tensor, skip: list[int]) -> torch.Tensor:
+        """The caller's mask [B, h, T, S] over cache positions: key ``j`` -> ``j - pads[b]``; query rows as shifted."""
+        m = mask.to(torch.bool)
+        B = len(skip)
+        m = m.expand(B, *m.shape[1:])
+        pads = self.store.pads
+        out = torch.zeros_like(m)
+        for b in range(B):
+            S = m.shape[-1]
+            out[b, :, :, : S - pads[b]] = m[b, :, :, pads[b] :]
+        return _shift(out, skip, 2, left=True)
+
+    # -- compatible path --------------------------------------------------------------------------
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as the newest token sees it: [B, S, Dc], [B, S, Dr] in the written dtype (padding rows 0).
+
+        A fresh tensor each call (the transient workspace of the compatible path), dequantized from the pages."""
+        self.flush()
+        st = self.store
+        L = st.layouts[self.idx]
+        if not st.started:
+            raise RuntimeError("the cache is empty: write before reading")
+        view, S = self.view, self._stored_length()
+        out = torch.zeros(st.batch, S, L.kv_lora_rank + L.rope_dim, dtype=torch.float32, device=st.device)
+        for b, n in enumerate(view.lengths()):
+            out[b, st.pads[b] : st.pads[b] + n] = view.read_tokens(b, n)
+        return out[..., : L.kv_lora_rank].to(st.dtype), out[..., L.kv_lora_rank :].to(st.dtype)

@@ -1,0 +1,82 @@
+"""Chunked prefill attention over the paged cache on a GPU: the per-query policy through torch's fused attention.
+
+Same contract as :func:`quantmla.kernels.reference.prefill_attention_torch` (the fp32 oracle). Per sequence the
+packed copies of its ``n`` tokens are dequantized once into a transient BF16 workspace ``[n, Dc + Dr]`` (through
+:meth:`PagedMLACache.read_packed`, never by decoding page bytes here), the BF16 copies the policy may read (sink
+buffer, local ring, ``recent``) are appended as ``F`` more keys, and every block of queries runs one
+``torch.nn.functional.scaled_dot_product_attention`` over the ``n + F`` keys with a boolean mask that admits, for
+the query at position ``p``, the packed copy of token ``j`` when ``j <= p`` and the policy reads it packed, and
+the BF16 copy when ``j <= p`` and the policy reads it in full precision: one softmax, exactly the policy. The
+attention kernel itself (memory-efficient / flash / math, chosen by torch) runs in BF16 with fp32 accumulation,
+so this path agrees with the oracle to BF16 rounding. Memory: the workspace plus a ``[block, n + F]`` mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from quantmla.kernels.reference import _check_q, _n_new_list, full_precision_rows
+
+_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, t, D], k [N, D], v [N, Dv], mask bool [t, N] -> [H, t, Dv] (one KV head shared by every query head)."""
+    H = q.shape[0]
+    if _GQA:
+        return F.scaled_dot_product_attention(q[None], k[None, None], v[None, None], attn_mask=mask[None, None],
+                                              scale=scale, enable_gqa=True)[0]  # fmt: skip
+    kk, vv = k.expand(H, *k.shape), v.expand(H, *v.shape)
+    return F.scaled_dot_product_attention(q[None], kk[None], vv[None], attn_mask=mask[None, None], scale=scale)[0]
+
+
+def prefill_attention_sdpa(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    softmax_scale: float,
+    n_new=None,
+    *,
+    recent: torch.Tensor | None = None,
+    block: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``q_lat [B, H, T, Dc]``, ``q_pe [B, H, T, Dr]`` -> ``o_lat [B, H, T, Dc]`` fp32 (rows past ``n_new[b]`` are 0).
+
+    ``block``: queries per attention call (default: keeps the mask near 64 MB); ``dtype``: of the workspace and
+    the queries (BF16; fp32 gives the oracle's numbers up to summation order)."""
+    _check_q(q_lat, q_pe, cache, 4)
+    B, H, T, Dc = q_lat.shape
+    n_new = _n_new_list(n_new, B, T)
+    dev = q_lat.device
+    o = torch.zeros(B, H, T, Dc, dtype=torch.float32, device=dev)
+    quant = cache.fmt.is_quantized
+    policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local)
+    for b, n in enumerate(cache.lengths()):
+        k_new = n_new[b]
+        if k_new == 0:
+            continue
+        if k_new > n:
+            raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
+        keys = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, Dc + Dr] workspace
+        kpos = torch.arange(n, device=dev)
+        fpos = kpos[:0]
+        if quant:
+            full, held = full_precision_rows(cache, b, n, k_new, recent)
+            fpos = held.nonzero()[:, 0].to(dev)  # [F] positions with a BF16 copy
+            keys = torch.cat([keys, full[held].to(device=dev, dtype=dtype)])  # [n + F, Dc + Dr]
+        step = block or max(1, min(k_new, (64 << 20) // max(1, keys.shape[0])))
+        for t0 in range(0, k_new, step):
+            t1 = min(k_new, t0 + step)
+            qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=dev)  # [t]
+            mask = kpos[None, :] <= qpos[:, None]  # [t, n] causal, packed copies
+            if quant:
+                mask = mask & ~policy.reads_full(qpos, kpos)
+                mask_f = (fpos[None, :] <= qpos[:, None]) & policy.reads_full(qpos, fpos)  # [t, F]
+                mask = torch.cat([mask, mask_f], dim=1)
+            q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).to(dtype)  # [H, t, Dc + Dr]
+            o[b, :, t0:t1] = _attend(q, keys, keys[:, :Dc], mask, softmax_scale).float()
+    return o
