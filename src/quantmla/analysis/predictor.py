@@ -45,9 +45,13 @@ PREDICTORS = ("cache_error_only", "operator_only", "operator_allocation")
 
 
 @torch.no_grad()
-def operator_traces(x: LayerInputs, w: MLALayerWeights, spec: MLASpec) -> tuple[torch.Tensor, torch.Tensor]:
+def operator_traces(
+    x: LayerInputs, w: MLALayerWeights, spec: MLASpec, reads: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``K_content`` [B, S, Dc] and ``K_rope`` [B, S, Dr]: output-error energy per unit error on each cached
-    element, summed over heads and queries (see the module docstring)."""
+    element, summed over heads and queries (see the module docstring). ``reads`` [Tq, S] (e.g. ``x.quant_mask``):
+    count only the (query, key) pairs where the query reads the erroneous copy (the cache policy reads sink and
+    local tokens exactly); None = every causal pair."""
     scale = spec.softmax_scale
     logits = torch.einsum("bhic,bjc->bhij", x.q_lat, x.c) + torch.einsum("bhir,bjr->bhij", x.q_pe, x.k_pe)
     logits = (logits * scale).masked_fill(~x.mask, float("-inf"))
@@ -62,6 +66,8 @@ def operator_traces(x: LayerInputs, w: MLALayerWeights, spec: MLASpec) -> tuple[
     oo = (o * o).sum(-1)  # [B, H, Tq]
     dist = vv[:, :, None, :] - 2 * torch.einsum("bhid,bhjd->bhij", o, v) + oo[..., None]  # ||v'_j - o'_i||^2
     p2 = p * p
+    if reads is not None:
+        p2 = p2 * reads.to(p2.dtype)  # every term below is a sum over (i, j) weighted by P_ij^2
     p2d = p2 * dist.clamp_min(0)
     k_rope = scale**2 * torch.einsum("bhij,bhir->bjr", p2d, x.q_pe.pow(2))
     term1 = scale**2 * torch.einsum("bhij,bhic->bjc", p2d, x.q_lat.pow(2))
