@@ -42,6 +42,11 @@ def load_flashmla(src_dir: str, build_dir: str | None = None, verbose: bool = Fa
     ]
     includes = [csrc, csrc / "kerutils" / "include", csrc / "sm90", csrc / "cutlass" / "include",
                 csrc / "cutlass" / "tools" / "util" / "include"]  # fmt: skip
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    cccl = Path(CUDA_HOME or "/usr/local/cuda") / "include" / "cccl"  # CUDA 13 keeps libcu++ here (g++ needs it)
+    if cccl.is_dir():
+        includes.append(cccl)
     cuda_flags = [
         "-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",

@@ -41,7 +41,8 @@ constexpr int kPage = 64;    // tokens per page = per tile
 constexpr int kDc = 512;     // content latent width
 constexpr int kDr = 64;      // RoPE key width
 constexpr int kGroup = 128;  // content quantization group (one warp each)
-constexpr int kStages = 3;
+constexpr int kStages = 2;
+constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
 
 struct Params {
   const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
@@ -76,8 +77,10 @@ struct Cfg {
   static constexpr int META_ROWS = 10;             // upper bound (4 + 4 content, 1 + 1 RoPE)
   static constexpr int STAGE = M_SM + META_ROWS * kPage * 2;
   static constexpr int PART = kWarps * 8 * 32 * 16;  // partial scores [warp][n-block][lane] float4
-  static constexpr int QFRAG = kWarps * (CPG * F + 4) * 32 * 16;  // q A fragments [warp][k-block][lane] uint4
-  static constexpr int SMEM = kStages * STAGE + PART + QFRAG;
+  static constexpr int QFRAG = (kWarps * CPG * F + 4) * 32 * 16;  // q A fragments [k-block][lane] uint4
+  static constexpr int PFRAG = kWarps * kWarps * 32 * 16;  // P * s_g A fragments [group][slice][lane] uint4
+  static constexpr int SMALL = (kHeads * kWarps + kWarps * kHeads * kWarps) * 4;  // slice maxima, offset sums
+  static constexpr int SMEM = kStages * STAGE + PART + QFRAG + PFRAG + SMALL;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -167,31 +170,34 @@ __device__ __forceinline__ void load_qfrag(uint32_t (&a)[4], float (&qs)[2], con
 }
 
 template <int CB>
-__device__ __forceinline__ void load_page(uint8_t* stage, const uint8_t* page, const Params& p, int meta_rows) {
+__device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {
   using C = Cfg<CB>;
   const int tid = threadIdx.x;
-  constexpr int CX = C::CBYTES / 16;  // chunks per token row
-  constexpr int NC = kPage * CX, NR = kPage * C::RCH;
-  static_assert(NC % kThreads == 0 && NR <= kThreads, "copy split");
-  const uint32_t s0 = smem_u32(stage);
+  constexpr int CX = C::CBYTES / 16;      // chunks per token row
+  constexpr int STEP = kThreads / CX;     // tokens per round of the block
+  static_assert(kThreads % CX == 0 && kPage % STEP == 0 && STEP % 8 == 0, "copy split");
+  const int n0 = tid / CX, x = tid % CX;  // (n0 + i * STEP) & 7 == n0 & 7: the swizzle is the same every round
+  const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
+  const uint8_t* src = page + p.c_off + n0 * C::CBYTES + 16 * x;
 #pragma unroll
-  for (int i = 0; i < NC / kThreads; ++i) {
-    const int k = tid + i * kThreads;
-    const int n = k / CX, x = k % CX;
-    cp_async16(s0 + C::C_SM + n * C::CBYTES + 16 * (x ^ (n & 7)), page + p.c_off + n * C::CBYTES + 16 * x);
-  }
+  for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
+  constexpr int NR = kPage * C::RCH;
+  static_assert(NR <= kThreads, "copy split");
   if (tid < NR) {
-    const int n = tid / C::RCH, x = tid % C::RCH;
-    cp_async16(s0 + C::R_SM + x * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * x);
+    const int n = tid / C::RCH, xr = tid % C::RCH;
+    cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
   }
-  if (tid < meta_rows * kPage * 2 / 16) cp_async16(s0 + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
+  if (tid < meta_rows * kPage * 2 / 16) cp_async16(stage + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
 }
 
 template <int CB>
-__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Params p) {
   using C = Cfg<CB>;
   extern __shared__ __align__(128) uint8_t smem[];
   float4* part = reinterpret_cast<float4*>(smem + kStages * C::STAGE);
+  uint4* pfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);
+  float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG + C::PFRAG);  // [head][warp]
+  float* soff = smax + kHeads * kWarps;  // [group][head][slice]
 
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -206,8 +212,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
   // ---- q fragments (bf16 of q * qk_scale) into shared memory (this warp's k-blocks: its content group, then
   // the 4 RoPE k-blocks), and their group sums in registers
-  constexpr int KB = C::CPG * C::F + 4;
-  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART) + warp * KB * 32;
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
+  uint4* qfrag_c = qfrag + warp * (C::CPG * C::F) * 32;  // this warp's content k-blocks
+  uint4* qfrag_r = qfrag + kWarps * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks (shared by all warps)
   float qsc[2] = {0.f, 0.f}, qsr[2] = {0.f, 0.f};
   {
     const long long ql_off = (long long)b * p.q_lat_sb, qp_off = (long long)b * p.q_pe_sb;
@@ -218,14 +225,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       for (int pl = 0; pl < C::F; ++pl) {
         load_qfrag<C::PS>(a, qsc, p.q_lat, ql_off, p.q_lat_sh, h0, p.H, kGroup * warp, c, pl, g, t, p.qk_scale,
                           p.q_fp32);
-        qfrag[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+        qfrag_c[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
       }
 #pragma unroll 1
     for (int c = 0; c < 2; ++c)
 #pragma unroll 1
       for (int pl = 0; pl < 2; ++pl) {
         load_qfrag<32>(a, qsr, p.q_pe, qp_off, p.q_pe_sh, h0, p.H, 0, c, pl, g, t, p.qk_scale, p.q_fp32);
-        qfrag[(C::CPG * C::F + c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+        if (warp == 0) qfrag_r[(c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
       }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -245,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int pg, int st) {
     const uint8_t* page = pool + (long long)bt[pg] * p.page_bytes;
-    load_page<CB>(smem + st * C::STAGE, page, p, meta_rows);
+    load_page<CB>(smem_u32(smem + st * C::STAGE), page, p, meta_rows);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -284,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
 #pragma unroll
       for (int pl = 0; pl < C::F; ++pl) {
-        const uint4 q4 = qfrag[(c * C::F + pl) * 32 + lane];
+        const uint4 q4 = qfrag_c[(c * C::F + pl) * 32 + lane];
         const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) mma(s_acc[nb], qa, field<CB>(R[nb], pl), field<CB>(R[nb], C::F + pl));
@@ -306,17 +313,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
     }
     // RoPE scores of this warp's 16 tokens (n-blocks 2w, 2w+1)
+    float racc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     {
       uint32_t rr[4];  // [chunk][n-block half]: matrices (tokens 16w + 8(mi&1) .., chunk mi>>1)
       const int mi = lane >> 3;
       const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
       ldsm_x4(rr[0], rr[1], rr[2], rr[3], st_u + C::R_SM + (mi >> 1) * (kPage * 16) + tok * 16);
-      float racc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
         for (int pl = 0; pl < 2; ++pl) {
-          const uint4 q4 = qfrag[(C::CPG * C::F + c * 2 + pl) * 32 + lane];
+          const uint4 q4 = qfrag_r[(c * 2 + pl) * 32 + lane];
           const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
           for (int nbl = 0; nbl < 2; ++nbl)
@@ -336,90 +343,121 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           racc[nbl][e + 2] = fmaf(s, racc[nbl][e + 2], op * qsr[1]);
         }
       }
-#pragma unroll
-      for (int nb = 0; nb < 8; ++nb)  // (static indices: n-blocks 2w, 2w+1 get the RoPE scores)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[nb][e] += (nb >> 1) == warp ? racc[nb & 1][e] : 0.f;
     }
-    // ---- (2) exchange partials; every warp sums all four (full scores of the tile)
+    // ---- (2) reduce-scatter of the partial scores: warp w gets the full scores of its slice (tokens 16w..16w+15)
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb)
       part[(warp * 8 + nb) * 32 + lane] = make_float4(s_acc[nb][0], s_acc[nb][1], s_acc[nb][2], s_acc[nb][3]);
     __syncthreads();
+    float sc[2][4];  // [n-block of the slice][c-frag]: heads g, g+8 x tokens 16w + 8i + 2t (+1)
 #pragma unroll
-    for (int v = 1; v < kWarps; ++v) {
-      const int w2 = (warp + v) & (kWarps - 1);
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int nb = 0; nb < 8; ++nb) {
-        const float4 x = part[(w2 * 8 + nb) * 32 + lane];
-        s_acc[nb][0] += x.x;
-        s_acc[nb][1] += x.y;
-        s_acc[nb][2] += x.z;
-        s_acc[nb][3] += x.w;
+      for (int e = 0; e < 4; ++e) sc[i][e] = racc[i][e];
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) {
+        const float4 x = part[(v * 8 + 2 * warp + i) * 32 + lane];
+        sc[i][0] += x.x;
+        sc[i][1] += x.y;
+        sc[i][2] += x.z;
+        sc[i][3] += x.w;
       }
     }
-    // online softmax (log2 units: q carries qk_scale)
-    float mt[2] = {-INFINITY, -INFINITY};
+    float mv[2] = {-INFINITY, -INFINITY};
+    bool tok_ok[2][2];
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int tau = 8 * nb + 2 * t + e;
-        const bool valid = tau >= tok_lo && tau < tok_hi;
-        s_acc[nb][e] = valid ? s_acc[nb][e] : -INFINITY;
-        s_acc[nb][e + 2] = valid ? s_acc[nb][e + 2] : -INFINITY;
-        mt[0] = fmaxf(mt[0], s_acc[nb][e]);
-        mt[1] = fmaxf(mt[1], s_acc[nb][e + 2]);
+        const int tau = 16 * warp + 8 * i + 2 * t + e;
+        tok_ok[i][e] = tau >= tok_lo && tau < tok_hi;
+        sc[i][e] = tok_ok[i][e] ? sc[i][e] : -INFINITY;
+        sc[i][e + 2] = tok_ok[i][e] ? sc[i][e + 2] : -INFINITY;
+        mv[0] = fmaxf(mv[0], sc[i][e]);
+        mv[1] = fmaxf(mv[1], sc[i][e + 2]);
       }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mv[r] = fmaxf(mv[r], __shfl_xor_sync(0xffffffffu, mv[r], 1));
+      mv[r] = fmaxf(mv[r], __shfl_xor_sync(0xffffffffu, mv[r], 2));
+    }
+    if (t == 0) {
+      smax[g * kWarps + warp] = mv[0];
+      smax[(g + 8) * kWarps + warp] = mv[1];
+    }
+    __syncthreads();
+    // online softmax (log2 units: q carries qk_scale); every warp derives the same tile maximum
     float alpha[2], msafe[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 1));
-      mt[r] = fmaxf(mt[r], __shfl_xor_sync(0xffffffffu, mt[r], 2));
-      const float m_new = fmaxf(m_run[r], mt[r]);
+      const float4 m4 = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
+      const float mt = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
+      const float m_new = fmaxf(m_run[r], mt);
       msafe[r] = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = ex2(m_run[r] - msafe[r]);
       m_run[r] = m_new;
       l_run[r] *= alpha[r];
       corr[r] *= alpha[r];
     }
-    // P, P * s_g in bf16 as A fragments (k-block kb = tokens 16kb .. 16kb+15), offset term sum_t P o_g
-    uint32_t ap[4][4];
-    float poff[2] = {0.f, 0.f};
+    // P of the slice; P * s_g (bf16) as A fragments of k-block w for each group g; sum_t P o_g per group
+    float pv[2][4];
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
-      const int tau = 8 * nb + 2 * t;
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + warp) * kPage + tau));
-      float2 o2 = make_float2(0.f, 0.f);
-      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + warp) * kPage + tau));
-      float sv[2], ov[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
-        const bool valid = (tau + e >= tok_lo) && (tau + e < tok_hi);
-        const float s = e ? s2.y : s2.x;
-        sv[e] = valid ? s : 0.f;
-        ov[e] = valid ? (csym ? -(float)(1 << (CB - 1)) * s : (e ? o2.y : o2.x)) : 0.f;
-      }
-      float pv[4];
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        pv[e] = ex2(s_acc[nb][e] - msafe[e >> 1]);
-        l_run[e >> 1] += pv[e];
-        poff[e >> 1] = fmaf(pv[e], ov[e & 1], poff[e >> 1]);
+        pv[i][e] = ex2(sc[i][e] - msafe[e >> 1]);
+        l_run[e >> 1] += pv[i][e];
       }
-      const int kb = nb >> 1, hf = nb & 1;
-      ap[kb][2 * hf] = pack_bf16(pv[0] * sv[0], pv[1] * sv[1]);
-      ap[kb][2 * hf + 1] = pack_bf16(pv[2] * sv[0], pv[3] * sv[1]);
+#pragma unroll
+    for (int gr = 0; gr < kWarps; ++gr) {
+      float sv[2][2], ov[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int tau = 16 * warp + 8 * i + 2 * t;
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + gr) * kPage + tau));
+        float2 o2 = make_float2(0.f, 0.f);
+        if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + gr) * kPage + tau));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
+          const float sx = e ? s2.y : s2.x;
+          sv[i][e] = tok_ok[i][e] ? sx : 0.f;
+          ov[i][e] = tok_ok[i][e] ? (csym ? -(float)(1 << (CB - 1)) * sx : (e ? o2.y : o2.x)) : 0.f;
+        }
+      }
+      pfrag[(gr * kWarps + warp) * 32 + lane] =
+          make_uint4(pack_bf16(pv[0][0] * sv[0][0], pv[0][1] * sv[0][1]), pack_bf16(pv[0][2] * sv[0][0], pv[0][3] * sv[0][1]),
+                     pack_bf16(pv[1][0] * sv[1][0], pv[1][1] * sv[1][1]), pack_bf16(pv[1][2] * sv[1][0], pv[1][3] * sv[1][1]));
+      float po[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        po[r] = pv[0][2 * r] * ov[0][0] + pv[0][2 * r + 1] * ov[0][1] + pv[1][2 * r] * ov[1][0] +
+                pv[1][2 * r + 1] * ov[1][1];
+        po[r] += __shfl_xor_sync(0xffffffffu, po[r], 1);
+        po[r] += __shfl_xor_sync(0xffffffffu, po[r], 2);
+      }
+      if (t == 0) {
+        soff[(gr * kHeads + g) * kWarps + warp] = po[0];
+        soff[(gr * kHeads + g + 8) * kWarps + warp] = po[1];
+      }
     }
+    __syncthreads();
     // ---- (3) output product of group `warp`: O = alpha O + sum over the tile, fresh accumulators per chunk
+    uint32_t ap[4][4];
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      const uint4 x = pfrag[(warp * kWarps + kb) * 32 + lane];
+      ap[kb][0] = x.x;
+      ap[kb][1] = x.y;
+      ap[kb][2] = x.z;
+      ap[kb][3] = x.w;
+    }
     float ones[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) mma(ones, ap[kb], 0x3F803F80u, 0x3F803F80u);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      poff[r] += __shfl_xor_sync(0xffffffffu, poff[r], 1);
-      poff[r] += __shfl_xor_sync(0xffffffffu, poff[r], 2);
-      corr[r] += poff[r] - 128.f * ones[2 * r];
+      const float4 o4 = *reinterpret_cast<const float4*>(soff + (warp * kHeads + g + 8 * r) * kWarps);
+      corr[r] += (o4.x + o4.y) + (o4.z + o4.w) - 128.f * ones[2 * r];
     }
 #pragma unroll
     for (int c = 0; c < C::CPG; ++c) {
@@ -448,11 +486,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
   // ---- epilogue: normalized partial output and log2-sum-exp of this split
   float inv_l[2], lse[2];
+  __syncthreads();  // smax is free again: reuse it for the per-warp sums of P
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = l_run[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) smax[(g + 8 * r) * kWarps + warp] = l;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float4 l4 = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
+    const float l = (l4.x + l4.y) + (l4.z + l4.w);
     inv_l[r] = l > 0.f ? 1.f / l : 0.f;
     lse[r] = l > 0.f ? m_run[r] + log2f(l) : -INFINITY;
   }
