@@ -53,3 +53,22 @@ def test_the_command_line_sits_above_its_commands():
             seen.add(m)
             todo.extend(graph[m])
     assert "quantmla.main_job" in seen and "quantmla.cli" not in seen
+
+
+def test_no_import_circles():
+    """No module reaches itself through the modules it imports (issue 10 named three circles: ``cli`` <->
+    ``main_job``, ``kernels/dispatch`` <-> ``paged`` <-> ``reference`` <-> ``triton_decode``, ``models/convert``
+    <-> ``heal``); lazy imports inside functions count."""
+    graph = _import_graph()
+    circles = []
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == start:
+                circles.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+    assert not circles, f"modules on an import circle: {sorted(circles)}"

@@ -54,3 +54,29 @@ def test_absorbed_decode_matches_compatible_path(name, fmt):
     # land on the other side of a BF16 rounding boundary in a few elements (measured: <= 2.2e-3 in the logits on
     # LongCat-Flash, 1e-6 elsewhere); reading one token from the wrong copy moves every step by >= 1.2e-2.
     torch.testing.assert_close(absorbed, compat, rtol=1e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("fmt", ["c4r4", "bf16"])
+def test_left_padded_batch_equals_each_prompt_alone(fmt):
+    # Prompts of 11, 5 and 8 tokens, left-padded into one batch: the absorbed path stores each sequence without
+    # its padding (sink = its first real tokens), so each row must continue exactly as the prompt run alone.
+    # Stored with its padding, the sink would hold pad slots and the rows would drift (row 1 does: tried).
+    model = tiny_model("deepseek_v3", first_k_dense_replace=99)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, model.config.vocab_size, (n,), generator=g) for n in (11, 5, 8)]
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    att = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :], att[b, T - len(p) :] = p, 1
+    pol = CachePolicy(sink=2, local=3)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    enable_absorbed_attention(model)
+    with torch.no_grad():
+        cache = QuantMLACache(model.config, fmt, pol)
+        batch = model.generate(ids, attention_mask=att, **kw, **with_cache(cache))
+        assert cache.store.pads == [0, 6, 3]
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], **kw, **with_cache(QuantMLACache(model.config, fmt, pol)))
+            assert torch.equal(batch[b, T:], alone[0, len(p) :]), f"row {b}"
+    disable_absorbed_attention(model)

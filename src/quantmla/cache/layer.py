@@ -71,7 +71,8 @@ class PagedCacheLayer:
         """Length of the caller's key axis already stored (padding included; equal for every sequence)."""
         if not self.store.started or not self.store.batch:
             return 0
-        return self.view.lengths()[0] + self.store.pads[0]
+        lens = self.view.lengths()
+        return lens[0] + self.store.pads[0] if any(lens) else 0  # the layers of a store fill one after another
 
     def get_seq_length(self) -> int:
         return self._stored_length() + (0 if self._staged is None else self._staged[0].shape[1])
@@ -135,8 +136,11 @@ class PagedCacheLayer:
         if not st.started:
             st.start(B, c_kv.device, T)
             st.pads = list(skip)
-        elif any(skip):
-            raise RuntimeError("internal error: padding after the first write")
+        elif any(skip) and (any(self.view.lengths()) or st.pads != skip):
+            raise ValueError(
+                f"padding {skip} in a later write or differing between layers (first write: {st.pads}); only "
+                "left padding of the first chunk is supported"
+            )
         st.dtype = c_kv.dtype
         n_new = [T - s for s in skip]
         c_kv, k_pe = _shift(c_kv, skip, 1, left=True), _shift(k_pe, skip, 1, left=True)
