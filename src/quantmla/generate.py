@@ -4,6 +4,7 @@ Usage::
 
     quantmla generate --model smollm2-mla --format c4r4 --prompt "The quick brown fox" --max-new-tokens 32
     quantmla generate --model DIR --format c2r4 --prompt-file prompt.txt --absorbed
+    quantmla generate --model smollm2-mla --device cuda --dtype bfloat16 --prompt "..."  # kernels, absorbed form
 
 Prints the continuation, the speed, and the cache's bytes: what the format needs on a BF16 model (the physical
 size, as ``quantmla info`` counts it) and what this process allocated for it.
@@ -31,6 +32,9 @@ def add_generate_args(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model weights dtype (default float32)")  # fmt: skip
     p.add_argument("--absorbed", action="store_true", help="attend in absorbed form over the quantized cache")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model and its cache run (default cpu); cuda attends in absorbed form, through the "
+                        "fused writer and the decode kernels")  # fmt: skip
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -56,6 +60,11 @@ def check_generate_args(args):
     text = _prompt_text(args)
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a positive number of tokens")
+    if getattr(args, "device", "cpu") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible here; run on a GPU machine or use --device cpu")
     with usage_errors():
         fmt = get_format(args.format)
         policy = CachePolicy(sink=args.sink, local=args.local)
@@ -72,7 +81,7 @@ def byte_report(rep: dict) -> str:
         size = f"{fmt.upper()} needs {phys:,} B on a BF16 model ({bf16 / phys:.2f}x less than BF16's {bf16:,} B)"
     return (
         f"cache: {rep['tokens']} tokens x {rep['layers']} layers; {size}; this process allocated "
-        f"{rep['allocated_bytes']:,} B (full-precision copies in the model's dtype, spare capacity, workspace)"
+        f"{rep['allocated_bytes']:,} B (pages, BF16 sink/local copies, block table)"
     )
 
 
@@ -85,9 +94,9 @@ def cmd_generate(args) -> int:
     from quantmla.models.names import resolve_model
 
     model, tok, _ = resolve_model(args.model, args.dtype)
-    with usage_errors(f"--model {args.model}: "):
-        cache = QuantMLACache(model.config, fmt, policy)
-    ids = tok(text, return_tensors="pt").input_ids  # [1, T]
+    device = getattr(args, "device", "cpu")
+    model = model.to(device)
+    ids = tok(text, return_tensors="pt").input_ids.to(device)  # [1, T]
     if ids.shape[1] == 0:
         raise UsageError("the prompt gives no tokens; give some text to continue")
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -96,7 +105,9 @@ def cmd_generate(args) -> int:
             f"the prompt is {ids.shape[1]} tokens + --max-new-tokens {args.max_new_tokens} > the model's context of "
             f"{limit} tokens (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
         )
-    if args.absorbed:
+    with usage_errors(f"--model {args.model}: "):  # pages for the whole generation, allocated at the first write
+        cache = QuantMLACache(model.config, fmt, policy, max_length=ids.shape[1] + args.max_new_tokens)
+    if args.absorbed or device == "cuda":
         from quantmla.mla.attention import enable_absorbed_attention
 
         enable_absorbed_attention(model)

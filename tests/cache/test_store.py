@@ -96,8 +96,9 @@ def test_policy_larger_than_the_capacity():
     model = tiny_model("deepseek_v3")
     with pytest.raises(ValueError, match=r"sink=1000000000.*max_position_embeddings = 512"):
         QuantMLACache(model.config, "c4r4", CachePolicy(sink=10**9))
-    with pytest.raises(ValueError, match=r"local=300.*max_length = 200"):
-        QuantMLACache(model.config, "c4r4", CachePolicy(local=300), max_length=200)
+    fits = QuantMLACache(model.config, "c4r4", CachePolicy(local=300), max_length=20)  # window > capacity: fine
+    _fill(fits, [20], batch=1)
+    assert fits.mla_layer(0).view.n_local == 64  # one page of 64 tokens holds max_length=20: 64 ring slots
     cache = QuantMLACache(spec(), "c4r4", CachePolicy(sink=10**9, local=10**9, page_size=16))  # no capacity known
     c, r = _fill(cache, [10, 1], batch=1)
     assert cache.memory_bytes() < 100_000  # buffers sized by what the cache can hold, not by the policy

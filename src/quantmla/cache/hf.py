@@ -22,8 +22,8 @@ Two ways attention reads it:
   lengths are stored without their padding here (see :mod:`quantmla.cache.layer`).
 
 Capacity: ``max_length`` (tokens per sequence) preallocates the pages at the first write and makes a longer
-sequence a clear error; without it the cache grows on demand. The policy's sink and local window must fit the
-capacity (``max_length``, else the model's ``max_position_embeddings`` when the config has one).
+sequence a clear error; without it the cache grows on demand. The BF16 buffers never hold more slots than the
+cache can hold tokens, and a sink or local window longer than the model's context is refused.
 """
 
 from __future__ import annotations
@@ -153,23 +153,23 @@ class QuantMLACache(Cache):
             raise TypeError(f"policy must be a CachePolicy, got {type(self.policy).__name__}")
         if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
             raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-        self._check_capacity(config, max_length)
+        self._check_capacity(config)
         self.store = PagedStore(self.formats, dc, dr, self.policy, max_length=max_length)
         layers = [QuantMLACacheLayer(PagedCacheLayer(self.store, i)) for i in range(len(self.formats))]
         super().__init__(layers=layers)
 
-    def _check_capacity(self, config: Any, max_length: int | None) -> None:
-        cap, what = max_length, "max_length"
-        if cap is None and not isinstance(config, (MLASpec, dict)):
-            cap, what = getattr(config, "max_position_embeddings", None), "the model's max_position_embeddings"
-        if not isinstance(cap, int):
+    def _check_capacity(self, config: Any) -> None:
+        """A sink or local window longer than the model's context is a mistake (``CachePolicy(sink=10**9)``): refuse
+        it. Shorter windows are fine whatever ``max_length`` is: the buffers never hold more than the cache can."""
+        ctx = None if isinstance(config, (MLASpec, dict)) else getattr(config, "max_position_embeddings", None)
+        if not isinstance(ctx, int):
             return
         for name in ("sink", "local"):
             v = getattr(self.policy, name)
-            if v > cap:
+            if v > ctx:
                 raise ValueError(
-                    f"CachePolicy({name}={v}) keeps more tokens in BF16 than the cache can hold ({what} = {cap}); "
-                    f"choose {name} <= {cap}"
+                    f"CachePolicy({name}={v}) keeps more tokens in BF16 than the model's context holds "
+                    f"(max_position_embeddings = {ctx}); choose {name} <= {ctx}"
                 )
 
     def _layer(self, layer_idx: int) -> QuantMLACacheLayer:
