@@ -80,7 +80,7 @@ def test_plan_respects_the_budget_exactly_and_beats_uniform_at_equal_bytes():
         budget = uniform_bytes(c, r, dc, dr, len(sens))
         plan = allocate(sens, dc, dr, budget)
         assert plan.bytes_per_token <= budget
-        assert plan.bytes_per_token == sum(f.bytes_per_token(dc, dr) for f in plan.formats())  # the real formats
+        assert plan.bytes_per_token == sum(f.bytes_per_token(dc, dr) for f in plan.formats)  # the real formats
         assert plan.predicted_distortion <= predicted_uniform(sens, c, r) + 1e-15
     assert {r["format"] for r in allocate(sens, dc, dr, uniform_bytes(2, 2, dc, dr, 6)).layers} == {"c2r2"}
     assert {r["format"] for r in allocate(sens, dc, dr, uniform_bytes(16, 16, dc, dr, 6)).layers} == {"bf16"}
@@ -127,7 +127,7 @@ def test_plan_round_trip_and_per_layer_cache(tmp_path):
     with pytest.raises(FileExistsError, match="force"):
         plan.save(p)
     back = Plan.load(p)
-    assert back.to_dict() == json.loads(json.dumps(plan.to_dict())) and back.formats() == plan.formats()
+    assert back.to_dict() == json.loads(json.dumps(plan.to_dict())) and back.formats == plan.formats
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(2))
     pol = CachePolicy(sink=4, local=16)  # most keys read from the packed copy
 
@@ -147,11 +147,11 @@ def test_plan_round_trip_and_per_layer_cache(tmp_path):
                              dict(plan.layers[1], content_bits=16, rope_bits=16)])  # fmt: skip
     cache = plan_cache(model.config, mixed, pol)
     out = logits(cache)
-    assert [layer.mla.fmt.name for layer in cache.layers] == ["c2r4", "bf16"]
+    assert [f.name for f in cache.formats] == ["c2r4", "bf16"]
     assert not torch.equal(out, logits(QuantMLACache(model.config, "c2r4")))
     assert not torch.equal(out, logits(QuantMLACache(model.config, "bf16")))
     kw = dict(kv_lora_rank=dc, rope_dim=dr, num_layers=1, context=1000)
-    per_layer = [cache_bytes(f, **kw).total for f in mixed.formats()]
+    per_layer = [cache_bytes(f, **kw).total for f in mixed.formats]
     assert plan_bytes(mixed, 1000) == sum(per_layer) - cache_bytes("bf16", **kw).metadata  # one shared block table
     with pytest.raises(ValueError, match="another model"):
         plan_cache(model.config, Plan(dc, dr, 0, plan.layers[:1]))

@@ -16,8 +16,9 @@ per-layer responses with Spearman 0.97 on held-out layers (``benchmarks/results/
 
 The constrained problem is a multiple-choice knapsack over 2L items (every layer's two paths, 4 choices each);
 :func:`solve` solves it exactly by dynamic programming over integer bytes (tested against brute force). The plan
-(:class:`Plan`) is JSON: per layer the bits, bytes, predicted distortions and sensitivity; ``Plan.formats()`` gives
-the per-layer :class:`~quantmla.quant.formats.CacheFormat` list and :func:`plan_cache` a cache that uses them.
+(:class:`Plan`) is JSON: per layer the bits, bytes, predicted distortions and sensitivity; ``Plan.formats`` is the
+per-layer :class:`~quantmla.quant.formats.CacheFormat` list, and ``QuantMLACache(config, plan)`` (or
+:func:`plan_cache`, which also checks the plan against the model) stores each layer in its format.
 """
 
 from __future__ import annotations
@@ -184,8 +185,10 @@ class Plan:
     def predicted_distortion(self) -> float:
         return sum(r["predicted"]["content"] + r["predicted"]["rope"] for r in self.layers)
 
+    @property
     def formats(self):
-        """The per-layer :class:`CacheFormat` list (groups adapted to the model's path widths)."""
+        """The per-layer :class:`CacheFormat` list (groups adapted to the model's path widths); what
+        ``QuantMLACache(config, plan)`` stores layer by layer."""
         from quantmla.quant.formats import make_format
 
         return [make_format(r["content_bits"], r["rope_bits"]).adapted(self.kv_lora_rank, self.rope_dim)
@@ -255,21 +258,22 @@ def predicted_uniform(sens: list[LayerSensitivity], bits_c: int, bits_r: int) ->
 
 
 def plan_cache(config, plan: Plan, policy=None):
-    """A :class:`~quantmla.cache.hf.QuantMLACache` whose layer ``i`` stores ``plan.formats()[i]``.
+    """A :class:`~quantmla.cache.hf.QuantMLACache` whose layer ``i`` stores ``plan.formats[i]`` (the cache takes
+    per-layer formats itself; this only checks the plan's widths against the model's first)."""
+    from quantmla.cache.hf import QuantMLACache
+    from quantmla.mla.spec import MLASpec
 
-    Adapter until the cache takes per-layer formats itself (issue 10): a uniform cache is built and its layers
-    are replaced by layers of the plan's formats (each layer is self-contained; the byte report of the cache
-    object still names one format, :func:`plan_bytes` counts the plan's)."""
-    from quantmla.cache.hf import DualPathCacheLayer, QuantMLACache
-
-    formats = plan.formats()
-    cache = QuantMLACache(config, formats[0], policy)
-    if len(formats) != len(cache.layers):
-        raise ValueError(f"the plan has {len(formats)} layers, the model {len(cache.layers)}: made for another model")
-    for i, f in enumerate(formats):
-        f.check_dims(cache.spec.kv_lora_rank, cache.spec.qk_rope_head_dim)
-        cache.layers[i] = DualPathCacheLayer(f, cache.policy)
-    return cache
+    spec = MLASpec.from_config(config)
+    if (plan.kv_lora_rank, plan.rope_dim) != (spec.kv_lora_rank, spec.qk_rope_head_dim):
+        raise ValueError(
+            f"the plan is for latent {plan.kv_lora_rank} + RoPE {plan.rope_dim}, the model has "
+            f"{spec.kv_lora_rank} + {spec.qk_rope_head_dim}: made for another model"
+        )
+    if len(plan.layers) != spec.num_cache_layers:
+        raise ValueError(
+            f"the plan has {len(plan.layers)} layers, the model {spec.num_cache_layers}: made for another model"
+        )
+    return QuantMLACache(config, plan, policy)
 
 
 def plan_bytes(plan: Plan, context: int, policy=None) -> int:
@@ -277,7 +281,7 @@ def plan_bytes(plan: Plan, context: int, policy=None) -> int:
     from quantmla.quant.formats import cache_bytes
 
     total = 0
-    for i, f in enumerate(plan.formats()):
+    for i, f in enumerate(plan.formats):
         b = cache_bytes(f, kv_lora_rank=plan.kv_lora_rank, rope_dim=plan.rope_dim, num_layers=1, context=context,
                         policy=policy)  # fmt: skip
         total += b.total - (b.metadata if i else 0)  # the block table is shared by all layers
