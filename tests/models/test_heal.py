@@ -49,6 +49,32 @@ def test_heal_trains_latent_path_only_and_reduces_loss():
         ), n
 
 
+@pytest.mark.parametrize("kl_weight,with_teacher", [(0.7, True), (0.0, True), (1.0, False)])
+def test_heal_loss_is_cross_entropy_plus_teacher_kl_by_hand(kl_weight, with_teacher):
+    """The first loss heal() reports (before any update) equals, in float64 by hand on the same batch, the
+    next-token cross-entropy plus ``kl_weight`` times KL(teacher || student) per token."""
+    import copy
+
+    teacher = tiny_llama()
+    student, _ = convert_model(teacher, None, ConvertConfig(variant="b", latent_multiple=16), calib_ids=CALIB)
+    before = copy.deepcopy(student)
+    with torch.no_grad():  # a sharper teacher, so that the KL term weighs in the sum (a random tiny model is flat)
+        teacher.lm_head.weight.mul_(30.0)
+    ids = torch.randint(0, 128, (16 * 10,), generator=torch.Generator().manual_seed(5))
+    cfg = HealConfig(steps=1, batch=3, seq=16, lr=1e-3, warmup=1, kl_weight=kl_weight, seed=7)
+    (loss,) = heal(student, teacher if with_teacher else None, ids, cfg, progress=False)
+    windows = ids.view(-1, cfg.seq)  # the batch heal() draws: seeded by cfg.seed
+    x = windows[torch.randint(0, windows.shape[0], (cfg.batch,), generator=torch.Generator().manual_seed(cfg.seed))]
+    with torch.no_grad():
+        ls = before(x).logits.double().log_softmax(-1)  # [B, S, V]
+        lt = teacher(x).logits.double().log_softmax(-1)
+    ce = -ls[:, :-1].gather(-1, x[:, 1:, None]).mean()
+    kl = (lt.exp() * (lt - ls)).sum(-1).mean()
+    want = float(ce + (kl_weight * kl if with_teacher else 0.0))
+    assert loss == pytest.approx(want, rel=1e-5)
+    assert float(kl) > 0.1 * float(ce)  # the teacher term is a visible part of the loss
+
+
 def _latent_weights(model):
     return {
         n: p.detach().clone()
