@@ -92,6 +92,9 @@ def test_prefill_equals_token_by_token_decode(fmt):
         steps.append(b.attend(q_lat[:, :, i : i + 1], q_pe[:, :, i : i + 1], 0.1))
     # Same codes, same policy; only the fp32 summation order differs (a policy slip would differ by ~1e-1).
     torch.testing.assert_close(prefill, torch.cat(steps, dim=2), rtol=1e-4, atol=1e-5)
+    # ... and both are the policy itself (independent float64 construction), not merely equal to each other
+    torch.testing.assert_close(prefill.double(), _expected_attention(c, r, q_lat, q_pe, 0.1, get_format(fmt), pol),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("chunks", [[50], [3, 1, 1, 45], [7] * 7 + [1]])
