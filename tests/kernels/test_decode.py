@@ -1,5 +1,5 @@
-"""Decode attention: the Triton kernels against the fp32 torch reference, and the reference itself against an
-independent dense computation (chunked prefill: test_prefill.py).
+"""Decode attention: the Triton kernels against the fp32 torch reference (the reference itself against independent
+float64 constructions: test_reference.py; chunked prefill: test_prefill.py).
 
 Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cores; the reference is fp32):
 ``o_lat``: |err| <= 3e-2 + 3e-2 |ref| elementwise and cosine >= 0.9995;
