@@ -20,7 +20,7 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = 2  # __launch_bounds__(128, 2): 255 registers, ~94 KB shared memory per CTA
+CTAS_PER_SM = 3  # __launch_bounds__(128, 3): 168 registers, ~73 KB shared memory per CTA
 
 
 class _Params(ctypes.Structure):
@@ -73,6 +73,8 @@ def _lib(device):
         lib.qmla_decode.restype = ctypes.c_int
         lib.qmla_decode.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_void_p]  # fmt: skip
+        lib.qmla_combine.restype = ctypes.c_int
+        lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.qmla_error_string.restype = ctypes.c_char_p
         lib.qmla_error_string.argtypes = [ctypes.c_int]
         if lib.qmla_params_size() != ctypes.sizeof(_Params):
@@ -87,11 +89,20 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=16)
+def _ctas_per_sm(device_index: int, cbits: int) -> int:
+    """Resident CTAs per SM (the CUDA occupancy calculator on the built kernel; CTAS_PER_SM if it fails)."""
+    lib = _lib(torch.device("cuda", device_index))
+    lib.qmla_ctas_per_sm.restype = ctypes.c_int
+    n = lib.qmla_ctas_per_sm(cbits)
+    return n if n > 0 else CTAS_PER_SM
+
+
 @functools.lru_cache(maxsize=4096)
-def cuda_num_splits(batch: int, head_groups: int, max_pages: int, sms: int) -> int:
-    """Split-K factor that fills whole waves: minimizes (waves x pages per CTA) + 1 per wave (prologue and
-    partial writes), preferring fewer splits on ties."""
-    slots = max(1, CTAS_PER_SM * sms)
+def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) -> int:
+    """Split-K factor for ``slots`` resident CTAs (SMs x CTAs per SM) that fills whole waves: minimizes
+    waves x (pages per CTA + 1) (the 1: prologue and partial writes), preferring fewer splits on ties."""
+    slots = max(1, slots)
     best, best_cost = 1, float("inf")
     for ns in range(1, max_pages + 1):
         ctas = batch * head_groups * ns
@@ -106,7 +117,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
                           return_lse: bool = False):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
     from quantmla.kernels.reference import _check_q
-    from quantmla.kernels.triton_decode import buffer_tiles, finish_partials
+    from quantmla.kernels.triton_decode import attend_buffers, buffer_tiles
 
     _check_q(q_lat, q_pe, cache, 3)
     reason = cuda_unsupported_reason(cache)
@@ -128,7 +139,9 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     lens = cache.lengths()
     max_pages = max(1, math.ceil(max(lens, default=0) / L.page_size))
     hg = math.ceil(H / HEADS_PER_CTA)
-    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev))
+    c, r = cache.fmt.content, cache.fmt.rope
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev) * _ctas_per_sm(dev_index, c.bits))
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
@@ -138,7 +151,6 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     if B == 0 or H == 0:
         out, lse = torch.empty(B, H, Dc, device=dev), torch.empty(B, H, device=dev)
         return (out, lse) if return_lse else out
-    c, r = cache.fmt.content, cache.fmt.rope
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
@@ -155,7 +167,13 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
         err = lib.qmla_decode(ctypes.byref(p), c.bits, hg, ns, B, ctypes.c_void_p(stream))
-    if err != 0:
-        raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-    out, lse = finish_partials(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+        if err != 0:
+            raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
+        attend_buffers(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+        out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
+        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (po, pl, out, lse)]
+        err = lib.qmla_combine(*ptrs, B, ns_total, H, ctypes.c_void_p(stream))
+        if err != 0:
+            raise RuntimeError(f"CUDA combine kernel launch failed: {lib.qmla_error_string(err).decode()}")
     return (out, lse) if return_lse else out

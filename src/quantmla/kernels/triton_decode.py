@@ -562,10 +562,21 @@ def finish_partials(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int):
     """Given the page kernels' partials in slots ``[0, ns)`` of ``po [B, NS_TOTAL, H, Dc]`` / ``pl [B, NS_TOTAL, H]``
     (normalized output, log2-sum-exp), attend over the BF16 sink/local buffers into the remaining slots and merge
     all slots into one softmax -> ``(out [B, H, Dc] fp32, lse [B, H] natural log)``. Used by the CUDA kernel too."""
+    attend_buffers(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
     B, ns_total, H, Dc = po.shape
-    Dr = q_pe.shape[-1]
     out = torch.empty(B, H, Dc, dtype=torch.float32, device=po.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=po.device)
+    _combine_kernel[(B, H)](
+        po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
+        num_warps=4,
+    )  # fmt: skip
+    return out, lse
+
+
+def attend_buffers(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int) -> None:
+    """Attention over the BF16 sink/local buffers into partial slots ``ns ..`` of ``po`` / ``pl``."""
+    B, ns_total, H, Dc = po.shape
+    Dr = q_pe.shape[-1]
     if cache.n_sink > 64:
         raise ValueError(f"the decode kernels read the sink in one 64-token tile: sink={cache.n_sink} > 64")
     n_buf = ns_total - ns
@@ -577,8 +588,3 @@ def finish_partials(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int):
             BLOCK_N=64, DC=Dc, DR=Dr, BLOCK_H=max(16, triton.next_power_of_2(H)), SINK=cache.n_sink,
             LOCAL=cache.n_local, INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=8,
         )  # fmt: skip
-    _combine_kernel[(B, H)](
-        po, pl, out, lse, H, ns_total, DC=Dc, DCP=triton.next_power_of_2(Dc), NSP=triton.next_power_of_2(ns_total),
-        num_warps=4,
-    )  # fmt: skip
-    return out, lse

@@ -79,8 +79,9 @@ struct Cfg {
   static constexpr int PART = kWarps * 8 * 32 * 16;  // partial scores [warp][n-block][lane] float4
   static constexpr int QFRAG = (kWarps * CPG * F + 4) * 32 * 16;  // q A fragments [k-block][lane] uint4
   static constexpr int PFRAG = kWarps * kWarps * 32 * 16;  // P * s_g A fragments [group][slice][lane] uint4
+  static_assert(PFRAG <= PART, "the P fragments reuse the partial-score buffer");
   static constexpr int SMALL = (kHeads * kWarps + kWarps * kHeads * kWarps) * 4;  // slice maxima, offset sums
-  static constexpr int SMEM = kStages * STAGE + PART + QFRAG + PFRAG + SMALL;
+  static constexpr int SMEM = kStages * STAGE + PART + QFRAG + SMALL;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -195,8 +196,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   using C = Cfg<CB>;
   extern __shared__ __align__(128) uint8_t smem[];
   float4* part = reinterpret_cast<float4*>(smem + kStages * C::STAGE);
-  uint4* pfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);
-  float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG + C::PFRAG);  // [head][warp]
+  // P fragments alias the partial scores: written after the 2nd barrier of a tile, when every warp has read them
+  uint4* pfrag = reinterpret_cast<uint4*>(part);
+  float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);  // [head][warp]
   float* soff = smax + kHeads * kWarps;  // [group][head][slice]
 
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
@@ -520,12 +522,55 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   }
 }
 
+// Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
+// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 threads: one channel per thread, splits streamed
+// with several loads in flight (the Triton combine walks the splits serially in one program per (b, h)).
+__global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
+                                                      float* __restrict__ out, float* __restrict__ lse, int ns,
+                                                      int H) {
+  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  __shared__ float red[4];
+  const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
+  float mx = -INFINITY;
+  for (int s = tid; s < ns; s += 128) mx = fmaxf(mx, plb[(long long)s * H]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  const float msafe = mx == -INFINITY ? 0.f : mx;
+  const float* pob = po + ((long long)b * ns * H + h) * kDc + dc * 128 + tid;  // po[b, s, h, d] = pob[s * H * Dc]
+  const long long step = (long long)H * kDc;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum[4] = {0.f, 0.f, 0.f, 0.f};
+  int s = 0;
+  for (; s + 4 <= ns; s += 4) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float w = ex2(plb[(long long)(s + u) * H] - msafe);
+      const float x = pob[(s + u) * step];
+      wsum[u] += w;
+      acc[u] = w > 0.f ? fmaf(w, x, acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
+    }
+  }
+  for (; s < ns; ++s) {
+    const float w = ex2(plb[(long long)s * H] - msafe);
+    wsum[0] += w;
+    acc[0] = w > 0.f ? fmaf(w, pob[s * step], acc[0]) : acc[0];
+  }
+  const float ws = (wsum[0] + wsum[1]) + (wsum[2] + wsum[3]);
+  const float a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  out[((long long)b * H + h) * kDc + dc * 128 + tid] = ws > 0.f ? a / ws : 0.f;
+  if (dc == 0 && tid == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
+}
+
 template <int CB>
 static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
   using C = Cfg<CB>;
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e == cudaSuccess)  // all of the unified L1/shared memory as shared memory: 3 CTAs per SM need ~225 KB
+      e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
@@ -544,12 +589,41 @@ int qmla_smem_bytes(int cbits) {
   return cbits == 4 ? qmla::Cfg<4>::SMEM : cbits == 2 ? qmla::Cfg<2>::SMEM : -1;
 }
 
+// CTAs of the kernel that fit on one SM of the current device (occupancy calculator), or -1 on error.
+int qmla_ctas_per_sm(int cbits) {
+  int n = -1;
+  cudaError_t e;
+  if (cbits == 4) {
+    e = cudaFuncSetAttribute(qmla::decode_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, qmla::Cfg<4>::SMEM);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(qmla::decode_kernel<4>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qmla::decode_kernel<4>, qmla::kThreads, qmla::Cfg<4>::SMEM);
+  } else if (cbits == 2) {
+    e = cudaFuncSetAttribute(qmla::decode_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, qmla::Cfg<2>::SMEM);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(qmla::decode_kernel<2>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qmla::decode_kernel<2>, qmla::kThreads, qmla::Cfg<2>::SMEM);
+  } else {
+    return -1;
+  }
+  return e == cudaSuccess ? n : -1;
+}
+
 // Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
 int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (cbits == 4) return qmla::launch<4>(*p, grid_x, grid_y, grid_z, s);
   if (cbits == 2) return qmla::launch<2>(*p, grid_x, grid_y, grid_z, s);
   return (int)cudaErrorInvalidValue;
+}
+
+// Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
+int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
+  qmla::combine_kernel<<<dim3(qmla::kDc / 128, H, B), 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      po, pl, out, lse, ns, H);
+  return (int)cudaGetLastError();
 }
 
 const char* qmla_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
