@@ -126,8 +126,8 @@ class PagedCacheLayer:
             staged, self._staged = self._staged, None
             self._store(*staged, skip=None)
 
-    def _store(self, c_kv: torch.Tensor, k_pe: torch.Tensor, skip: list[int] | None):
-        """Store the last ``T - skip[b]`` rows of sequence ``b``; returns (n_new, recent)."""
+    def _store(self, c_kv: torch.Tensor, k_pe: torch.Tensor, skip: list[int] | None, want_recent: bool = False):
+        """Store the last ``T - skip[b]`` rows of sequence ``b``; returns (n_new, recent window if wanted)."""
         B, T = c_kv.shape[:2]
         st = self.store
         skip = skip or [0] * B
@@ -148,7 +148,7 @@ class PagedCacheLayer:
         st.prepare([o + k for o, k in zip(old, n_new)])
         view = self.view
         recent = None
-        if self.fmt.is_quantized and view.n_local and max(n_new) > 1:
+        if want_recent and self.fmt.is_quantized and view.n_local and max(n_new) > 1:
             recent = self._recent(view, c_kv, k_pe, old, n_new)
         view.write(c_kv, k_pe, n_new)
         return n_new, recent
@@ -219,12 +219,13 @@ class PagedCacheLayer:
         if self.store.started and B != self.store.batch or staged is not None and staged[0].shape[0] != B:
             raise ValueError(f"{B} query sequences for a cache of batch {self.batch or staged[0].shape[0]}")
         skip, causal = self._pads_and_causal(mask, B, T, S, first=S0 == 0 and staged is not None)
-        n_new, recent = self._store(*staged, skip=skip) if staged is not None else ([T] * B, None)
+        n_new, recent = self._store(*staged, skip=skip, want_recent=True) if staged is not None else ([T] * B, None)
         view = self.view
         ql, qp = _shift(q_lat, skip, 2, left=True), _shift(q_pe, skip, 2, left=True)
         if causal and T == 1:
             o = decode_attention(ql[:, :, 0], qp[:, :, 0], view, scale)[:, :, None]  # [B, H, 1, Dc]
-            o = o * torch.tensor([k > 0 for k in n_new], device=o.device)[:, None, None, None]
+            if not all(n_new):  # a sequence without a new token (padding only) gets 0
+                o = o * torch.tensor([k > 0 for k in n_new], device=o.device)[:, None, None, None]
         elif causal:
             o = prefill_attention(ql, qp, view, scale, n_new, recent=recent)
         else:

@@ -359,7 +359,10 @@ class PagedMLACache:
 
     def _commit(self, start: list[int], n_new: list[int]) -> None:
         self._lens = [s + k for s, k in zip(start, n_new)]
-        self.seq_lens.copy_(torch.tensor(self._lens, dtype=torch.int32))
+        if len(set(n_new)) == 1:  # every decode step: no host-to-device copy (it would synchronize the stream)
+            self.seq_lens.add_(n_new[0])
+        else:
+            self.seq_lens.copy_(torch.tensor(self._lens, dtype=torch.int32))
 
     def _check_inputs(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         B, Dc, Dr = self.batch, self.kv_lora_rank, self.rope_dim

@@ -239,6 +239,17 @@ def write_triton(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int]
     _write_launch(cache, c_kv, k_pe, start, n_new)
 
 
+def _device_counts(cache, start: list[int], n_new: list[int], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """``start`` and ``n_new`` as int32 tensors on ``dev``. When every sequence gets the same count at the same
+    offset from its stored length (every decode step), they are made on the device from ``cache.seq_lens``: a
+    host-to-device copy from pageable memory synchronizes the stream, once per layer per step otherwise."""
+    lens = cache.lengths()
+    off = start[0] - lens[0] if lens else 0
+    if len(set(n_new)) == 1 and all(s - n == off for s, n in zip(start, lens)) and cache.seq_lens.device == dev:
+        return cache.seq_lens + off, torch.full((len(n_new),), n_new[0], dtype=torch.int32, device=dev)
+    return torch.tensor(start, dtype=torch.int32, device=dev), torch.tensor(n_new, dtype=torch.int32, device=dev)
+
+
 def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int], n_new: list[int]) -> None:
     B, T, Dc = c_kv.shape
     L = cache.layout
@@ -248,8 +259,7 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
     if k_pe.stride(-1) != 1:
         k_pe = k_pe.contiguous()
     dev = c_kv.device
-    start_t = torch.tensor(start, dtype=torch.int32, device=dev)
-    nnew_t = torch.tensor(n_new, dtype=torch.int32, device=dev)
+    start_t, nnew_t = _device_counts(cache, start, n_new, dev)
     c_args = _path_args(fmt.content, L.kv_lora_rank, L.content_scale_row, L.content_offset_row)
     r_args = _path_args(fmt.rope, L.rope_dim, L.rope_scale_row, L.rope_offset_row)
     sink = cache.sink
