@@ -98,7 +98,7 @@ def test_policy_larger_than_the_capacity():
         QuantMLACache(model.config, "c4r4", CachePolicy(sink=10**9))
     fits = QuantMLACache(model.config, "c4r4", CachePolicy(local=300), max_length=20)  # window > capacity: fine
     _fill(fits, [20], batch=1)
-    assert fits.mla_layer(0).view.n_local == 64  # one page of 64 tokens holds max_length=20: 64 ring slots
+    assert fits.mla_layer(0).view.n_local == 20  # a ring as long as the longest sequence the cache holds
     cache = QuantMLACache(spec(), "c4r4", CachePolicy(sink=10**9, local=10**9, page_size=16))  # no capacity known
     c, r = _fill(cache, [10, 1], batch=1)
     assert cache.memory_bytes() < 100_000  # buffers sized by what the cache can hold, not by the policy

@@ -80,13 +80,18 @@ class PagedStore:
         self.views = []
         self.pads = [0] * batch
         pools = self._pools(self._alloc(self.table.num_pages, device), self.table.num_pages)
+        cap = self._capacity()
         for layout, pool in zip(self.layouts, pools):
-            n_sink, n_local = buffer_slots(layout.fmt, self.policy, max_pages * P)
+            n_sink, n_local = buffer_slots(layout.fmt, self.policy, cap)
             d = layout.kv_lora_rank + layout.rope_dim
             sink = torch.zeros(batch, n_sink, d, dtype=torch.bfloat16, device=device)
             local = torch.zeros(batch, n_local, d, dtype=torch.bfloat16, device=device)
             self.views.append(PagedMLACache.on_storage(layout, self.policy, self.table, pool, sink, local,
-                                                       max_seq_len=max_pages * P))  # fmt: skip
+                                                       max_seq_len=cap))  # fmt: skip
+
+    def _capacity(self) -> int:
+        """Tokens per sequence the store can hold now: ``max_length``, else the block table's pages."""
+        return self.max_length if self.max_length is not None else self.table.max_pages * self.policy.page_size
 
     def reset(self) -> None:
         """Forget every sequence and free the storage (the next write starts again)."""
@@ -127,7 +132,7 @@ class PagedStore:
 
     def _widen(self, max_pages: int) -> None:
         self.table.widen(max_pages)
-        cap = max_pages * self.policy.page_size
+        cap = self._capacity()
         for v in self.views:
             v.max_seq_len = cap
             n_sink, n_local = buffer_slots(v.fmt, self.policy, cap)

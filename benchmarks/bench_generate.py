@@ -1,0 +1,465 @@
+"""End-to-end generation through ``QuantMLACache``: decode speed, prompt ingestion and how many sequences fit.
+
+Models: ``v2-lite`` (transformers' ``DeepseekV2ForCausalLM`` built from DeepSeek-V2-Lite's public config with random
+BF16 weights: the real shapes, 15.7B parameters, nothing downloaded), ``smollm2-mla`` (the converted SmolLM2 model
+from the local cache, see ``quantmla convert``) and ``tiny`` (a tiny random DeepSeek-V2, for the CPU smoke run).
+The model runs in absorbed form (:func:`quantmla.mla.attention.enable_absorbed_attention`) over a ``QuantMLACache``
+of each format, so every step goes through the fused writer and ``decode_attention(impl="auto")`` (CUDA C++ kernel
+for C4R4/C2R4 on sm_80+, Triton otherwise); ``hf`` is transformers' own ``DynamicCache`` with the model's own
+attention (the stock BF16 path), where it fits.
+
+What is measured, per model:
+
+* ``check``: before any timing, one prompt (300 tokens, batch 2) and one decode step per format with the fast path
+  against the same run forced onto the fp32 torch references (``force_impl("torch")``): relative L2 error and top-1
+  agreement of the logits;
+* ``decode``: the cache is filled with ``context`` random latents per sequence (written through the cache, as a
+  prompt's would be: the speed of a step does not depend on the values), then ``--steps`` greedy steps of the whole
+  model are timed (CUDA synchronized around each step; median). Time per output token (TPOT) and tokens/s =
+  batch / TPOT, at every batch x context that fits in the free GPU memory;
+* ``prefill``: one forward of a ``context``-token prompt (batch 1) into a fresh cache: tokens/s of prompt ingestion;
+* ``budget``: the largest batch whose cache fits ``--budget-gib`` at ``--budget-context`` tokens, measured by
+  allocating it (bytes from the cache's own accounting, and ``torch.cuda.memory_allocated`` on a GPU).
+
+Writes ``generate_<tag>.{json,md,png}`` to ``--out`` (refuses to overwrite without ``--force``) and prints one JSON
+line last. On the GPU machine::
+
+    PYTHONPATH=src python benchmarks/bench_generate.py --models v2-lite,smollm2-mla --tag h200
+    PYTHONPATH=src python benchmarks/bench_generate.py --tiny --out /tmp/bench   # CPU smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from quantmla.cache.hf import QuantMLACache
+from quantmla.kernels.dispatch import force_impl
+from quantmla.mla.attention import disable_absorbed_attention, enable_absorbed_attention
+from quantmla.quant.formats import CachePolicy
+
+# DeepSeek-V2-Lite's config.json (public), the fields transformers' DeepseekV2Config reads.
+V2_LITE = dict(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=100000, eos_token_id=100001, attention_bias=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                         beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+)  # fmt: skip
+POLICY = CachePolicy(sink=4, local=128, page_size=64)
+DEFAULTS = dict(models="v2-lite,smollm2-mla", batches="1,8,32", contexts="4096,32768,131072",
+                prefill_contexts="4096,32768", steps=16, warmup=3, budget_gib=40.0, budget_context=131072)
+TINY = dict(models="tiny", batches="1,3", contexts="40,300", prefill_contexts="200", steps=2, warmup=1,
+            budget_gib=0.01, budget_context=2048)  # fmt: skip
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def build_model(name: str, device: str):
+    """(model in eval mode, absorbed attention on; description)."""
+    if name == "v2-lite":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(**V2_LITE)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = DeepseekV2ForCausalLM(cfg)  # random BF16 weights, initialized on the device
+        finally:
+            torch.set_default_dtype(old)
+        desc = "DeepSeek-V2-Lite shapes, random BF16 weights"
+    elif name == "smollm2-mla":
+        from quantmla.models.names import resolve_model
+
+        model = resolve_model("smollm2-mla", "bfloat16" if device == "cuda" else "float32")[0].to(device)
+        desc = "SmolLM2-135M converted to MLA (variant a)"
+    elif name == "tiny":
+        from quantmla.mla.tiny import tiny_model
+
+        model = tiny_model("deepseek_v2").to(device)
+        desc = "tiny random DeepSeek-V2 (smoke run)"
+    else:
+        raise SystemExit(f"unknown model {name!r}: choose v2-lite, smollm2-mla or tiny")
+    model.eval()
+    enable_absorbed_attention(model)
+    return model, desc
+
+
+def new_cache(model, fmt: str, max_length: int | None):
+    if fmt == "hf":
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    return QuantMLACache(model.config, fmt, POLICY, max_length=max_length)
+
+
+def forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits of the last position [B, V]; ``hf`` caches run the model's own attention."""
+    from quantmla.compat import with_cache
+
+    own = not isinstance(cache, QuantMLACache)
+    if own:
+        disable_absorbed_attention(model)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **with_cache(cache))
+            return out.logits[:, -1].float()
+    finally:
+        if own:
+            enable_absorbed_attention(model)
+
+
+def fill(cache, spec, batch: int, n: int, device: str, dtype: torch.dtype, chunk: int = 8192, seed: int = 0) -> None:
+    """``n`` random latents per sequence in every layer (unit scale, as after the latent norm), written through the
+    cache as a prompt's would be (a step's speed does not depend on the values). ``hf``: straight into the
+    ``DynamicCache`` the model's own attention reads."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    for i in range(spec.num_cache_layers):
+        for t0 in range(0, n, chunk):
+            t = min(chunk, n - t0)
+            c = torch.randn(batch, t, spec.kv_lora_rank, generator=g, device=device, dtype=dtype)
+            k = torch.randn(batch, t, spec.qk_rope_head_dim, generator=g, device=device, dtype=dtype)
+            if isinstance(cache, QuantMLACache):
+                lay = cache.mla_layer(i)
+                lay.write(c, k)
+                lay.flush()
+            else:
+                cache.update(c[:, None], k[:, None], i)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(model, fmt: str, device: str, n: int = 300) -> dict:
+    """Fast path vs the fp32 torch references: a prompt of ``n`` tokens (batch 2) and one decode step."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, n + 1), generator=g).to(device)
+    out = {}
+    for label, impl in (("fast", "auto"), ("torch", "torch")):
+        cache = new_cache(model, fmt, n + 1)
+        with force_impl(impl):
+            pre = forward(model, ids[:, :n], cache)
+            dec = forward(model, ids[:, n:], cache)
+        out[label] = (pre, dec)
+    res = {}
+    for i, what in enumerate(("prefill", "decode")):
+        a, b = out["fast"][i], out["torch"][i]
+        res[f"{what}_rel_l2"] = float((a - b).norm() / b.norm())
+        res[f"{what}_top1"] = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    return res
+
+
+def fits(model, fmt: str, batch: int, n: int, device: str, margin: float = 1.15) -> tuple[bool, float]:
+    """Whether a ``batch x n`` cache of ``fmt`` (plus transient headroom) fits the free device memory; GiB needed."""
+    from quantmla.mla.spec import MLASpec
+    from quantmla.quant.formats import cache_bytes
+
+    spec = MLASpec.from_config(model.config)
+    f = "bf16" if fmt == "hf" else fmt
+    need = cache_bytes(f, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim,
+                       num_layers=spec.num_cache_layers, context=n, batch=batch, policy=POLICY).total  # fmt: skip
+    if fmt == "hf":  # the model's own attention re-expands the whole latent every step: K and V of every head
+        need += batch * n * spec.num_heads * (spec.qk_head_dim + spec.v_head_dim) * 2 * 2
+    if device != "cuda":
+        return True, need / 2**30
+    free = torch.cuda.mem_get_info()[0]
+    return need * margin + (2 << 30) < free, need / 2**30
+
+
+def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, device: str) -> dict:
+    cache = new_cache(model, fmt, n + steps + warmup + 1)
+    from quantmla.mla.spec import MLASpec
+
+    fill(cache, MLASpec.from_config(model.config), batch, n, device, model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        ids = forward(model, ids, cache).argmax(-1, keepdim=True)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    tpot = statistics.median(times)
+    row = {"tpot_ms": 1e3 * tpot, "tok_s": batch / tpot}
+    if isinstance(cache, QuantMLACache):
+        row["cache_bytes"] = cache.memory_report()["allocated_bytes"]
+    return row
+
+
+def time_prefill(model, fmt: str, n: int, device: str, reps: int = 2) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)
+    times = []
+    for _ in range(reps):
+        cache = new_cache(model, fmt, n + 1)
+        sync(device)
+        t0 = time.perf_counter()
+        forward(model, ids, cache)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        del cache
+    t = min(times)
+    return {"seconds": t, "prompt_tok_s": n / t}
+
+
+def budget_batch(model, fmt: str, n: int, budget: int, device: str) -> dict:
+    """The largest batch of ``n``-token sequences whose cache fits ``budget`` bytes, found from the allocation of
+    batches 1 and 2 and then allocated to confirm."""
+
+    def held(b: int) -> tuple[int, int]:
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        cache = new_cache(model, fmt, n)
+        for i in range(len(cache.layers)):  # the first write allocates every page of max_length
+            lay = cache.mla_layer(i)
+            lay.write(torch.zeros(b, 1, cache.spec.kv_lora_rank, device=device, dtype=model.dtype),
+                      torch.zeros(b, 1, cache.spec.qk_rope_head_dim, device=device, dtype=model.dtype))  # fmt: skip
+            lay.flush()
+        sync(device)
+        got = (cache.memory_report()["allocated_bytes"], torch.cuda.memory_allocated() - before if device == "cuda"
+               else cache.memory_report()["allocated_bytes"])  # fmt: skip
+        del cache
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return got
+
+    one, two = held(1)[0], held(2)[0]
+    per_seq, fixed = two - one, 2 * one - two
+    best = max(0, (budget - fixed) // per_seq)
+    row = {"per_sequence_bytes": per_seq, "max_batch": int(best)}
+    if best and (device == "cuda" or best * per_seq <= 1 << 30):
+        report, allocator = held(int(best))
+        row.update(allocated_bytes=report, allocator_bytes=allocator, fits=report <= budget and allocator <= budget)
+    return row
+
+
+def run_model(name: str, args, device: str) -> tuple[dict, list[dict]]:
+    log(f"== {name}: building")
+    t0 = time.perf_counter()
+    model, desc = build_model(name, device)
+    info = {"model": name, "description": desc, "build_s": time.perf_counter() - t0,
+            "params": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)}  # fmt: skip
+    rows: list[dict] = []
+    formats = [f for f in args.formats if f != "hf"]
+    bad = set()
+    for f in formats:
+        r = check(model, f, device)
+        ok = r["prefill_rel_l2"] < args.check_tol and r["decode_rel_l2"] < args.check_tol
+        rows.append({"model": name, "kind": "check", "format": f, **r, "ok": ok})
+        log(f"   check {f}: {r}")
+        if not ok:
+            bad.add(f)  # reported, never timed
+    for n in args.contexts:
+        for b in args.batches:
+            for f in args.formats:
+                if f in bad:
+                    continue
+                base = {"model": name, "kind": "decode", "format": f, "batch": b, "context": n}
+                if f == "hf" and b * n > args.hf_max_tokens:
+                    continue
+                ok, gib = fits(model, f, b, n, device)
+                if not ok:
+                    rows.append({**base, "skipped": f"needs ~{gib:.1f} GiB for the cache, more than is free"})
+                    continue
+                try:
+                    r = time_decode(model, f, b, n, args.steps, args.warmup, device)
+                except torch.OutOfMemoryError:
+                    r = {"skipped": "out of memory"}
+                rows.append({**base, **r})
+                log(f"   decode {f} B{b} N{n}: {r}")
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    for n in args.prefill_contexts:
+        for f in args.formats:
+            if f in bad:
+                continue
+            try:
+                r = time_prefill(model, f, n, device)
+            except torch.OutOfMemoryError:
+                r = {"skipped": "out of memory"}
+            rows.append({"model": name, "kind": "prefill", "format": f, "batch": 1, "context": n, **r})
+            log(f"   prefill {f} N{n}: {r}")
+    budget = int(args.budget_gib * 2**30)
+    for f in formats:
+        r = budget_batch(model, f, args.budget_context, budget, device)
+        rows.append({"model": name, "kind": "budget", "format": f, "context": args.budget_context,
+                     "budget_bytes": budget, **r})  # fmt: skip
+        log(f"   budget {f}: {r}")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return info, rows
+
+
+def write_outputs(out_dir: str, tag: str, meta: dict, models: list[dict], rows: list[dict]) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"generate_{tag}")
+    paths = [base + ".json", base + ".md"]
+    with open(paths[0] + ".tmp", "w") as f:
+        json.dump({"meta": meta, "models": models, "rows": rows}, f, indent=1)
+    os.replace(paths[0] + ".tmp", paths[0])
+    with open(paths[1] + ".tmp", "w") as f:
+        f.write(markdown(meta, models, rows))
+    os.replace(paths[1] + ".tmp", paths[1])
+    try:
+        paths.append(plot(base + ".png", rows))
+    except ImportError:
+        log("matplotlib missing: no plot")
+    return paths
+
+
+def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
+    L = [f"# Generation through QuantMLACache, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
+         f"Command: `{meta['command']}`", "", "Sink 4 / local 128 / page 64; absorbed attention over the cache, "
+         "`decode_attention(impl=\"auto\")`; `hf` = transformers' DynamicCache with the model's own attention.", ""]
+    for m in models:
+        name = m["model"]
+        mine = [r for r in rows if r["model"] == name]
+        fmts = list(dict.fromkeys(r["format"] for r in mine if r["kind"] == "decode"))
+        L += [f"## {name}: {m['description']} ({m['params'] / 1e9:.2f}B parameters, {m['dtype']})", ""]
+        L += ["Check against the fp32 torch references (logits, relative L2 / top-1):", ""]
+        for r in (r for r in mine if r["kind"] == "check"):
+            L.append(f"- {r['format']}: prefill {r['prefill_rel_l2']:.2e} / {r['prefill_top1']:.3f}, decode "
+                     f"{r['decode_rel_l2']:.2e} / {r['decode_top1']:.3f}{'' if r['ok'] else '  **FAILED: not timed**'}")
+        L += ["", "Decode, time per output token in ms (tokens/s), ratio to `bf16`:", "",
+              "| batch | context | " + " | ".join(fmts) + " |", "|---|---|" + "---|" * len(fmts)]
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in mine if r["kind"] == "decode"))
+        for b, n in shapes:
+            cell = {r["format"]: r for r in mine if r["kind"] == "decode" and (r["batch"], r["context"]) == (b, n)}
+            ref = cell.get("bf16", {}).get("tpot_ms")
+            out = []
+            for f in fmts:
+                r = cell.get(f, {})
+                if "tpot_ms" not in r:
+                    out.append("does not fit" if "skipped" in r else "-")
+                    continue
+                ratio = f", {r['tpot_ms'] / ref:.2f}x" if ref and f != "bf16" else ""
+                out.append(f"{r['tpot_ms']:.2f} ({r['tok_s']:.0f}/s{ratio})")
+            L.append(f"| {b} | {n} | " + " | ".join(out) + " |")
+        pre = [r for r in mine if r["kind"] == "prefill" and "seconds" in r]
+        if pre:
+            L += ["", "Prompt ingestion (batch 1, one forward into a fresh cache):", "",
+                  "| context | format | seconds | prompt tokens/s |", "|---|---|---|---|"]
+            L += [f"| {r['context']} | {r['format']} | {r['seconds']:.3f} | {r['prompt_tok_s']:.0f} |" for r in pre]
+        bud = [r for r in mine if r["kind"] == "budget"]
+        if bud:
+            ref = next((r["max_batch"] for r in bud if r["format"] == "bf16"), None)
+            L += ["", f"Largest batch whose cache fits {bud[0]['budget_bytes'] / 2**30:.3g} GiB at "
+                  f"{bud[0]['context']} tokens:", "", "| format | bytes / sequence | max batch | vs bf16 | confirmed |",
+                  "|---|---|---|---|---|"]
+            for r in bud:
+                vs = f"{r['max_batch'] / ref:.2f}x" if ref else "-"
+                L.append(f"| {r['format']} | {r['per_sequence_bytes']:,} | {r['max_batch']} | {vs} | "
+                         f"{r.get('fits', 'not allocated')} |")
+        L.append("")
+    return "\n".join(L) + "\n"
+
+
+def plot(path: str, rows: list[dict]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dec = [r for r in rows if r["kind"] == "decode" and "tpot_ms" in r]
+    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in dec))
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.5 * max(1, len(keys)), 3.6), squeeze=False)
+    for ax, (m, b) in zip(axes[0], keys):
+        for f in dict.fromkeys(r["format"] for r in dec):
+            pts = sorted((r["context"], r["tpot_ms"]) for r in dec
+                         if (r["model"], r["batch"], r["format"]) == (m, b, f))  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f)
+        ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms per output token", title=f"{m}, batch {b}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", help="v2-lite, smollm2-mla, tiny (default v2-lite,smollm2-mla)")
+    ap.add_argument("--formats", default="hf,bf16,c8r8,c4r4,c2r4")
+    ap.add_argument("--batches", help="default 1,8,32")
+    ap.add_argument("--contexts", help="decode contexts, default 4096,32768,131072")
+    ap.add_argument("--prefill-contexts", help="prompt lengths timed at batch 1, default 4096,32768")
+    ap.add_argument("--steps", type=int, help="timed decode steps (median), default 16")
+    ap.add_argument("--warmup", type=int, help="untimed decode steps first, default 3")
+    ap.add_argument("--budget-gib", type=float, help="cache budget for the largest batch, default 40")
+    ap.add_argument("--budget-context", type=int, help="tokens per sequence for the budget, default 131072")
+    ap.add_argument("--hf-max-tokens", type=int, default=32 * 32768, help="largest batch x context for `hf` decode")
+    ap.add_argument("--check-tol", type=float, default=2e-2, help="largest relative L2 error of the checked logits")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, small shapes, seconds")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--force", action="store_true", help="overwrite existing results with this tag")
+    args = ap.parse_args(argv)
+    for k, v in (TINY if args.tiny else DEFAULTS).items():  # what the command line leaves out
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
+    args.batches, args.contexts = _ints(args.batches), _ints(args.contexts)
+    args.prefill_contexts = _ints(args.prefill_contexts)
+    tag = args.tag or ("tiny" if args.tiny else ("h200" if args.device == "cuda" else "cpu"))
+    target = os.path.join(args.out, f"generate_{tag}.json")
+    if os.path.exists(target) and not args.force:
+        raise SystemExit(f"error: {target} exists; pass --force to replace it or --tag to write another")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    import transformers
+
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit or "unknown",
+            "command": " ".join(["python", "benchmarks/bench_generate.py", *(sys.argv[1:] if argv is None else argv)]),
+            "torch": torch.__version__, "transformers": transformers.__version__, "policy": vars(POLICY)}  # fmt: skip
+    torch.manual_seed(0)
+    models, rows = [], []
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        try:
+            info, r = run_model(name, args, args.device)
+        except Exception as e:  # one model failing to load (e.g. no converted SmolLM2 here) must not lose the others
+            log(f"== {name}: failed: {type(e).__name__}: {e}")
+            models.append({"model": name, "description": f"failed: {type(e).__name__}: {e}", "params": 0,
+                           "dtype": "-"})  # fmt: skip
+            continue
+        models.append(info)
+        rows.extend(r)
+    paths = write_outputs(args.out, tag, meta, models, rows)
+    log("wrote " + ", ".join(paths))
+    failed = sum(1 for r in rows if r["kind"] == "check" and not r["ok"])
+    summary = {"tag": tag, "rows": len(rows), "failed_checks": failed}
+    for r in rows:
+        if r["kind"] == "budget" and r["format"] in ("c4r4", "c2r4"):
+            ref = next((x["max_batch"] for x in rows if x["kind"] == "budget" and x["format"] == "bf16"
+                        and x["model"] == r["model"]), 0)  # fmt: skip
+            summary[f"{r['model']}_{r['format']}_budget_vs_bf16"] = r["max_batch"] / ref if ref else None
+    print(json.dumps(summary))
+    return 1 if summary["failed_checks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

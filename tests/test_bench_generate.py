@@ -1,0 +1,39 @@
+"""benchmarks/bench_generate.py runs end to end on the CPU (smoke mode) and writes what it promises."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generate.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_run_writes_checked_results(tmp_path, capsys):
+    bench = _bench()
+    argv = ["--tiny", "--formats", "hf,bf16,c4r4", "--batches", "2", "--contexts", "400", "--prefill-contexts", "40",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert bench.main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    d = json.loads((tmp_path / "generate_tiny.json").read_text())
+    rows = d["rows"]
+    checks = {r["format"]: r for r in rows if r["kind"] == "check"}
+    assert set(checks) == {"bf16", "c4r4"} and all(r["ok"] for r in checks.values())
+    dec = {r["format"]: r for r in rows if r["kind"] == "decode"}
+    assert set(dec) == {"hf", "bf16", "c4r4"} and all(r["tpot_ms"] > 0 for r in dec.values())
+    assert dec["c4r4"]["cache_bytes"] < dec["bf16"]["cache_bytes"]  # at 400 tokens the pages outweigh the buffers
+    budget = {r["format"]: r for r in rows if r["kind"] == "budget"}
+    assert budget["c4r4"]["max_batch"] > budget["bf16"]["max_batch"] > 0
+    assert all(r["fits"] and r["allocated_bytes"] <= r["budget_bytes"] for r in budget.values())
+    assert summary["tiny_c4r4_budget_vs_bf16"] == budget["c4r4"]["max_batch"] / budget["bf16"]["max_batch"]
+    md = (tmp_path / "generate_tiny.md").read_text()
+    assert "| 2 | 400 |" in md and d["meta"]["commit"]
+    with pytest.raises(SystemExit, match="--force"):
+        bench.main(argv)
