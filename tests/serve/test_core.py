@@ -39,6 +39,7 @@ class Engine:
         self.done: dict[str, int] = {}  # computed tokens per request
         self.state = RequestStateTable(layers, max_requests, POLICY.sink, POLICY.local, DC + DR)
         self.layers = [ServeLayer(self.layout, i, impl="torch") for i in range(layers)]
+        self.last_recent: list = [None] * layers  # what each layer's last write returned for the prefill
 
     def release(self, rid):
         self.free += self.blocks.pop(rid)
@@ -64,7 +65,8 @@ class Engine:
         for li, layer in enumerate(self.layers):
             c = torch.cat([tokens[r][0][li, self.done[r] : self.done[r] + sched[r]] for r in rids])
             k = torch.cat([tokens[r][1][li, self.done[r] : self.done[r] + sched[r]] for r in rids])
-            layer.write(self.kv[li], self.state, rids, c, k[:, None, :], qsl, seq_lens, bt, torch.tensor(slots))
+            self.last_recent[li] = layer.write(self.kv[li], self.state, rids, c, k[:, None, :], qsl, seq_lens, bt,
+                                               torch.tensor(slots))
         for r in rids:
             self.done[r] += sched[r]
         return bt, seq_lens
@@ -102,7 +104,7 @@ def test_write_is_bit_identical_to_the_reference_writer(fmt):
         ref = _reference(fmt, c[0], k[0], n, chunks[r])
         # the packed bytes of each page equal the reference's page for the same token range
         for i, blk in enumerate(eng.blocks[r]):
-            want = ref.pool[ref._pages[0][i]]
+            want = ref.pool[ref.table.pages(0)[i]]
             got = eng.kv[0][blk]
             used = min(P, n - i * P)
             if used == P:
@@ -176,21 +178,28 @@ def test_state_survives_row_moves_preemption_recompute_and_finish(fmt):
                 assert torch.isfinite(o[b]).all()
 
 
-def test_prefill_matches_the_reference_prefill():
-    from quantmla.kernels.reference import prefill_attention_torch
-
-    eng = Engine("c4r4", layers=1)
+@pytest.mark.parametrize("fmt", ["c4r4", "bf16"])
+def test_prefill_sees_what_token_by_token_decoding_sees(fmt):
+    """Chunked prefill on flat vLLM rows (one request starting, one continuing past the local window): query ``t``
+    of a chunk gives the output of decoding alone at its position over a batch-1 cache holding tokens 0..p."""
+    eng = Engine(fmt, layers=1)
     toks = {"a": _tokens(60, 1, 1), "b": _tokens(30, 1, 2)}
     eng.step({"a": 25}, toks)
+    qsl = torch.tensor([0, 30, 65])
     bt, seq_lens = eng.step({"b": 30, "a": 35}, toks)
+    recent = eng.last_recent[0]
     g = torch.Generator().manual_seed(1)
     q_lat, q_pe = torch.randn(65, H, DC, generator=g), torch.randn(65, H, DR, generator=g)
-    out = eng.layers[0].prefill(eng.kv[0], eng.state, q_lat, q_pe, torch.tensor([0, 30, 65]), seq_lens, bt, 0.1)
-    for r, s, e, chunks in (("b", 0, 30, [30]), ("a", 30, 65, [25, 35])):
-        ref = _reference("c4r4", toks[r][0][0], toks[r][1][0], sum(chunks), chunks)
-        want = prefill_attention_torch(q_lat[s:e].transpose(0, 1)[None], q_pe[s:e].transpose(0, 1)[None], ref, 0.1,
-                                       [e - s])[0].transpose(0, 1)
-        assert torch.equal(out[s:e], want)
+    out = eng.layers[0].prefill(eng.kv[0], eng.state, q_lat, q_pe, qsl, seq_lens, bt, 0.1, recent=recent)
+    for r, s, e, start in (("b", 0, 30, 0), ("a", 30, 65, 25)):
+        for t in range(e - s):
+            p = start + t
+            ref = _reference(fmt, toks[r][0][0], toks[r][1][0], p + 1, [p + 1])
+            want = decode_attention_torch(q_lat[None, s + t], q_pe[None, s + t], ref, 0.1)
+            torch.testing.assert_close(out[None, s + t], want, rtol=1e-5, atol=1e-6, msg=f"{fmt} {r} position {p}")
+    if fmt != "bf16":  # the window rows the chunk pushed out of the ring are needed, and asked for
+        with pytest.raises(ValueError, match="recent="):
+            eng.layers[0].prefill(eng.kv[0], eng.state, q_lat, q_pe, qsl, seq_lens, bt, 0.1)
 
 
 def test_small_block_in_vllm_tensor_is_a_clear_error():

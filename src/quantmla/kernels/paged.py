@@ -237,6 +237,33 @@ class PagedMLACache:
         self._bind(layout, policy, table, pool, sink, local, max_seq_len)
         return self
 
+    @classmethod
+    def on_pages(
+        cls,
+        layout: PagedLayout,
+        policy: CachePolicy,
+        pool: torch.Tensor,
+        block_table: torch.Tensor,
+        pages: list[list[int]],
+        lens: list[int],
+        sink: torch.Tensor,
+        local: torch.Tensor,
+    ) -> PagedMLACache:
+        """A cache over pages, block table and BF16 buffers that a serving engine allocated and assigned.
+
+        ``pool`` uint8 ``[num_pages, layout.page_bytes]``; ``block_table`` int32 ``[batch, max_pages]`` (used as
+        is; unused entries point at page 0); ``pages[b]`` the pages of sequence ``b`` in token order, enough for
+        every length it will be written to; ``lens[b]`` its current length; ``sink``/``local`` bf16
+        ``[batch, slots, Dc + Dr]`` (0 slots for the BF16 format). Nothing is allocated or copied; writes that
+        need a page not in ``pages`` fail (the engine hands out pages)."""
+        table = PageTable.assigned(block_table, pages, pool.shape[0])
+        self = cls.on_storage(layout, policy, table, pool, sink, local,
+                              max_seq_len=block_table.shape[1] * layout.page_size)  # fmt: skip
+        if len(lens) != table.batch or any(n < 0 or n > len(p) * layout.page_size for n, p in zip(lens, pages)):
+            raise ValueError(f"lens {list(lens)} must be one length per sequence, covered by its pages")
+        self._commit([0] * table.batch, [int(n) for n in lens])
+        return self
+
     def _bind(self, layout, policy, table, pool, sink, local, max_seq_len: int) -> None:
         d = layout.kv_lora_rank + layout.rope_dim
         if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.page_bytes:

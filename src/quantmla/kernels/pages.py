@@ -46,6 +46,24 @@ class PageTable:
         self._free = order[::-1]  # pop() from the end hands out pages in `order`
         self._pages: list[list[int]] = [[] for _ in range(batch)]
 
+    @classmethod
+    def assigned(cls, block_table: torch.Tensor, pages: list[list[int]], num_pages: int, *, pad_page: int = 0):
+        """A table whose pages someone else handed out (a serving engine's block manager): ``block_table`` int32
+        ``[batch, max_pages]`` is used as is (not copied), ``pages[b]`` lists the pages of sequence ``b`` in token
+        order (the first entries of its block-table row). The free list is empty: :meth:`reserve` succeeds only
+        for lengths the assigned pages already cover."""
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or len(pages) != block_table.shape[0]:
+            raise ValueError(
+                f"block_table must be int32 [batch={len(pages)}, max_pages], got {block_table.dtype} "
+                f"{list(block_table.shape)}"
+            )
+        if any(len(p) > block_table.shape[1] for p in pages):
+            raise ValueError(f"a sequence lists more pages than the block table's {block_table.shape[1]} columns")
+        self = cls(0, 1, 0, device=block_table.device, pad_page=pad_page)
+        self.num_pages, self.block_table = num_pages, block_table
+        self._pages = [list(p) for p in pages]
+        return self
+
     # -- queries ----------------------------------------------------------------------------------
     @property
     def batch(self) -> int:

@@ -3,10 +3,11 @@
 vLLM owns the pages (one tensor per layer, ``[num_blocks, ...]`` holding ``page_bytes`` per block), the block
 table ``[B, max_blocks]`` int32, the token -> slot mapping and the per-step lengths; we own the per-request
 BF16 sink/local copies (:class:`~quantmla.serve.request_state.RequestStateTable`). :class:`ServeLayer` binds
-these to a :class:`~quantmla.kernels.paged.PagedMLACache` view (no copy) and calls the kernels' own entry
-points: ``write`` (the torch reference ``write_reference``, or the fused Triton writer, bit-identical),
-``decode_attention`` and, for prefill and context, ``read_tokens`` (the dequantizing gather) with
-``prefill_attention``. The byte order inside a page is never decoded here.
+these to a :meth:`~quantmla.kernels.paged.PagedMLACache.on_pages` cache (no copy) and calls the kernels' own
+entry points: ``write`` (the torch reference ``write_reference``, or the fused Triton writer, bit-identical),
+``decode_attention``, ``prefill_attention`` (every query reads each token through the cache policy, as
+token-by-token decoding would) and ``read_tokens`` (the dequantizing gather). The byte order inside a page is
+never decoded here.
 
 Flat (vLLM) shapes: ``c_kv [N, Dc]``, ``k_pe [N, Dr]`` for the ``N`` tokens of a step, rows ``b`` owning
 ``query_start_loc[b] : query_start_loc[b + 1]``; ``seq_lens [B]`` = lengths *after* the step's tokens.
@@ -18,36 +19,10 @@ import math
 
 import torch
 
-from quantmla.kernels.dispatch import decode_attention, resolve_impl
+from quantmla.kernels.dispatch import decode_attention, prefill_attention, resolve_impl
 from quantmla.kernels.paged import PagedLayout, PagedMLACache
-from quantmla.kernels.reference import prefill_attention_torch
 from quantmla.quant.formats import CachePolicy
 from quantmla.serve.request_state import RequestStateTable
-
-
-class PagedView(PagedMLACache):
-    """A :class:`PagedMLACache` over pages, block table and BF16 buffers that someone else allocated.
-
-    It owns nothing and allocates nothing: ``pool`` is the engine's page tensor (uint8 ``[num_blocks,
-    page_bytes]`` view), ``pages[b]`` the blocks of row ``b`` (enough for its length after the step),
-    ``lens[b]`` its length before the step's writes. (It fills the same fields ``PagedMLACache.__init__`` does;
-    tests/serve/test_core.py checks it against a cache built the ordinary way, bit for bit.)"""
-
-    def __init__(self, layout: PagedLayout, pool, block_table, pages, lens, sink, local) -> None:  # noqa: D107
-        self.fmt, self.layout = layout.fmt, layout
-        self.policy = CachePolicy(sink=sink.shape[1], local=local.shape[1], page_size=layout.page_size)
-        self.batch = block_table.shape[0]
-        self.device = pool.device
-        self.max_pages = block_table.shape[1]
-        self.max_seq_len = self.max_pages * layout.page_size
-        self.num_pages = pool.shape[0]
-        self.pool, self.pad_page = pool, 0
-        self.block_table = block_table
-        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=pool.device)
-        self.sink, self.local = sink, local
-        self._free: list[int] = []
-        self._pages = [list(p) for p in pages]
-        self._lens = list(lens)
 
 
 class ServeLayer:
@@ -73,7 +48,9 @@ class ServeLayer:
         flat = raw.reshape(raw.shape[0], -1)
         return flat[:, : self.layout.page_bytes]
 
-    def view(self, kv_cache, state: RequestStateTable | None, block_table, lens_before, lens_after) -> PagedView:
+    def view(self, kv_cache, state: RequestStateTable | None, block_table, lens_before, lens_after) -> PagedMLACache:
+        """A :meth:`PagedMLACache.on_pages` cache over vLLM's pages and our state: row ``b`` holds
+        ``lens_before[b]`` tokens and owns the blocks for ``lens_after[b]``."""
         P = self.layout.page_size
         bt_host = block_table.cpu()
         pages = [bt_host[b, : math.ceil(n / P)].tolist() for b, n in enumerate(lens_after)]
@@ -85,16 +62,22 @@ class ServeLayer:
         else:
             d = self.layout.kv_lora_rank + self.layout.rope_dim
             sink = local = torch.empty(B, 0, d, dtype=torch.bfloat16, device=kv_cache.device)
-        return PagedView(self.layout, self.pool(kv_cache), block_table.to(torch.int32).contiguous(), pages,
-                         lens_before, sink, local)
+        policy = CachePolicy(sink=sink.shape[1], local=local.shape[1], page_size=P)
+        bt = block_table.to(device=kv_cache.device, dtype=torch.int32)
+        return PagedMLACache.on_pages(self.layout, policy, self.pool(kv_cache), bt, pages, list(lens_before), sink,
+                                      local)
 
-    # -- the three operations -----------------------------------------------------------------------
+    # -- the operations -------------------------------------------------------------------------------
     def write(self, kv_cache, state, req_ids, c_kv, k_pe, query_start_loc, seq_lens, block_table, slot_mapping=None):
         """Write the step's tokens: packed copy into vLLM's pages, BF16 copies into the request state.
 
-        ``c_kv [N, Dc]``, ``k_pe [N, Dr]`` (or ``[N, 1, Dr]``); ``req_ids`` in batch-row order (the state
-        must be arranged to them); ``slot_mapping [N]`` (vLLM's ``block * block_size + offset``), if given, is
-        checked against the block table."""
+        ``c_kv [N, Dc]``, ``k_pe [N, Dr]`` (or ``[N, 1, Dr]``; rows past ``query_start_loc[-1]`` are padding and
+        ignored); ``req_ids`` in batch-row order (the state must be arranged to them); ``slot_mapping [N]``
+        (vLLM's ``block * block_size + offset``), if given, is checked against the block table.
+
+        Returns ``recent`` bf16 ``[B, W, Dc + Dr]`` (or None): per row the BF16 copies of its last ``W`` positions
+        after the write, which the step's prefill queries may read in full precision but which the write pushed
+        out of the local ring; pass it to :meth:`prefill`."""
         k_pe = k_pe.reshape(k_pe.shape[0], -1)
         qsl = [int(v) for v in query_start_loc.tolist()]
         after = [int(v) for v in seq_lens.tolist()]
@@ -116,14 +99,12 @@ class ServeLayer:
         view = self.view(kv_cache, state, block_table, before, after)
         if self.check_slots and slot_mapping is not None:
             _check_slot_mapping(view, before, n_new, slot_mapping[: qsl[-1]])
-        T = max(n_new) if n_new else 0
-        B = len(n_new)
-        c_pad = c_kv.new_zeros(B, T, c_kv.shape[-1])
-        r_pad = k_pe.new_zeros(B, T, k_pe.shape[-1])
-        for b in range(B):
-            c_pad[b, : n_new[b]] = c_kv[qsl[b] : qsl[b + 1]]
-            r_pad[b, : n_new[b]] = k_pe[qsl[b] : qsl[b + 1]]
+        c_pad, r_pad = _padded(c_kv, qsl), _padded(k_pe, qsl)  # [B, T, Dc], [B, T, Dr]
+        recent = None
+        if self.quantized and view.n_local and max(n_new, default=0) > 1:
+            recent = _recent(view, c_pad, r_pad, before, n_new)
         view.write(c_pad, r_pad, n_new, impl=self.impl)
+        return recent
 
     def decode(self, kv_cache, state, q_lat, q_pe, seq_lens, block_table, softmax_scale: float):
         """One query per row: ``q_lat [B, H, Dc]``, ``q_pe [B, H, Dr]`` -> ``o_lat [B, H, Dc]`` fp32, ``lse [B, H]``."""
@@ -132,9 +113,8 @@ class ServeLayer:
         return decode_attention(q_lat, q_pe, view, softmax_scale, impl=self.impl, return_lse=True)
 
     def gather(self, kv_cache, state, seq_lens, block_table) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantizing gather: every row's tokens as attention reads them at its current length (BF16 sink
-        and local window, dequantized packed copies otherwise), concatenated: ``c_kv [sum n, Dc]``, ``k_pe [sum
-        n, Dr]`` fp32."""
+        """The dequantizing gather: every row's tokens as its newest token reads them (BF16 sink and local window,
+        dequantized packed copies otherwise), concatenated: ``c_kv [sum n, Dc]``, ``k_pe [sum n, Dr]`` fp32."""
         lens = [int(v) for v in seq_lens.tolist()]
         view = self.view(kv_cache, state, block_table, lens, lens)
         Dc = self.layout.kv_lora_rank
@@ -142,22 +122,23 @@ class ServeLayer:
         full = torch.cat(rows) if rows else torch.empty(0, Dc + self.layout.rope_dim, device=kv_cache.device)
         return full[:, :Dc], full[:, Dc:]
 
-    def prefill(self, kv_cache, state, q_lat, q_pe, query_start_loc, seq_lens, block_table, softmax_scale: float):
-        """Causal attention of the step's queries (``q_lat [N, H, Dc]``, ``q_pe [N, H, Dr]``, flat) over their
-        rows' tokens read at the current length -> ``o_lat [N, H, Dc]`` fp32 (the semantics of
-        :func:`quantmla.kernels.reference.prefill_attention_torch`)."""
+    def prefill(self, kv_cache, state, q_lat, q_pe, query_start_loc, seq_lens, block_table, softmax_scale: float,
+                recent: torch.Tensor | None = None):  # fmt: skip
+        """Causal attention of the step's queries (``q_lat [N, H, Dc]``, ``q_pe [N, H, Dr]``, flat; their tokens
+        already written) over their rows' tokens, each query reading every token through the cache policy (the
+        semantics of :func:`quantmla.kernels.reference.prefill_attention_torch`, so a prompt gives what
+        token-by-token decoding would) -> ``o_lat [N, H, Dc]`` fp32. ``recent``: what :meth:`write` returned."""
         qsl = [int(v) for v in query_start_loc.tolist()]
         lens = [int(v) for v in seq_lens.tolist()]
+        n_new = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
         view = self.view(kv_cache, state, block_table, lens, lens)
-        out = torch.empty(q_lat.shape[0], q_lat.shape[1], q_lat.shape[2], dtype=torch.float32, device=q_lat.device)
-        for b in range(len(lens)):
-            s, e = qsl[b], qsl[b + 1]
-            if e == s:
-                continue
-            one = _row_view(view, b)
-            o = prefill_attention_torch(q_lat[s:e].transpose(0, 1)[None], q_pe[s:e].transpose(0, 1)[None], one,
-                                        softmax_scale, [e - s])
-            out[s:e] = o[0].transpose(0, 1)
+        ql = _padded(q_lat, qsl).transpose(1, 2)  # [B, H, T, Dc]
+        qp = _padded(q_pe, qsl).transpose(1, 2)  # [B, H, T, Dr]
+        impl = "torch" if self.impl == "torch" else "auto"
+        o = prefill_attention(ql, qp, view, softmax_scale, n_new, recent=recent, impl=impl)  # [B, H, T, Dc]
+        out = torch.empty(qsl[-1], q_lat.shape[1], q_lat.shape[2], dtype=torch.float32, device=q_lat.device)
+        for b, k in enumerate(n_new):
+            out[qsl[b] : qsl[b + 1]] = o[b, :, :k].transpose(0, 1)
         return out
 
     def kernel(self, x: torch.Tensor, which: str) -> str:
@@ -165,9 +146,30 @@ class ServeLayer:
         return resolve_impl(self.impl, x, self.layout.fmt, kernel=which, layout=self.layout)
 
 
-def _row_view(view: PagedView, b: int) -> PagedView:
-    return PagedView(view.layout, view.pool, view.block_table[b : b + 1], [view._pages[b]], [view._lens[b]],
-                     view.sink[b : b + 1], view.local[b : b + 1])
+def _padded(x: torch.Tensor, qsl: list[int]) -> torch.Tensor:
+    """Flat rows ``x [N, ...]`` (row ``b`` = ``x[qsl[b]:qsl[b+1]]``) -> zero-padded ``[B, T, ...]``."""
+    n = [qsl[b + 1] - qsl[b] for b in range(len(qsl) - 1)]
+    out = x.new_zeros(len(n), max(n, default=0), *x.shape[1:])
+    for b, k in enumerate(n):
+        out[b, :k] = x[qsl[b] : qsl[b + 1]]
+    return out
+
+
+def _recent(view: PagedMLACache, c_pad, r_pad, before: list[int], n_new: list[int]) -> torch.Tensor:
+    """BF16 ``[B, W, Dc + Dr]``, ``W = n_local - 1 + T``: per row the copies of its last ``W`` positions after the
+    write (from the local ring before it, then the new tokens), right-aligned."""
+    B, T = c_pad.shape[:2]
+    nl = view.n_local
+    W = nl - 1 + T
+    recent = torch.zeros(B, W, c_pad.shape[-1] + r_pad.shape[-1], dtype=torch.bfloat16, device=c_pad.device)
+    for b in range(B):
+        n, k = before[b], n_new[b]
+        lo = max(0, n - (nl - 1))
+        if lo < n:
+            pos = torch.arange(lo, n, device=view.device)
+            recent[b, W - k - (n - lo) : W - k] = view.local[b, pos % nl].to(c_pad.device)
+        recent[b, W - k :] = torch.cat([c_pad[b, :k], r_pad[b, :k]], dim=-1).to(torch.bfloat16)
+    return recent
 
 
 def _never_written(state: RequestStateTable, layer: int, b: int) -> bool:
@@ -177,12 +179,12 @@ def _never_written(state: RequestStateTable, layer: int, b: int) -> bool:
     return bool(state.sink[layer, b, 0].view(torch.int16).eq(-1).all())
 
 
-def _check_slot_mapping(view: PagedView, before, n_new, slot_mapping: torch.Tensor) -> None:
+def _check_slot_mapping(view: PagedMLACache, before, n_new, slot_mapping: torch.Tensor) -> None:
     P = view.layout.page_size
     want = []
     for b, (s, k) in enumerate(zip(before, n_new)):
-        pos = range(s, s + k)
-        want += [view._pages[b][p // P] * P + p % P for p in pos]
+        pages = view.table.pages(b)
+        want += [pages[p // P] * P + p % P for p in range(s, s + k)]
     got = slot_mapping.to(torch.long).cpu().tolist()
     if got != want:
         raise RuntimeError(
