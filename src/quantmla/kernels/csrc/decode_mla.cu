@@ -5,7 +5,7 @@
 // per-column scale of that warp's products and is applied to accumulators, never per element:
 //
 //   score:  S[h, t] = sum_g s_g[t] * (q_g . k_g[t]) + o'_g[t] * qsum_g[h]    (k = 128 + code, o' = o - 128 s)
-//   output: O_g[h, :] = sum_t bf16(P[h,t] s_g[t]) (128 + c[t, :]) - 128 sum_t bf16(P s_g) + sum_t P[h,t] o_g[t]
+//   output: O_g[h, :] = sum_t bf16(P[h,t] s_g[t]) c[t, :] + sum_t P[h,t] o_g[t]
 //
 // Codes reach the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) exactly: a b-bit field becomes the
 // bf16 number 128 + code with one shift and one LOP3 per register pair (0x4300 = 128). The page's bytes are
@@ -20,9 +20,8 @@
 // Per 64-token tile: (1) each warp: its group's partial scores for all 64 tokens (64 mma), plus the RoPE
 // scores of its own 16 tokens (8 mma); (2) partials through shared memory, every warp sums all four (one
 // barrier) and runs the same online softmax on the full tile; (3) each warp: P * s_g in bf16 as the A operand
-// of its group's output product (64 mma, accumulators fresh per tile, O = alpha O + tile) plus one mma against
-// ones for sum_t bf16(P s_g). Writes the split's normalized partial output and its log2-sum-exp in the layout
-// of the Triton kernels (quantmla/kernels/triton_decode.py), whose sink/local-buffer and combine kernels
+// of its group's output product (64 mma into O, the codes as exact bf16 numbers c). Writes the split's
+// normalized partial output and its log2-sum-exp in the layout of the Triton kernels (quantmla/kernels/triton_decode.py), whose sink/local-buffer and combine kernels
 // finish the attention.
 //
 // The torch reference of the same byte layout is the definition: quantmla/kernels/reference.py.
@@ -34,16 +33,15 @@
 
 namespace qmla {
 
-constexpr int kGroups = 4;                // content quantization groups of 128 channels
-constexpr int kWarps = 8;                 // warp w: group w % 4, half w / 4 (of the tile's tokens / group's channels)
+constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kHeads = 16;   // heads per CTA (rows of the mma tiles)
 constexpr int kPage = 64;    // tokens per page = per tile
 constexpr int kDc = 512;     // content latent width
 constexpr int kDr = 64;      // RoPE key width
-constexpr int kGroup = 128;  // content quantization group
-constexpr int kStages = 3;
-constexpr int kCtasPerSm = 2;  // __launch_bounds__: 128 registers
+constexpr int kGroup = 128;  // content quantization group (one warp each)
+constexpr int kStages = 2;
+constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
 
 struct Params {
   const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
@@ -77,11 +75,11 @@ struct Cfg {
   static constexpr int M_SM = R_SM + kPage * RBYTES;
   static constexpr int META_ROWS = 10;             // upper bound (4 + 4 content, 1 + 1 RoPE)
   static constexpr int STAGE = M_SM + META_ROWS * kPage * 2;
-  static constexpr int PART = kWarps * 4 * 32 * 16;  // partial scores [warp][n-block][lane] float4
-  static constexpr int QFRAG = (kGroups * CPG * F + 4) * 32 * 16;  // q A fragments [k-block][lane] uint4
-  static constexpr int PFRAG = kGroups * 4 * 32 * 16;  // P * s_g A fragments [group][k-block][lane] uint4
+  static constexpr int PART = kWarps * 8 * 32 * 16;  // partial scores [warp][n-block][lane] float4
+  static constexpr int QFRAG = (kWarps * CPG * F + 4) * 32 * 16;  // q A fragments [k-block][lane] uint4
+  static constexpr int PFRAG = kWarps * kWarps * 32 * 16;  // P * s_g A fragments [group][slice][lane] uint4
   static_assert(PFRAG <= PART, "the P fragments reuse the partial-score buffer");
-  static constexpr int SMALL = (kHeads * kWarps + kGroups * kHeads * kWarps) * 4;  // slice maxima, offset sums
+  static constexpr int SMALL = (kHeads * kWarps + kWarps * kHeads * kWarps) * 4;  // slice maxima, offset sums
   static constexpr int SMEM = kStages * STAGE + PART + QFRAG + SMALL;
 };
 
@@ -120,6 +118,15 @@ __device__ __forceinline__ uint32_t field(uint32_t r, int j) {
   const uint32_t x = r >> (B * j), mask = ((1u << B) - 1u) * 0x00010001u, magic = 0x43004300u;
   uint32_t y;  // (x & mask) | magic in one LOP3 (the compiler splits it when both constants are immediates)
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
+  return y;
+}
+
+// field j of both 16-bit halves as exact bf16 codes (c_lo, c_hi): the magic number 128 + c minus 128 (one HSUB2)
+template <int B>
+__device__ __forceinline__ uint32_t code(uint32_t r, int j) {
+  const uint32_t m = field<B>(r, j);
+  uint32_t y;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));  // m * 1 - 128
   return y;
 }
 
@@ -199,13 +206,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   float4* part = reinterpret_cast<float4*>(smem + kStages * C::STAGE);
   // P fragments alias the partial scores: written after the 2nd barrier of a tile, when every warp has read them
   uint4* pfrag = reinterpret_cast<uint4*>(part);
-  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
-  float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);  // [head][slice]
+  float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);  // [head][warp]
   float* soff = smax + kHeads * kWarps;  // [group][head][slice]
 
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int grp = warp & 3, half = warp >> 2;  // group of the products; half of the tokens (QK) / channels (PV)
   const int h0 = hg * kHeads;
   const int n = p.lens[b];
   const int lo = p.sink;
@@ -215,25 +220,30 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   const int meta_rows = (p.c_orow >= 0 ? 8 : 4) + (p.r_orow >= 0 ? 2 : 1);
   const bool csym = p.c_orow < 0, rsym = p.r_orow < 0;
 
-  // ---- q fragments (bf16 of q * qk_scale) into shared memory: the content k-blocks of every group, then the 4
-  // RoPE k-blocks; each pair of warps writes its group's half of them. Group sums in registers.
-  uint4* qfrag_c = qfrag + grp * (C::CPG * C::F) * 32;   // this warp's group's content k-blocks
-  uint4* qfrag_r = qfrag + kGroups * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks
+  // ---- q fragments (bf16 of q * qk_scale) into shared memory (this warp's k-blocks: its content group, then
+  // the 4 RoPE k-blocks), and their group sums in registers
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
+  uint4* qfrag_c = qfrag + warp * (C::CPG * C::F) * 32;  // this warp's content k-blocks
+  uint4* qfrag_r = qfrag + kWarps * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks (shared by all warps)
   float qsc[2] = {0.f, 0.f}, qsr[2] = {0.f, 0.f};
   {
     const long long ql_off = (long long)b * p.q_lat_sb, qp_off = (long long)b * p.q_pe_sb;
     uint32_t a[4];
 #pragma unroll 1
-    for (int kb = 0; kb < C::CPG * C::F; ++kb) {  // both warps of the group load all (for the group sums)
-      load_qfrag<C::PS>(a, qsc, p.q_lat, ql_off, p.q_lat_sh, h0, p.H, kGroup * grp, kb / C::F, kb % C::F, g, t,
-                        p.qk_scale, p.q_fp32);
-      if (half == (kb & 1)) qfrag_c[kb * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-    }
+    for (int c = 0; c < C::CPG; ++c)
 #pragma unroll 1
-    for (int kb = 0; kb < 4; ++kb) {
-      load_qfrag<32>(a, qsr, p.q_pe, qp_off, p.q_pe_sh, h0, p.H, 0, kb >> 1, kb & 1, g, t, p.qk_scale, p.q_fp32);
-      if (warp == kb) qfrag_r[kb * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-    }
+      for (int pl = 0; pl < C::F; ++pl) {
+        load_qfrag<C::PS>(a, qsc, p.q_lat, ql_off, p.q_lat_sh, h0, p.H, kGroup * warp, c, pl, g, t, p.qk_scale,
+                          p.q_fp32);
+        qfrag_c[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll 1
+    for (int c = 0; c < 2; ++c)
+#pragma unroll 1
+      for (int pl = 0; pl < 2; ++pl) {
+        load_qfrag<32>(a, qsr, p.q_pe, qp_off, p.q_pe_sh, h0, p.H, 0, c, pl, g, t, p.qk_scale, p.q_fp32);
+        if (warp == 0) qfrag_r[(c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], 1);
@@ -243,10 +253,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     }
   }
 
-  constexpr int OCH = C::CPG / 2;  // chunks of the group's channels this warp outputs
-  float o[OCH * C::NF][4];
+  float o[C::CPG * C::NF][4];
 #pragma unroll
-  for (int i = 0; i < OCH * C::NF; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < C::CPG * C::NF; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {0.f, 0.f};
 
   const uint8_t* pool = p.pool;
@@ -276,32 +285,35 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     const __half* meta = reinterpret_cast<const __half*>(st + C::M_SM);
     const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
 
-    // ---- (1) partial scores of group `grp` for the warp's 32 tokens (n-blocks 4 half .. 4 half + 3)
-    float s_acc[4][4];
+    // ---- (1) partial scores of group `warp`, all 64 tokens: acc[n-block][c-frag]
+    float s_acc[8][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
-    {
-      const int tok = 32 * half + 8 * (lane >> 3) + (lane & 7);
+    for (int i = 0; i < 8; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
 #pragma unroll
-      for (int c = 0; c < C::CPG; ++c) {
-        const int chunk = grp * C::CPG + c;
-        uint32_t R[4];
-        ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+    for (int c = 0; c < C::CPG; ++c) {
+      const int chunk = warp * C::CPG + c;
+      uint32_t R[8];
 #pragma unroll
-        for (int pl = 0; pl < C::F; ++pl) {
-          const uint4 q4 = qfrag_c[(c * C::F + pl) * 32 + lane];
-          const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+      for (int hf = 0; hf < 2; ++hf) {
+        const int tok = 8 * (4 * hf + (lane >> 3)) + (lane & 7);
+        ldsm_x4(R[4 * hf], R[4 * hf + 1], R[4 * hf + 2], R[4 * hf + 3],
+                st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+      }
 #pragma unroll
-          for (int nb = 0; nb < 4; ++nb) mma(s_acc[nb], qa, field<CB>(R[nb], pl), field<CB>(R[nb], C::F + pl));
-        }
+      for (int pl = 0; pl < C::F; ++pl) {
+        const uint4 q4 = qfrag_c[(c * C::F + pl) * 32 + lane];
+        const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) mma(s_acc[nb], qa, field<CB>(R[nb], pl), field<CB>(R[nb], C::F + pl));
       }
     }
+    // scale by the group's per-token scale and offset
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb) {  // the group's per-token scale and offset
-      const int tau = 32 * half + 8 * nb + 2 * t;
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + grp) * kPage + tau));
+    for (int nb = 0; nb < 8; ++nb) {
+      const int tau = 8 * nb + 2 * t;
+      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + warp) * kPage + tau));
       float2 o2 = make_float2(0.f, 0.f);
-      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + grp) * kPage + tau));
+      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + warp) * kPage + tau));
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float s = e ? s2.y : s2.x;
@@ -310,54 +322,70 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         s_acc[nb][e + 2] = fmaf(s, s_acc[nb][e + 2], op * qsc[1]);
       }
     }
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-      part[(warp * 4 + nb) * 32 + lane] = make_float4(s_acc[nb][0], s_acc[nb][1], s_acc[nb][2], s_acc[nb][3]);
-
-    // RoPE scores of this warp's slice: tokens 8 warp .. 8 warp + 7 (n-block `warp`)
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    // RoPE scores of this warp's 16 tokens (n-blocks 2w, 2w+1)
+    float racc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     {
-      uint32_t rr[4];  // matrices (tokens 8w .., chunk mi & 1) twice (x4 needs 4 addresses)
-      ldsm_x4(rr[0], rr[1], rr[2], rr[3], st_u + C::R_SM + ((lane >> 3) & 1) * (kPage * 16) + (8 * warp + (lane & 7)) * 16);
+      uint32_t rr[4];  // [chunk][n-block half]: matrices (tokens 16w + 8(mi&1) .., chunk mi>>1)
+      const int mi = lane >> 3;
+      const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
+      ldsm_x4(rr[0], rr[1], rr[2], rr[3], st_u + C::R_SM + (mi >> 1) * (kPage * 16) + tok * 16);
 #pragma unroll
-      for (int kb = 0; kb < 4; ++kb) {
-        const uint4 q4 = qfrag_r[kb * 32 + lane];
-        const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
-        mma(sc, qa, field<4>(rr[kb >> 1], kb & 1), field<4>(rr[kb >> 1], 2 + (kb & 1)));
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int pl = 0; pl < 2; ++pl) {
+          const uint4 q4 = qfrag_r[(c * 2 + pl) * 32 + lane];
+          const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int nbl = 0; nbl < 2; ++nbl)
+            mma(racc[nbl], qa, field<4>(rr[2 * c + nbl], pl), field<4>(rr[2 * c + nbl], 2 + pl));
+        }
+#pragma unroll
+      for (int nbl = 0; nbl < 2; ++nbl) {
+        const int tau = 16 * warp + 8 * nbl + 2 * t;
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_srow * kPage + tau));
+        float2 o2 = make_float2(0.f, 0.f);
+        if (!rsym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_orow * kPage + tau));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float s = e ? s2.y : s2.x;
+          const float op = fmaf(-r_bias, s, e ? o2.y : o2.x);
+          racc[nbl][e] = fmaf(s, racc[nbl][e], op * qsr[0]);
+          racc[nbl][e + 2] = fmaf(s, racc[nbl][e + 2], op * qsr[1]);
+        }
       }
-      const int tau = 8 * warp + 2 * t;
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_srow * kPage + tau));
-      float2 o2 = make_float2(0.f, 0.f);
-      if (!rsym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_orow * kPage + tau));
+    }
+    // ---- (2) reduce-scatter of the partial scores: warp w gets the full scores of its slice (tokens 16w..16w+15)
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+      part[(warp * 8 + nb) * 32 + lane] = make_float4(s_acc[nb][0], s_acc[nb][1], s_acc[nb][2], s_acc[nb][3]);
+    __syncthreads();
+    float sc[2][4];  // [n-block of the slice][c-frag]: heads g, g+8 x tokens 16w + 8i + 2t (+1)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[i][e] = racc[i][e];
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) {
+        const float4 x = part[(v * 8 + 2 * warp + i) * 32 + lane];
+        sc[i][0] += x.x;
+        sc[i][1] += x.y;
+        sc[i][2] += x.z;
+        sc[i][3] += x.w;
+      }
+    }
+    float mv[2] = {-INFINITY, -INFINITY};
+    bool tok_ok[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float s = e ? s2.y : s2.x;
-        const float op = fmaf(-r_bias, s, e ? o2.y : o2.x);
-        sc[e] = fmaf(s, sc[e], op * qsr[0]);
-        sc[e + 2] = fmaf(s, sc[e + 2], op * qsr[1]);
+        const int tau = 16 * warp + 8 * i + 2 * t + e;
+        tok_ok[i][e] = tau >= tok_lo && tau < tok_hi;
+        sc[i][e] = tok_ok[i][e] ? sc[i][e] : -INFINITY;
+        sc[i][e + 2] = tok_ok[i][e] ? sc[i][e + 2] : -INFINITY;
+        mv[0] = fmaxf(mv[0], sc[i][e]);
+        mv[1] = fmaxf(mv[1], sc[i][e + 2]);
       }
-    }
-    // ---- (2) reduce-scatter: warp w gets the full scores of its slice (n-block w = half w/4's n-block w%4)
-    __syncthreads();
-#pragma unroll
-    for (int gr = 0; gr < kGroups; ++gr) {
-      const float4 x = part[((gr + 4 * (warp >> 2)) * 4 + (warp & 3)) * 32 + lane];
-      sc[0] += x.x;
-      sc[1] += x.y;
-      sc[2] += x.z;
-      sc[3] += x.w;
-    }
-    bool tok_ok[2];
-    float mv[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tau = 8 * warp + 2 * t + e;
-      tok_ok[e] = tau >= tok_lo && tau < tok_hi;
-      sc[e] = tok_ok[e] ? sc[e] : -INFINITY;
-      sc[e + 2] = tok_ok[e] ? sc[e + 2] : -INFINITY;
-      mv[0] = fmaxf(mv[0], sc[e]);
-      mv[1] = fmaxf(mv[1], sc[e + 2]);
-    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mv[r] = fmaxf(mv[r], __shfl_xor_sync(0xffffffffu, mv[r], 1));
@@ -372,9 +400,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     float alpha[2], msafe[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float4 ma = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
-      const float4 mb = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps + 4);
-      const float mt = fmaxf(fmaxf(fmaxf(ma.x, ma.y), fmaxf(ma.z, ma.w)), fmaxf(fmaxf(mb.x, mb.y), fmaxf(mb.z, mb.w)));
+      const float4 m4 = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
+      const float mt = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
       const float m_new = fmaxf(m_run[r], mt);
       msafe[r] = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = ex2(m_run[r] - msafe[r]);
@@ -382,34 +409,39 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       l_run[r] *= alpha[r];
       corr[r] *= alpha[r];
     }
-    // P of the slice; P * s_g (bf16) as half of the A fragment of k-block w/2, for each group g; sum_t P o_g
-    float pv[4];
+    // P of the slice; P * s_g (bf16) as A fragments of k-block w for each group g; sum_t P o_g per group
+    float pv[2][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      pv[e] = ex2(sc[e] - msafe[e >> 1]);
-      l_run[e >> 1] += pv[e];
-    }
-    uint2* pf2 = reinterpret_cast<uint2*>(pfrag);
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int gr = 0; gr < kGroups; ++gr) {
-      const int tau = 8 * warp + 2 * t;
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + gr) * kPage + tau));
-      float2 o2 = make_float2(0.f, 0.f);
-      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + gr) * kPage + tau));
-      float sv[2], ov[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
-        const float sx = e ? s2.y : s2.x;
-        sv[e] = tok_ok[e] ? sx : 0.f;
-        ov[e] = tok_ok[e] ? (csym ? -(float)(1 << (CB - 1)) * sx : (e ? o2.y : o2.x)) : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        pv[i][e] = ex2(sc[i][e] - msafe[e >> 1]);
+        l_run[e >> 1] += pv[i][e];
       }
-      // a0/a1 (tokens 2t, 2t+1 of the k-block) from even slices, a2/a3 (tokens 8 + 2t ..) from odd ones
-      pf2[((gr * 4 + (warp >> 1)) * 32 + lane) * 2 + (warp & 1)] =
-          make_uint2(pack_bf16(pv[0] * sv[0], pv[1] * sv[1]), pack_bf16(pv[2] * sv[0], pv[3] * sv[1]));
+#pragma unroll
+    for (int gr = 0; gr < kWarps; ++gr) {
+      float sv[2][2], ov[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int tau = 16 * warp + 8 * i + 2 * t;
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + gr) * kPage + tau));
+        float2 o2 = make_float2(0.f, 0.f);
+        if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + gr) * kPage + tau));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
+          const float sx = e ? s2.y : s2.x;
+          sv[i][e] = tok_ok[i][e] ? sx : 0.f;
+          ov[i][e] = tok_ok[i][e] ? (csym ? -(float)(1 << (CB - 1)) * sx : (e ? o2.y : o2.x)) : 0.f;
+        }
+      }
+      pfrag[(gr * kWarps + warp) * 32 + lane] =
+          make_uint4(pack_bf16(pv[0][0] * sv[0][0], pv[0][1] * sv[0][1]), pack_bf16(pv[0][2] * sv[0][0], pv[0][3] * sv[0][1]),
+                     pack_bf16(pv[1][0] * sv[1][0], pv[1][1] * sv[1][1]), pack_bf16(pv[1][2] * sv[1][0], pv[1][3] * sv[1][1]));
       float po[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        po[r] = fmaf(pv[2 * r], ov[0], pv[2 * r + 1] * ov[1]);
+        po[r] = pv[0][2 * r] * ov[0][0] + pv[0][2 * r + 1] * ov[0][1] + pv[1][2 * r] * ov[1][0] +
+                pv[1][2 * r + 1] * ov[1][1];
         po[r] += __shfl_xor_sync(0xffffffffu, po[r], 1);
         po[r] += __shfl_xor_sync(0xffffffffu, po[r], 2);
       }
@@ -419,33 +451,31 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       }
     }
     __syncthreads();
-    // ---- (3) output product of group `grp`, channel half `half`: O = alpha O + sum over the tile
+    // ---- (3) output product of group `warp`: O = alpha O + sum_t bf16(P s) c, the exact codes (128 + c - 128 in
+    // bf16) straight into O: 16 independent accumulator chains
     uint32_t ap[4][4];
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
-      const uint4 x = pfrag[(grp * 4 + kb) * 32 + lane];
+      const uint4 x = pfrag[(warp * kWarps + kb) * 32 + lane];
       ap[kb][0] = x.x;
       ap[kb][1] = x.y;
       ap[kb][2] = x.z;
       ap[kb][3] = x.w;
     }
-    float ones[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) mma(ones, ap[kb], 0x3F803F80u, 0x3F803F80u);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float4 oa = *reinterpret_cast<const float4*>(soff + (grp * kHeads + g + 8 * r) * kWarps);
-      const float4 ob = *reinterpret_cast<const float4*>(soff + (grp * kHeads + g + 8 * r) * kWarps + 4);
-      corr[r] += ((oa.x + oa.y) + (oa.z + oa.w)) + ((ob.x + ob.y) + (ob.z + ob.w)) - 128.f * ones[2 * r];
+      const float4 o4 = *reinterpret_cast<const float4*>(soff + (warp * kHeads + g + 8 * r) * kWarps);
+      corr[r] += (o4.x + o4.y) + (o4.z + o4.w);
     }
 #pragma unroll
-    for (int c = 0; c < OCH; ++c) {
-      const int chunk = grp * C::CPG + half * OCH + c;
-      float acc[C::NF][4];
+    for (int i = 0; i < C::CPG * C::NF; ++i)
 #pragma unroll
-      for (int j = 0; j < C::NF; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int e = 0; e < 4; ++e) o[i][e] *= alpha[e >> 1];
 #pragma unroll
-      for (int kp = 0; kp < 2; ++kp) {  // two k-blocks (32 tokens) per ldmatrix.x4.trans
+    for (int kp = 0; kp < 2; ++kp) {  // two k-blocks (32 tokens) per ldmatrix.x4.trans
+#pragma unroll
+      for (int c = 0; c < C::CPG; ++c) {
+        const int chunk = warp * C::CPG + c;
         uint32_t R[4];
         const int mi = lane >> 3;
         const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
@@ -454,12 +484,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int j = 0; j < C::NF; ++j)
-            mma(acc[j], ap[2 * kp + h], field<CB>(R[2 * h], j), field<CB>(R[2 * h + 1], j));
+            mma(o[c * C::NF + j], ap[2 * kp + h], code<CB>(R[2 * h], j), code<CB>(R[2 * h + 1], j));
       }
-#pragma unroll
-      for (int j = 0; j < C::NF; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[c * C::NF + j][e] = fmaf(alpha[e >> 1], o[c * C::NF + j][e], acc[j][e]);
     }
   }
 
@@ -476,9 +502,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float4 la = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
-    const float4 lb = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps + 4);
-    const float l = ((la.x + la.y) + (la.z + la.w)) + ((lb.x + lb.y) + (lb.z + lb.w));
+    const float4 l4 = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
+    const float l = (l4.x + l4.y) + (l4.z + l4.w);
     inv_l[r] = l > 0.f ? 1.f / l : 0.f;
     lse[r] = l > 0.f ? m_run[r] + log2f(l) : -INFINITY;
   }
@@ -487,13 +512,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   for (int r = 0; r < 2; ++r) {
     const int h = h0 + g + 8 * r;
     if (h >= p.H) continue;
-    float* out = p.po + (row0 + h) * kDc + kGroup * grp;
+    float* out = p.po + (row0 + h) * kDc + kGroup * warp;
     if (warp == 0 && t == 0) p.pl[row0 + h] = lse[r];
 #pragma unroll
-    for (int c = 0; c < OCH; ++c)
+    for (int c = 0; c < C::CPG; ++c)
 #pragma unroll
       for (int j = 0; j < C::NF; ++j) {
-        const int ch = 16 * (half * OCH + c) + 4 * t + j / C::F + C::PS * (j % C::F);
+        const int ch = 16 * c + 4 * t + j / C::F + C::PS * (j % C::F);
         out[ch] = (o[c * C::NF + j][2 * r] + corr[r]) * inv_l[r];
         out[ch + 2] = (o[c * C::NF + j][2 * r + 1] + corr[r]) * inv_l[r];
       }
