@@ -5,6 +5,7 @@ GPU in use (``-gencode arch=compute_XY,code=sm_XY``) into a shared library cache
 ``$QUANTMLA_CACHE/cuda`` (default ``~/.cache/quantmla/cuda``), keyed by the source's hash, the architecture and
 the nvcc version; the write is atomic (temp file + rename), so concurrent first uses are safe.
 
+``$QUANTMLA_CUDA_SRC`` points the build at another source folder (development, mutation tests).
 ``nvcc`` is looked up in ``$QUANTMLA_NVCC``, ``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin`` and the
 ``nvidia-cuda-nvcc`` wheel (``pip install nvidia-cuda-nvcc-cu12`` or ``-cu13``). Nothing here runs at import time
 and nothing touches CUDA until :func:`load` is called.
@@ -57,7 +58,7 @@ def _nvcc_version(nvcc: str) -> str:
 def build(name: str, arch: str, *, nvcc: str | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Compile ``csrc/<name>.cu`` for ``arch`` (e.g. ``"90"``, ``"90a"``, ``"80"``) unless cached; return the
     library's path. Raises :class:`CudaBuildError` with the compiler's message on failure."""
-    src = CSRC / f"{name}.cu"
+    src = Path(os.environ.get("QUANTMLA_CUDA_SRC") or CSRC) / f"{name}.cu"
     if not src.is_file():
         raise CudaBuildError(f"kernel source {src} is missing (broken installation?)")
     nvcc = nvcc or find_nvcc()

@@ -1,0 +1,54 @@
+"""Show that the CUDA decode kernel's GPU tests can fail: build deliberately broken copies of the kernel and run
+``tests/kernels/test_decode_cuda.py`` against each; every mutation must make the tests fail.
+
+Mutations (each a one-line change of ``csrc/decode_mla.cu``): a 1% softmax-scale error, the sink boundary one
+token off, the local-window boundary one token off, the offset term of the output dropped. Prints one line per
+mutation and exits non-zero if any mutation survives. GPU only::
+
+    PYTHONPATH=src python benchmarks/mutation_check.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"
+MUTATIONS = {
+    "softmax scale +1%": ("fp32) * scale;", "fp32) * scale * 1.01f;"),
+    "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
+    "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
+    "offset term dropped": ("corr[r] += (o4.x + o4.y) + (o4.z + o4.w);", "corr[r] += 0.f * (o4.x + o4.w);"),
+}
+
+
+def main() -> int:
+    text = SRC.read_text()
+    survived = []
+    for name, (old, new) in MUTATIONS.items():
+        if text.count(old) < 1:
+            print(f"{name}: pattern not found in {SRC.name} (update the mutation list)")
+            survived.append(name)
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "decode_mla.cu").write_text(text.replace(old, new))
+            env = dict(os.environ, QUANTMLA_CUDA_SRC=d, QUANTMLA_CACHE=os.path.join(d, "cache"))
+            env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                str(ROOT / "tests" / "kernels" / "test_decode_cuda.py")],
+                               env=env, capture_output=True, text=True)  # fmt: skip
+            caught = r.returncode != 0 and "failed" in r.stdout
+            last = [ln for ln in r.stdout.splitlines() if "Error" in ln or "assert" in ln][:1]
+            print(f"{name}: {'CAUGHT' if caught else 'SURVIVED'} {last[0].strip()[:160] if last else ''}", flush=True)
+            if not caught:
+                survived.append(name)
+    print(f"{len(MUTATIONS) - len(survived)}/{len(MUTATIONS)} mutations caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
