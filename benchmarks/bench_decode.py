@@ -235,7 +235,8 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict]) -> None:
                 continue
             ratio = f" ({fm[key] / r['us']:.2f}x)" if key in fm else ""
             cells.append(f"{r['us']:.1f}{ratio}{'' if r['ok'] else ' CHECK FAIL'}")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fm.get(key, ''):} | " + " | ".join(cells) + " |")
+        fms = f"{fm[key]:.1f}" if key in fm else ""
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -291,10 +292,13 @@ def main() -> None:
         tb = time.time()
         fm_ext = load_flashmla(args.flashmla, args.flashmla_build)
         log(f"FlashMLA dense decode built in {time.time() - tb:.0f} s")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("QUANTMLA_COMMIT", "")  # the GPU machine gets a copy of the tree, maybe no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+        except OSError:
+            commit = "unknown"
+    commit = commit.strip()
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes")
     meta = {"device": torch.cuda.get_device_name(), "date": now, "commit": commit or "unknown",
             "command": " ".join(sys.argv), "reps": args.reps,

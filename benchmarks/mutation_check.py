@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"
 MUTATIONS = {
+    "none (control: must pass)": ("", ""),
     "softmax scale +1%": ("fp32) * scale;", "fp32) * scale * 1.01f;"),
     "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
     "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
@@ -30,23 +31,29 @@ def main() -> int:
     text = SRC.read_text()
     survived = []
     for name, (old, new) in MUTATIONS.items():
-        if text.count(old) < 1:
+        if old and text.count(old) < 1:
             print(f"{name}: pattern not found in {SRC.name} (update the mutation list)")
             survived.append(name)
             continue
         with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "decode_mla.cu").write_text(text.replace(old, new))
+            (Path(d) / "decode_mla.cu").write_text(text.replace(old, new) if old else text)
             env = dict(os.environ, QUANTMLA_CUDA_SRC=d, QUANTMLA_CACHE=os.path.join(d, "cache"))
             env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                 str(ROOT / "tests" / "kernels" / "test_decode_cuda.py")],
                                env=env, capture_output=True, text=True)  # fmt: skip
             caught = r.returncode != 0 and "failed" in r.stdout
-            last = [ln for ln in r.stdout.splitlines() if "Error" in ln or "assert" in ln][:1]
-            print(f"{name}: {'CAUGHT' if caught else 'SURVIVED'} {last[0].strip()[:160] if last else ''}", flush=True)
+            why = [ln.strip() for ln in r.stdout.splitlines() if ln.startswith("E ")][:3]
+            if not old:  # the control: the unmodified kernel must pass in this harness
+                print(f"{name}: {'PASSED' if r.returncode == 0 else 'FAILED ' + ' | '.join(why)[:400]}", flush=True)
+                if r.returncode != 0:
+                    print(r.stdout[-3000:])
+                    return 2
+                continue
+            print(f"{name}: {'CAUGHT' if caught else 'SURVIVED'}: {' | '.join(why)[:300]}", flush=True)
             if not caught:
                 survived.append(name)
-    print(f"{len(MUTATIONS) - len(survived)}/{len(MUTATIONS)} mutations caught")
+    print(f"{len(MUTATIONS) - 1 - len(survived)}/{len(MUTATIONS) - 1} mutations caught")
     return 1 if survived else 0
 
 
