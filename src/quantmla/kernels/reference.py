@@ -128,19 +128,24 @@ def prefill_attention_torch(
             continue
         if k_new > n:
             raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-        packed = cache.read_packed(b, torch.arange(n)).to(q_lat.device)  # [n, Dc + Dr]
-        full = full_precision_rows(cache, b, n, k_new, recent)[0].to(q_lat.device) if quant else packed
-        kpos = torch.arange(n, device=q_lat.device)
+        dev = q_lat.device
+        keys = cache.read_packed(b, torch.arange(n)).to(dev)  # [n, Dc + Dr] every token's packed copy
+        kpos = fpos = torch.arange(n, device=dev)
+        if quant:  # ... then the BF16 copies the policy may read: each token at most twice, one copy admitted
+            full, held = full_precision_rows(cache, b, n, k_new, recent)
+            fpos = held.nonzero()[:, 0].to(dev)  # [F]
+            keys = torch.cat([keys, full[held].to(dev)])  # [n + F, Dc + Dr]
         for t0 in range(0, k_new, chunk):
             t1 = min(k_new, t0 + chunk)
-            qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=q_lat.device)  # [t]
+            qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=dev)  # [t]
             q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).float()  # [H, t, Dc + Dr]
-            use_full = policy.reads_full(qpos, kpos) if quant else torch.ones(len(qpos), n, dtype=torch.bool)
-            use_full = use_full.to(q_lat.device)  # [t, n]
-            s = torch.where(use_full, q @ full.T, q @ packed.T) * softmax_scale  # [H, t, n]
-            s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+            allowed = kpos[None, :] <= qpos[:, None]  # [t, n] causal
             if mask is not None:
-                s = s.masked_fill(~mask[b, :, t0:t1, :n].to(s.device), float("-inf"))
+                allowed = allowed & mask[b, :, t0:t1, :n].to(dev)  # [1 or H, t, n]
+            if quant:  # packed copy where the policy reads packed, BF16 copy where it reads full precision
+                allowed_f = allowed[..., fpos] & policy.reads_full(qpos, fpos)
+                allowed = torch.cat([allowed & ~policy.reads_full(qpos, kpos), allowed_f], dim=-1)
+            s = (q @ keys.T * softmax_scale).masked_fill(~allowed, float("-inf"))  # [H, t, n + F]
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> 0
-            o[b, :, t0:t1] = (p * use_full) @ full[:, :Dc] + (p * ~use_full) @ packed[:, :Dc]
+            o[b, :, t0:t1] = p @ keys[:, :Dc]
     return o
