@@ -72,6 +72,8 @@ def test_reference_follows_policy_ragged(name):
     got = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="torch")
     want = _float64_policy(cache, raw, q_lat, q_pe, n_new, 128)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    blocks = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="torch", chunk=2)
+    torch.testing.assert_close(blocks.double(), want, rtol=1e-4, atol=1e-5)  # query blocks see only their band
     assert torch.all(got[1, :, 4:] == 0) and torch.all(got[2] == 0)  # rows past n_new are zero
 
 
@@ -101,7 +103,8 @@ def test_sdpa_path_matches_reference(name):
     cache, _, recent = _appended(name, lens, n_new)
     q_lat, q_pe = _q(3, 5, 9, 128, 32)
     ref = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="torch")
-    exact = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="sdpa", dtype=torch.float32)
+    exact = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="sdpa", dtype=torch.float32,
+                              block=2)  # fmt: skip
     torch.testing.assert_close(exact, ref, rtol=1e-5, atol=1e-5)  # same math, fp32: summation order only
     fast = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="sdpa", block=4)
     assert_close(fast, ref, name=f"sdpa {name}", **O_TOL)

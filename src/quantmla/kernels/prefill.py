@@ -61,22 +61,25 @@ def prefill_attention_sdpa(
             continue
         if k_new > n:
             raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-        keys = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, Dc + Dr] workspace
+        packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, Dc + Dr] workspace
         kpos = torch.arange(n, device=dev)
-        fpos = kpos[:0]
         if quant:
             full, held = full_precision_rows(cache, b, n, k_new, recent)
             fpos = held.nonzero()[:, 0].to(dev)  # [F] positions with a BF16 copy
-            keys = torch.cat([keys, full[held].to(device=dev, dtype=dtype)])  # [n + F, Dc + Dr]
-        step = block or max(1, min(k_new, (64 << 20) // max(1, keys.shape[0])))
+            full = full[held].to(device=dev, dtype=dtype)  # [F, Dc + Dr]
+        step = block or max(1, min(k_new, (64 << 20) // max(1, 2 * n)))
         for t0 in range(0, k_new, step):
             t1 = min(k_new, t0 + step)
             qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=dev)  # [t]
-            mask = kpos[None, :] <= qpos[:, None]  # [t, n] causal, packed copies
-            if quant:
-                mask = mask & ~policy.reads_full(qpos, kpos)
-                mask_f = (fpos[None, :] <= qpos[:, None]) & policy.reads_full(qpos, fpos)  # [t, F]
-                mask = torch.cat([mask, mask_f], dim=1)
+            last = n - k_new + t1 - 1  # no query of this block sees past it
+            keys, kp = packed[: last + 1], kpos[: last + 1]
+            mask = kp[None, :] <= qpos[:, None]  # [t, S] causal, packed copies
+            if quant:  # BF16 copies some query of this block may read (sink, window band)
+                band = (fpos <= last) & ((fpos < policy.sink) | (fpos > qpos[0] - policy.local))
+                fp = fpos[band]
+                mask_f = (fp[None, :] <= qpos[:, None]) & policy.reads_full(qpos, fp)  # [t, F']
+                mask = torch.cat([mask & ~policy.reads_full(qpos, kp), mask_f], dim=1)
+                keys = torch.cat([keys, full[band]])  # [S + F', Dc + Dr]
             q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).to(dtype)  # [H, t, Dc + Dr]
             o[b, :, t0:t1] = _attend(q, keys, keys[:, :Dc], mask, softmax_scale).float()
     return o

@@ -105,7 +105,7 @@ def prefill_attention_torch(
     *,
     recent: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
-    chunk: int = 1024,
+    chunk: int = 256,
 ) -> torch.Tensor:
     """``q_lat [B, H, T, Dc]``, ``q_pe [B, H, T, Dr]`` for the ``T`` newest tokens -> ``o_lat [B, H, T, Dc]`` fp32.
 
@@ -129,23 +129,28 @@ def prefill_attention_torch(
         if k_new > n:
             raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
         dev = q_lat.device
-        keys = cache.read_packed(b, torch.arange(n)).to(dev)  # [n, Dc + Dr] every token's packed copy
-        kpos = fpos = torch.arange(n, device=dev)
-        if quant:  # ... then the BF16 copies the policy may read: each token at most twice, one copy admitted
+        packed = cache.read_packed(b, torch.arange(n)).to(dev)  # [n, Dc + Dr] every token's packed copy
+        kpos = torch.arange(n, device=dev)
+        if quant:  # the BF16 copies the policy may read
             full, held = full_precision_rows(cache, b, n, k_new, recent)
             fpos = held.nonzero()[:, 0].to(dev)  # [F]
-            keys = torch.cat([keys, full[held].to(dev)])  # [n + F, Dc + Dr]
+            full = full[held].to(dev)  # [F, Dc + Dr]
         for t0 in range(0, k_new, chunk):
             t1 = min(k_new, t0 + chunk)
             qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=dev)  # [t]
+            last = n - k_new + t1 - 1  # no query of this block sees past it
             q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).float()  # [H, t, Dc + Dr]
-            allowed = kpos[None, :] <= qpos[:, None]  # [t, n] causal
+            keys, kp = packed[: last + 1], kpos[: last + 1]
+            allowed = kp[None, :] <= qpos[:, None]  # [t, S] causal
             if mask is not None:
-                allowed = allowed & mask[b, :, t0:t1, :n].to(dev)  # [1 or H, t, n]
-            if quant:  # packed copy where the policy reads packed, BF16 copy where it reads full precision
-                allowed_f = allowed[..., fpos] & policy.reads_full(qpos, fpos)
-                allowed = torch.cat([allowed & ~policy.reads_full(qpos, kpos), allowed_f], dim=-1)
-            s = (q @ keys.T * softmax_scale).masked_fill(~allowed, float("-inf"))  # [H, t, n + F]
+                allowed = allowed & mask[b, :, t0:t1, : last + 1].to(dev)  # [1 or H, t, S]
+            if quant:  # each token's packed copy, plus its BF16 copy when some query here may read it: one admitted
+                band = (fpos <= last) & ((fpos < policy.sink) | (fpos > qpos[0] - policy.local))
+                fp = fpos[band]
+                allowed = torch.cat([allowed & ~policy.reads_full(qpos, kp),
+                                     allowed[..., fp] & policy.reads_full(qpos, fp)], dim=-1)  # fmt: skip
+                keys = torch.cat([keys, full[band]])  # [S + F', Dc + Dr]
+            s = (q @ keys.T * softmax_scale).masked_fill(~allowed, float("-inf"))  # [H, t, S + F']
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> 0
             o[b, :, t0:t1] = p @ keys[:, :Dc]
     return o
