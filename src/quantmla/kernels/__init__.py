@@ -1,7 +1,9 @@
 """Attention kernels over the paged, packed MLA cache: Triton fast paths beside fp32 torch references.
 
 - :mod:`quantmla.kernels.paged`: the page layout (documented byte by byte) and :class:`PagedMLACache`
+- :mod:`quantmla.kernels.pages`: page bookkeeping (free list, block table), shareable by several caches
 - :mod:`quantmla.kernels.reference`: fp32 torch decode / chunked-prefill attention (the oracles)
+- :mod:`quantmla.kernels.prefill`: chunked prefill for GPUs (BF16 workspace + torch's fused attention)
 - :mod:`quantmla.kernels.triton_writer`: fused quantize + pack + BF16-buffer writer (Triton)
 - :mod:`quantmla.kernels.triton_decode`: split-K decode attention + LSE combine (Triton)
 - :mod:`quantmla.kernels.dispatch`: ``decode_attention(..., impl="auto"|"triton"|"torch")`` and overrides
