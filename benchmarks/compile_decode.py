@@ -2,7 +2,11 @@
 
 Lets us catch compile errors and register spills on a CPU machine before spending GPU time::
 
-    python benchmarks/compile_decode.py [--warps 8] [--stages 2] [--block-n 64] [--variant base|splitd|both] [--sass]
+    python benchmarks/compile_decode.py [--warps 8] [--stages 2] [--block-n 64] [--writer] [--sass]
+
+For the H200's Triton (3.6), put its wheel first on the path:
+``pip install --no-deps --target /tmp/tr36 triton==3.6.0 && PYTHONPATH=/tmp/tr36:src python benchmarks/...``
+(Triton 3.6 rejects some programs that 3.9 accepts, e.g. constexpr branches returning different shapes).
 """
 
 from __future__ import annotations
@@ -101,15 +105,6 @@ def sass_mix(k) -> str:
     return f"loop {total} instr/warp/iteration, HMMA {hmma} ({100 * hmma / max(1, total):.1f}%): {top}"
 
 
-def splitd_constexprs(fmt_name: str, block_n: int, nb: int | None = None) -> dict:
-    ce = decode_constexprs(fmt_name, block_n)
-    del ce["QUANT"], ce["INTERP"]
-    fmt = get_format(fmt_name)
-    ce["NB"] = triton_decode.splitd_chunks(fmt, 512, 64, nb or triton_decode.TUNING_SPLITD["nb"])
-    ce["ASM"] = True
-    return ce
-
-
 def decode_constexprs(fmt_name: str, block_n: int) -> dict:
     fmt = get_format(fmt_name)
     L = PagedLayout(fmt)
@@ -130,27 +125,13 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--formats", default="bf16,c8r8,c4r8,c4r4,c2r4")
     ap.add_argument("--writer", action="store_true")
-    ap.add_argument("--variant", default="base", choices=["base", "splitd", "both"],
-                    help="packed-page kernel(s); splitd uses --splitd-warps/--nb")  # fmt: skip
-    ap.add_argument("--splitd-warps", type=int, default=triton_decode.TUNING_SPLITD["num_warps"])
-    ap.add_argument("--nb", type=int, default=triton_decode.TUNING_SPLITD["nb"], help="split-D chunks (preferred)")
-    ap.add_argument("--maxnreg", type=int, default=None, help="split-D register cap")
     ap.add_argument("--sass", action="store_true", help="also print the SASS instruction mix of the main loop")
     a = ap.parse_args()
     for f in a.formats.split(","):
-        if a.variant in ("base", "both") or f == "bf16":
-            k = compile_kernel(triton_decode._decode_kernel, decode_constexprs(f, a.block_n), a.warps, a.stages)
-            print(f"decode {f:5s} base   warps={a.warps} stages={a.stages} block_n={a.block_n}: {resources(k)}")
-            if a.sass:
-                print(f"    {sass_mix(k)}")
-        if a.variant in ("splitd", "both") and f != "bf16":
-            ce = splitd_constexprs(f, a.block_n, a.nb)
-            k = compile_kernel(triton_decode._splitd_kernel, ce, a.splitd_warps, a.stages, a.maxnreg)
-            print(f"decode {f:5s} splitd warps={a.splitd_warps} stages={a.stages} block_n={a.block_n} nb={ce['NB']} "
-                  f"maxnreg={a.maxnreg}: "
-                  f"{resources(k)}")  # fmt: skip
-            if a.sass:
-                print(f"    {sass_mix(k)}")
+        k = compile_kernel(triton_decode._decode_kernel, decode_constexprs(f, a.block_n), a.warps, a.stages)
+        print(f"decode {f:5s} warps={a.warps} stages={a.stages} block_n={a.block_n}: {resources(k)}")
+        if a.sass:
+            print(f"    {sass_mix(k)}")
     k = compile_kernel(triton_decode._combine_kernel, {"DC": 512, "DCP": 512, "NSP": 16}, 4, 1)
     print(f"combine: {resources(k)}")
     if a.writer:

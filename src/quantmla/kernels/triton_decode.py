@@ -51,16 +51,28 @@ def _magic(b16, MASK: tl.constexpr):
 def _grouped_codes(a, BITS: tl.constexpr):
     """int16 bytes ``[N, GB]`` of one quantization group (grouped planar packing) -> fp16 ``[N, GB * 8 / BITS]``
     ``1024 + code``, in the order of :func:`_group_perm` (4 bit: position ``2m + f`` = field ``f`` of byte ``m``;
-    2 bit: position ``4m + 2x + y`` = field ``2y + x``)."""
-    M: tl.constexpr = (1 << BITS) - 1
+    2 bit: position ``4m + 2x + y`` = field ``2y + x``). (One return per helper: Triton 3.6 rejects branches that
+    return differently shaped tensors, even under a constexpr condition.)"""
     if BITS == 4:
-        lo = ((a & M) | 0x6400).to(tl.float16, bitcast=True)
-        hi = (((a >> 4) & M) | 0x6400).to(tl.float16, bitcast=True)
-        return tl.reshape(tl.join(lo, hi), [a.shape[0], a.shape[1] * 2])
-    f0 = ((a & M) | 0x6400).to(tl.float16, bitcast=True)
-    f1 = (((a >> 2) & M) | 0x6400).to(tl.float16, bitcast=True)
-    f2 = (((a >> 4) & M) | 0x6400).to(tl.float16, bitcast=True)
-    f3 = (((a >> 6) & M) | 0x6400).to(tl.float16, bitcast=True)
+        out = _grouped_codes4(a)
+    else:
+        out = _grouped_codes2(a)
+    return out
+
+
+@triton.jit
+def _grouped_codes4(a):
+    lo = ((a & 15) | 0x6400).to(tl.float16, bitcast=True)
+    hi = (((a >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [a.shape[0], a.shape[1] * 2])
+
+
+@triton.jit
+def _grouped_codes2(a):
+    f0 = ((a & 3) | 0x6400).to(tl.float16, bitcast=True)
+    f1 = (((a >> 2) & 3) | 0x6400).to(tl.float16, bitcast=True)
+    f2 = (((a >> 4) & 3) | 0x6400).to(tl.float16, bitcast=True)
+    f3 = (((a >> 6) & 3) | 0x6400).to(tl.float16, bitcast=True)
     return tl.reshape(tl.join(tl.join(f0, f1), tl.join(f2, f3)), [a.shape[0], a.shape[1] * 4])
 
 
