@@ -37,3 +37,13 @@ def test_tiny_run_writes_checked_results(tmp_path, capsys):
     assert "| 2 | 400 |" in md and d["meta"]["commit"]
     with pytest.raises(SystemExit, match="--force"):
         bench.main(argv)
+
+
+def test_device_comparison_smoke(tmp_path, capsys):
+    """benchmarks/generate_devices.py on two CPU copies of a tiny model: identical tokens, zero logit difference."""
+    spec = importlib.util.spec_from_file_location("generate_devices", BENCH.parent / "generate_devices.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--tiny", "--devices", "cpu,cpu", "--formats", "c2r4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate_devices_tiny.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["identical"] and r["max_logit_diff"] == 0 and not r["flips"] for r in rows)
