@@ -180,19 +180,20 @@ def _writer_kernel(
     x_c = C + b.to(tl.int64) * stride_cb + t * stride_ct
     x_r = KP + b.to(tl.int64) * stride_kb + t * stride_kt
     base8 = POOL8 + page * PAGE_BYTES
-    if CBITS == 16:
-        cb16 = POOLBF + page * (PAGE_BYTES // 2) + C_OFF // 2 + slot * DC
-        _copy_bf16(x_c, cb16, valid, DC, CWP)
-        rb16 = POOLBF + page * (PAGE_BYTES // 2) + R_OFF // 2 + slot * DR
-        _copy_bf16(x_r, rb16, valid, DR, RWP)
+    meta = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2 + slot
+    if CBITS == 16:  # each path on its own: C4R16 / C16R4 keep one path in BF16 inside the page
+        _copy_bf16(x_c, POOLBF + page * (PAGE_BYTES // 2) + C_OFF // 2 + slot * DC, valid, DC, CWP)
     else:
-        meta = POOL16 + page * (PAGE_BYTES // 2) + M_OFF // 2 + slot
         _write_path(
             x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CSYM, CSROW, COROW, P, CWP
         )
+    if RBITS == 16:
+        _copy_bf16(x_r, POOLBF + page * (PAGE_BYTES // 2) + R_OFF // 2 + slot * DR, valid, DR, RWP)
+    else:
         _write_path(
             x_r, base8 + R_OFF + slot * (DR * RBITS // 8), meta, valid, DR, RBITS, RGROUP, RSYM, RSROW, ROROW, P, RWP
         )
+    if CBITS != 16 or RBITS != 16:  # a quantized format: BF16 copies of the sink and the final local window
         if SINK > 0:
             in_sink = valid & (pos < SINK)
             dst = SINKB + b.to(tl.int64) * stride_sb + pos * (DC + DR)
