@@ -9,7 +9,7 @@
 //
 // Codes reach the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) exactly: a b-bit field becomes the
 // bf16 number 128 + code with one shift and one LOP3 per register pair (0x4300 = 128). The page's bytes are
-// staged in shared memory with cp.async (3 stages); the SAME bytes are read with ldmatrix for the score product
+// staged in shared memory with cp.async (2 stages); the SAME bytes are read with ldmatrix for the score product
 // (B = K^T: pairs of channels of one token) and with ldmatrix.trans for the output product (B = V: pairs of
 // tokens of one channel): a 16-bit element of a row holds 16/b codes of one token, and the grouped planar
 // packing makes every 16-byte chunk of a row belong to one group. Chunk x of token n sits at
