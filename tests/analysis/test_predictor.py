@@ -60,9 +60,37 @@ def test_predict_model_end_to_end():
     assert set(m) == {"cache_error_only", "operator_only", "operator_allocation"}
     assert m["operator_allocation"]["held_out_points"] > 0
     assert m["operator_allocation"]["median_abs_log_error"] < 1.0  # within a factor e on held-out layers
-    again = validate_predictor(rep.points)
-    assert again["operator_allocation"]["log_offset"] == pytest.approx(m["operator_allocation"]["log_offset"])
+    # the reported offset and held-out error, recomputed by hand from the points: the global log offset is fitted on
+    # the even layers (mean log measured / predicted), the error is the median |log| misfit on the odd layers
+    layers = sorted({p.layer for p in rep.points})
+    fit = [p for p in rep.points if layers.index(p.layer) % 2 == 0]
+    held = [p for p in rep.points if layers.index(p.layer) % 2 == 1]
+    for name in ("operator_only", "operator_allocation"):
+        off = sum(math.log(p.measured / p.predicted[name]) for p in fit) / len(fit)
+        errs = sorted(abs(math.log(p.measured) - math.log(p.predicted[name] * math.exp(off))) for p in held)
+        assert m[name]["log_offset"] == pytest.approx(off, rel=1e-9)
+        assert m[name]["median_abs_log_error"] == pytest.approx(errs[len(errs) // 2], rel=1e-9)
+        assert m[name]["held_out_points"] == len(held)
     assert rep.to_dict()["points"][0]["predicted"]["cache_error_only"] == 1.0
+
+
+def test_validate_predictor_on_known_points():
+    """Points built so every metric is known in closed form: measured = 3 x predicted on the fitted (even) layers,
+    times exp(d) on the held-out (odd) ones."""
+    from quantmla.analysis.predictor import PredictedPoint
+
+    pred = {"content": [10.0, 20.0, 30.0, 40.0], "rope": [1.0, 2.0, 3.0, 4.0]}
+    dev = {(1, "content"): 0.2, (3, "content"): -0.1, (1, "rope"): 0.05, (3, "rope"): 0.3}
+    pts = [
+        PredictedPoint(lay, 1e-3, path, 3 * pred[path][lay] * math.exp(dev.get((lay, path), 0.0)),
+                       {"cache_error_only": 1.0, "operator_only": pred[path][lay], "operator_allocation": 1.0})
+        for lay in range(4) for path in ("content", "rope")
+    ]  # fmt: skip
+    m = validate_predictor(pts)["operator_only"]
+    assert m["log_offset"] == pytest.approx(math.log(3))
+    assert m["median_abs_log_error"] == pytest.approx(0.2)  # sorted |d| = 0.05, 0.1, 0.2, 0.3 -> element 2
+    assert m["log_ratio_mae"] == pytest.approx((abs(0.05 - 0.2) + abs(0.3 + 0.1)) / 2)
+    assert m["spearman"] == pytest.approx(1.0) and m["held_out_points"] == 4
 
 
 def test_within_path_spearman_is_not_fooled_by_path_separation():

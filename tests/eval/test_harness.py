@@ -84,8 +84,28 @@ def test_retrieval_runs_and_summarizes(tiny_mla, tokenizer):
     assert len(recs) == 4 and all(isinstance(r["correct"], bool) for r in recs)
     s = summarize(recs)
     assert s["passkey"]["300"]["n"] == 4 and set(s["passkey"]["300"]["by_depth"]) == {"0.2", "0.8"}
-    # an oracle check of the scorer on the real records: a record is correct iff the value was predicted
-    assert all(r["correct"] == (r["predicted"] == r["value"]) for r in recs)
+    assert all(r["predicted"] is None or len(r["predicted"]) == 5 for r in recs)  # 5-digit passkeys only
+
+
+def test_retrieval_scores_known_outputs(tiny_mla, tokenizer, monkeypatch):
+    """The decoder's output is scripted (right value, a longer number, the value after other words, a wrong
+    value), so which records are correct is known by construction, and so is the summary."""
+    import quantmla.eval.retrieval as retrieval
+
+    _, mla = tiny_mla
+    b = NeedleBuilder(tokenizer, chat=False)
+    samples = [b.build("passkey", 300, d, i) for d in (0.2, 0.8) for i in range(2)]
+    wrong = str((int(samples[3].value) + 1) % 100000).zfill(5)
+    texts = [f" {samples[0].value}. Remember", " 123456789", f"The pass key is {samples[2].value}", f" {wrong}."]
+    assert wrong != samples[3].value
+    script = iter(texts)
+    monkeypatch.setattr(retrieval, "greedy_generate", lambda *a, **k: tokenizer(next(script))["input_ids"])
+    recs = retrieval.run_samples(mla, tokenizer, samples, CacheSpec("c4r4"))
+    assert [r["correct"] for r in recs] == [True, False, True, False]
+    assert [r["predicted"] for r in recs] == [samples[0].value, None, samples[2].value, wrong]
+    s = summarize(recs)["passkey"]["300"]
+    assert (s["correct"], s["n"], s["accuracy"]) == (2, 4, 0.5)
+    assert s["by_depth"] == {"0.2": 0.5, "0.8": 0.5}
 
 
 def test_evaluate_table_and_write(tiny_mla, tokenizer, tmp_path, monkeypatch):

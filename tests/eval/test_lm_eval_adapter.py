@@ -1,11 +1,18 @@
-"""The lm-eval adapter on a tiny model: log-likelihoods match a direct computation; a tiny local task runs."""
+"""The lm-eval adapter on a tiny model: log-likelihoods match a direct computation; a tiny local task scores what
+a direct computation says it must.
+
+lm_eval is part of the install (the ``eval`` extra, installed by scripts/install.sh and so in CI): these tests
+must run, not vanish, so a missing lm_eval is a failure here, not a skip."""
 
 import json
 
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
+try:
+    import lm_eval  # noqa: F401
+except ImportError:  # pragma: no cover - only where the eval extra is missing
+    pytest.fail("lm_eval is not installed: pip install -e '.[eval]' (scripts/install.sh installs it)", pytrace=False)
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -39,28 +46,43 @@ def test_rolling_and_generate(tiny_mla, tokenizer):
     assert isinstance(g, str) and "." not in g
 
 
+def _direct_loglik(model, tokenizer, context: str, continuation: str) -> float:
+    """log p(continuation | context) in float64 from one plain forward pass (no cache, no adapter)."""
+    ctx, cont = tokenizer(context)["input_ids"], tokenizer(continuation)["input_ids"]
+    with torch.no_grad():
+        lp = model(torch.tensor([ctx + cont])).logits[0].double().log_softmax(-1)
+    return float(sum(lp[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
+
+
 def test_tiny_local_task_end_to_end(tiny_mla, tokenizer, tmp_path):
-    """A two-choice task generated here (local JSON file), run through lm_eval.simple_evaluate."""
+    """A three-choice task generated here (local JSON file) through lm_eval.simple_evaluate. Each label is set,
+    from a direct float64 computation, to the most likely choice for 4 documents and the least likely for 2, so
+    the accuracy lm_eval reports must be exactly 4/6 (a broken adapter, a wrong continuation split or a swapped
+    sign gives another number)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     _, mla = tiny_mla
+    questions = ["The sky is", "The grass is", "The sun is", "The pass key is", "To be, or not", "Here we go"]
+    words = [" blue.", " sky.", " grass.", " key."]  # two tokens each: the ranking is the model's, not the length's
+    assert {len(tokenizer(w)["input_ids"]) for w in words} == {2}
+    rows = []
+    for i, q in enumerate(questions):
+        choices = [words[(i + k) % 4] for k in range(3)]  # the order varies from document to document
+        ll = [_direct_loglik(mla, tokenizer, q, c) for c in choices]
+        order = sorted(range(3), key=lambda k: ll[k])
+        assert ll[order[2]] - ll[order[1]] > 1e-3 and ll[order[1]] - ll[order[0]] > 1e-3  # no near-ties
+        rows.append({"q": q, "choices": choices, "label": order[2] if i not in (1, 4) else order[0]})
+    for k in range(3):  # a degenerate adapter (all scores equal -> always choice k) cannot hit 4/6 by chance
+        assert sum(r["label"] == k for r in rows) != 4
     data = tmp_path / "colors.jsonl"
-    rows = [
-        {"q": "The sky is", "choices": [" blue.", " green."], "label": 0},
-        {"q": "The grass is", "choices": [" blue.", " green."], "label": 1},
-    ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "colors.yaml").write_text(
         "task: quantmla_colors\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ntarget_delimiter: ''\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
     )
-    lm = QuantMLALM(mla, tokenizer, cache_format="c4r4")
-    try:
-        res = simple_evaluate(model=lm, tasks=["quantmla_colors"], task_manager=TaskManager(include_path=str(tmp_path)))
-    except Exception as e:  # the datasets json builder needs no network, but some installs lack pieces
-        pytest.skip(f"lm_eval could not build the local task here: {type(e).__name__}: {e}")
-    acc = res["results"]["quantmla_colors"]["acc,none"]
-    assert 0.0 <= acc <= 1.0
+    lm = QuantMLALM(mla, tokenizer, cache_format="fp32")
+    res = simple_evaluate(model=lm, tasks=["quantmla_colors"], task_manager=TaskManager(include_path=str(tmp_path)))
+    assert res["results"]["quantmla_colors"]["acc,none"] == pytest.approx(4 / 6)

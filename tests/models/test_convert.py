@@ -141,14 +141,38 @@ def test_save_load_roundtrip_and_spec(tmp_path):
     assert all(type(layer.mlp).__name__ == "DeepseekV3MLP" for layer in loaded.model.layers)
 
 
-def test_variant_b_is_stock_deepseek_v3(tmp_path):
+def test_variant_b_is_stock_deepseek_v3():
     m = tiny_llama()
-    new, rep = convert_model(m, None, ConvertConfig(variant="b", latent_multiple=32), calib_ids=CALIB)
+    cc = ConvertConfig(variant="b", latent_multiple=32)
+    new, rep = convert_model(m, None, cc, calib_ids=CALIB)
     assert new.config.model_type == "deepseek_v3" and type(new).__name__ == "DeepseekV3ForCausalLM"
     assert rep["latent_width"] == 96 and rep["latent_raw_width"] == 80  # 2 keys + 3 values of 16, padded
-    assert (new.model.layers[0].self_attn.kv_a_layernorm.weight > 0).all()
-    out = new(X).logits
-    assert torch.isfinite(out).all()
+    # the latent norm's gain (layer 0): the mean per-token RMS of the latent on the calibration tokens, by hand
+    with torch.no_grad():
+        h = m.model.embed_tokens.weight[CALIB[: cc.calib_seq]].double()  # [T, D]
+        hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)
+        hn = hn * m.model.layers[0].input_layernorm.weight.double()
+        w = new.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[:96].double()  # latent rows
+        gain = (hn @ w.T).pow(2).mean(-1).sqrt().mean()
+    torch.testing.assert_close(new.model.layers[0].self_attn.kv_a_layernorm.weight.double(),
+                               torch.full((96,), float(gain), dtype=torch.float64), rtol=1e-5, atol=0)  # fmt: skip
+    # without the norm, transformers' stock DeepSeek-V3 forward reproduces the Llama wherever removing RoPE from
+    # the non-RoPE heads is exact: single-token sequences (no relative rotation)
+    for layer in new.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    torch.testing.assert_close(new(X[:, :1]).logits, m(X[:, :1]).logits, atol=2e-5, rtol=1e-5)
+    assert (new(X).logits - m(X).logits).abs().max() > 1e-3  # (longer sequences do see the removed RoPE)
+
+
+def test_variant_b_of_an_mqa_model_is_exact_without_the_norm():
+    """One KV head: the RoPE key is that head, nothing loses RoPE; with the latent norm taken out, the stock
+    DeepSeek-V3 forward equals the Llama's at every position (RoPE layout, scale, value path, o_proj)."""
+    m = tiny_llama(kv_heads=1)
+    new, rep = convert_model(m, None, ConvertConfig(variant="b", latent_multiple=16), calib_ids=CALIB)
+    assert type(new).__name__ == "DeepseekV3ForCausalLM" and rep["qk_nope_head_dim"] == 0
+    for layer in new.model.layers:
+        layer.self_attn.kv_a_layernorm = torch.nn.Identity()
+    torch.testing.assert_close(new(X).logits, m(X).logits, atol=2e-5, rtol=1e-5)
 
 
 def test_deterministic():
