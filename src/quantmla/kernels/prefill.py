@@ -7,8 +7,10 @@ buffer, local ring, ``recent``) are appended as ``F`` more keys, and every block
 ``torch.nn.functional.scaled_dot_product_attention`` over the ``n + F`` keys with a boolean mask that admits, for
 the query at position ``p``, the packed copy of token ``j`` when ``j <= p`` and the policy reads it packed, and
 the BF16 copy when ``j <= p`` and the policy reads it in full precision: one softmax, exactly the policy. The
-attention kernel itself (memory-efficient / flash / math, chosen by torch) runs in BF16 with fp32 accumulation,
-so this path agrees with the oracle to BF16 rounding. Memory: the workspace plus a ``[block, n + F]`` mask.
+attention kernel itself (chosen by torch: memory-efficient where it takes the shapes, else math) runs in BF16 with
+fp32 accumulation, so this path agrees with the oracle to BF16 rounding. Every query block reads only the keys it
+may see (the causal prefix and the BF16 copies in its window band). Memory: the workspace plus a ``[H x block, n +
+F]`` mask (kept near 64 MB).
 """
 
 from __future__ import annotations
@@ -20,17 +22,16 @@ import torch.nn.functional as F
 
 from quantmla.kernels.reference import _check_q, _n_new_list, full_precision_rows
 
-_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
-
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H, t, D], k [N, D], v [N, Dv], mask bool [t, N] -> [H, t, Dv] (one KV head shared by every query head)."""
-    H = q.shape[0]
-    if _GQA:
-        return F.scaled_dot_product_attention(q[None], k[None, None], v[None, None], attn_mask=mask[None, None],
-                                              scale=scale, enable_gqa=True)[0]  # fmt: skip
-    kk, vv = k.expand(H, *k.shape), v.expand(H, *v.shape)
-    return F.scaled_dot_product_attention(q[None], kk[None], vv[None], attn_mask=mask[None, None], scale=scale)[0]
+    """q [H, t, D], k [N, D], v [N, Dv], mask bool [t, N] -> [H, t, Dv]. Every query head reads the same keys (one
+    latent KV head), so the ``H x t`` queries go in as the queries of one head: no key copies, and any backend
+    that takes a mask (memory-efficient, math) can run it."""
+    H, t, D = q.shape
+    m = mask[None].expand(H, t, mask.shape[1]).reshape(1, 1, H * t, mask.shape[1])
+    o = F.scaled_dot_product_attention(q.reshape(1, 1, H * t, D), k[None, None], v[None, None], attn_mask=m,
+                                       scale=scale)  # fmt: skip
+    return o.reshape(H, t, v.shape[-1])
 
 
 def prefill_attention_sdpa(
@@ -67,7 +68,7 @@ def prefill_attention_sdpa(
             full, held = full_precision_rows(cache, b, n, k_new, recent)
             fpos = held.nonzero()[:, 0].to(dev)  # [F] positions with a BF16 copy
             full = full[held].to(device=dev, dtype=dtype)  # [F, Dc + Dr]
-        step = block or max(1, min(k_new, (64 << 20) // max(1, 2 * n)))
+        step = block or max(1, min(k_new, (64 << 20) // max(1, 2 * n * H)))  # mask [H * step, <= 2n] <= 64 MB
         for t0 in range(0, k_new, step):
             t1 = min(k_new, t0 + step)
             qpos = torch.arange(n - k_new + t0, n - k_new + t1, device=dev)  # [t]
