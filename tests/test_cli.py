@@ -136,3 +136,20 @@ def test_generate_byte_report_for_bf16_and_c4r4(tmp_path, capsys):
                     num_layers=model.config.num_hidden_layers, context=n, batch=1)  # fmt: skip
         assert f"{cache_bytes(fmt, **spec).total:,} B on a BF16 model" in line and "allocated" in line
         assert ("less than BF16" in line) == (fmt != "bf16")  # no "1.00x smaller" for BF16 itself
+
+
+def test_generate_log_has_no_progress_bars(tmp_path):
+    """stderr a pipe (a log): transformers' loading bars stay off; the output is the text and the report."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import quantmla
+
+    path, model, tok = _tiny_dir(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(quantmla.__file__).resolve().parents[1])}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    r = subprocess.run([sys.executable, "-m", "quantmla.cli", "generate", "--model", path, "--prompt", "w3 w4",
+                        "--max-new-tokens", "2"], capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 0 and r.stderr == "" and "tok/s" in r.stdout

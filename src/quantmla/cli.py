@@ -72,6 +72,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from quantmla.progress import stderr_is_terminal
+
+    if not stderr_is_terminal():  # a log: no tqdm bars from transformers / huggingface_hub (loading, GGUF)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
