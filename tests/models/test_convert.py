@@ -322,3 +322,27 @@ def test_convert_command_refuses_another_variant(source_dir, calib_text, tmp_pat
     second = run("--variant", "b")
     assert second.returncode != 0 and "variant" in second.stderr, second.stderr[-2000:]
     assert _model_type(out) == "quantmla_mla"
+
+
+def test_convert_command_writes_a_model_transformers_runs_exactly(source_dir, calib_text, tmp_path, capsys):
+    """``quantmla convert`` in-process on a local Llama folder, with a RoPE key as wide as all KV heads (nothing
+    loses RoPE): the folder loads with transformers' Auto classes and its logits are the Llama's (transformers'
+    own forward), and the printed dims are those of the written config."""
+    from transformers import AutoModelForCausalLM
+
+    from quantmla.cli import main
+
+    out = tmp_path / "mla"
+    argv = ["convert", "--source", source_dir, "--out", str(out), "--rope-dim", "48", "--latent-multiple", "16",
+            "--calib-corpus", calib_text, "--calib-tokens", "512"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    import quantmla.models.mla_model  # noqa: F401  (registers quantmla_mla with the Auto classes)
+
+    new = AutoModelForCausalLM.from_pretrained(out).eval()
+    src = AutoModelForCausalLM.from_pretrained(source_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(X).logits, src(X).logits, atol=2e-5, rtol=1e-5)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["qk_rope_head_dim"] == 48 and cfg["qk_nope_head_dim"] == 0 and "rope=48" in printed
+    assert json.loads((out / cv.MARKER).read_text())["config"]["rope_dim"] == 48
