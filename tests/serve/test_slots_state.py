@@ -49,8 +49,20 @@ def test_state_table_rows_follow_the_batch():
     with pytest.raises(RuntimeError, match="max_num_seqs"):
         t.arrange(["f", "g"])
     with pytest.raises(RuntimeError, match="arrange"):
-        t.batch_views(0, 2)
+        t.batch_views(0, 4)
+    assert t.batch_views(1, 2, start=1)[0].data_ptr() == t.sink[1, 1:3].data_ptr()  # prefill rows after a decode
     assert t.nbytes == 2 * 4 * (1 + 2) * 3 * 2
+
+
+def test_state_table_grows_instead_of_failing_mid_serve():
+    """vLLM does not tell workers about preemptions: preempted requests keep rows until recomputed or finished."""
+    t = RequestStateTable(1, 2, 1, 2, 3, grow=True)
+    t.arrange(["a", "b"])
+    t.sink[0, :2] = torch.tensor([1.0, 2.0])[:, None, None]
+    t.arrange(["c", "d", "e"])  # a, b preempted (still live), three new requests
+    assert t.max_requests >= 5 and t.planned_rows == 2
+    assert t.sink[0, t.row_of("a")].eq(1.0).all() and t.sink[0, t.row_of("b")].eq(2.0).all()
+    assert all(torch.isnan(t.sink[0, t.row_of(r)]).all() for r in "cde")
 
 
 def test_job_time_by_hand(tmp_path):

@@ -45,12 +45,14 @@ class ServeLayer:
                 f"a KV cache block holds {per_block} bytes, the {self.layout.fmt.name} page needs "
                 f"{self.layout.page_bytes}: the KV cache spec does not report quantmla's page size"
             )
-        flat = raw.reshape(raw.shape[0], -1)
+        flat = raw.view(raw.shape[0], -1)  # a view (never a copy): writes must land in vLLM's tensor
         return flat[:, : self.layout.page_bytes]
 
-    def view(self, kv_cache, state: RequestStateTable | None, block_table, lens_before, lens_after) -> PagedMLACache:
+    def view(self, kv_cache, state: RequestStateTable | None, block_table, lens_before, lens_after,
+             first_row: int = 0) -> PagedMLACache:  # fmt: skip
         """A :meth:`PagedMLACache.on_pages` cache over vLLM's pages and our state: row ``b`` holds
-        ``lens_before[b]`` tokens and owns the blocks for ``lens_after[b]``."""
+        ``lens_before[b]`` tokens and owns the blocks for ``lens_after[b]``; the rows are batch rows ``first_row ..``
+        of the arranged state (e.g. vLLM's prefill rows, which follow its decode rows)."""
         P = self.layout.page_size
         bt_host = block_table.cpu()
         pages = [bt_host[b, : math.ceil(n / P)].tolist() for b, n in enumerate(lens_after)]
@@ -58,7 +60,7 @@ class ServeLayer:
         if self.quantized:
             if state is None:
                 raise ValueError(f"format {self.layout.fmt.name} needs the per-request BF16 sink/local state")
-            sink, local = state.batch_views(self.layer, B)
+            sink, local = state.batch_views(self.layer, B, start=first_row)
         else:
             d = self.layout.kv_lora_rank + self.layout.rope_dim
             sink = local = torch.empty(B, 0, d, dtype=torch.bfloat16, device=kv_cache.device)
@@ -106,32 +108,33 @@ class ServeLayer:
         view.write(c_pad, r_pad, n_new, impl=self.impl)
         return recent
 
-    def decode(self, kv_cache, state, q_lat, q_pe, seq_lens, block_table, softmax_scale: float):
+    def decode(self, kv_cache, state, q_lat, q_pe, seq_lens, block_table, softmax_scale: float, first_row: int = 0):
         """One query per row: ``q_lat [B, H, Dc]``, ``q_pe [B, H, Dr]`` -> ``o_lat [B, H, Dc]`` fp32, ``lse [B, H]``."""
         lens = [int(v) for v in seq_lens.tolist()]
-        view = self.view(kv_cache, state, block_table, lens, lens)
+        view = self.view(kv_cache, state, block_table, lens, lens, first_row)
         return decode_attention(q_lat, q_pe, view, softmax_scale, impl=self.impl, return_lse=True)
 
-    def gather(self, kv_cache, state, seq_lens, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, kv_cache, state, seq_lens, block_table, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantizing gather: every row's tokens as its newest token reads them (BF16 sink and local window,
         dequantized packed copies otherwise), concatenated: ``c_kv [sum n, Dc]``, ``k_pe [sum n, Dr]`` fp32."""
         lens = [int(v) for v in seq_lens.tolist()]
-        view = self.view(kv_cache, state, block_table, lens, lens)
+        view = self.view(kv_cache, state, block_table, lens, lens, first_row)
         Dc = self.layout.kv_lora_rank
         rows = [view.read_tokens(b, n) for b, n in enumerate(lens)]
         full = torch.cat(rows) if rows else torch.empty(0, Dc + self.layout.rope_dim, device=kv_cache.device)
         return full[:, :Dc], full[:, Dc:]
 
     def prefill(self, kv_cache, state, q_lat, q_pe, query_start_loc, seq_lens, block_table, softmax_scale: float,
-                recent: torch.Tensor | None = None):  # fmt: skip
+                recent: torch.Tensor | None = None, first_row: int = 0):  # fmt: skip
         """Causal attention of the step's queries (``q_lat [N, H, Dc]``, ``q_pe [N, H, Dr]``, flat; their tokens
         already written) over their rows' tokens, each query reading every token through the cache policy (the
         semantics of :func:`quantmla.kernels.reference.prefill_attention_torch`, so a prompt gives what
-        token-by-token decoding would) -> ``o_lat [N, H, Dc]`` fp32. ``recent``: what :meth:`write` returned."""
+        token-by-token decoding would) -> ``o_lat [N, H, Dc]`` fp32. ``recent``: what :meth:`write` returned (its
+        rows ``first_row ..``)."""
         qsl = [int(v) for v in query_start_loc.tolist()]
         lens = [int(v) for v in seq_lens.tolist()]
         n_new = [qsl[b + 1] - qsl[b] for b in range(len(lens))]
-        view = self.view(kv_cache, state, block_table, lens, lens)
+        view = self.view(kv_cache, state, block_table, lens, lens, first_row)
         ql = _padded(q_lat, qsl).transpose(1, 2)  # [B, H, T, Dc]
         qp = _padded(q_pe, qsl).transpose(1, 2)  # [B, H, T, Dr]
         impl = "torch" if self.impl == "torch" else "auto"

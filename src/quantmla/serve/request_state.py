@@ -8,7 +8,10 @@ engine that measures its memory before sizing the KV cache counts them (see docs
 Rows follow the engine's batch: before each step :meth:`arrange` is given the request ids in the order of the
 step's batch rows and permutes the table so that row ``b`` holds the request in batch row ``b``; the kernels
 then read ``sink[layer, :B]`` / ``local[layer, :B]`` as plain ``[B, ...]`` views (no gather per layer).
-Requests not in this step keep their rows (after the batch); :meth:`finish` frees rows. A request that
+Requests not in this step keep their rows (after the batch); :meth:`finish` frees rows. vLLM does not tell its
+workers about a preemption, so a preempted request keeps its row until it is recomputed (and restarts the row)
+or finishes: with ``grow=True`` the table then grows past ``max_num_seqs`` rows (logged, outside vLLM's memory
+plan) instead of failing mid-serve; without it that is an error. A request that
 (re)starts at position 0 (new, or recomputed after a preemption) gets its row refilled with NaN by
 :meth:`restart`, so a copy that was never written cannot be read silently. A request whose first write starts
 past position 0 (a prefix-cache hit) has no BF16 copies of its earlier tokens: that is an error.
@@ -16,8 +19,11 @@ past position 0 (a prefix-cache hit) has no BF16 copies of its earlier tokens: t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 _NAN_BYTE = 0xFF  # bf16 0xFFFF is a NaN
 
 
@@ -31,10 +37,11 @@ class RequestStateTable:
         width: int,
         *,
         device: torch.device | str = "cpu",
+        grow: bool = False,
     ) -> None:
         if num_layers <= 0 or max_requests <= 0:
             raise ValueError(f"num_layers and max_requests must be positive, got {num_layers}, {max_requests}")
-        self.num_layers, self.max_requests = num_layers, max_requests
+        self.num_layers, self.max_requests, self.grow, self.planned_rows = num_layers, max_requests, grow, max_requests
         self.sink = torch.empty(num_layers, max_requests, sink, width, dtype=torch.bfloat16, device=device)
         self.local = torch.empty(num_layers, max_requests, local, width, dtype=torch.bfloat16, device=device)
         self.sink.view(torch.uint8).fill_(_NAN_BYTE)
@@ -57,6 +64,8 @@ class RequestStateTable:
         if len(set(req_ids)) != len(req_ids):
             raise ValueError(f"duplicate request ids in one batch: {req_ids}")
         new = [r for r in req_ids if r not in self._row]
+        if len(self._row) + len(new) > self.max_requests and self.grow:
+            self._grow(len(self._row) + len(new))
         if len(self._row) + len(new) > self.max_requests:
             raise RuntimeError(
                 f"{len(self._row) + len(new)} live requests but the BF16 sink/local table has {self.max_requests} "
@@ -78,6 +87,19 @@ class RequestStateTable:
             self._row = {r: i for i, r in enumerate(want)}
         self._batch = list(req_ids)
 
+    def _grow(self, need: int) -> None:
+        rows = max(need, 2 * self.max_requests)
+        extra = rows - self.max_requests
+        shape = lambda t: (t.shape[0], extra, *t.shape[2:])  # noqa: E731
+        pad = [torch.full(shape(t), float("nan"), dtype=t.dtype, device=t.device) for t in (self.sink, self.local)]
+        self.sink, self.local = torch.cat([self.sink, pad[0]], 1), torch.cat([self.local, pad[1]], 1)
+        log.warning(
+            "quantmla: %d live requests (running or preempted and not yet recomputed) but the BF16 sink/local table "
+            "was planned for %d (max_num_seqs); grew it to %d rows (%d B beyond vLLM's memory plan)",
+            need, self.planned_rows, rows, (rows - self.planned_rows) * self.nbytes // rows,
+        )
+        self.max_requests = rows
+
     def restart(self, req_id: str, layer: int) -> None:
         """The request starts again at position 0 (new or recomputed): forget its copies in ``layer``."""
         self._fill_nan(self._row[req_id], layer)
@@ -94,11 +116,15 @@ class RequestStateTable:
         return self._row[req_id]
 
     # -- views for the kernels ----------------------------------------------------------------------
-    def batch_views(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sink [batch, s, D]`` and ``local [batch, w, D]`` of ``layer`` for the current batch rows."""
-        if batch != len(self._batch):
-            raise RuntimeError(f"the batch has {len(self._batch)} arranged rows, not {batch}; call arrange() first")
-        return self.sink[layer, :batch], self.local[layer, :batch]
+    def batch_views(self, layer: int, batch: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sink [batch, s, D]`` and ``local [batch, w, D]`` of ``layer`` for batch rows ``start .. start + batch``
+        (the whole arranged batch, or the decode or prefill rows of it)."""
+        if start < 0 or batch < 0 or start + batch > len(self._batch):
+            raise RuntimeError(
+                f"the batch has {len(self._batch)} arranged rows, not rows {start}..{start + batch - 1}; call "
+                "arrange() first"
+            )
+        return self.sink[layer, start : start + batch], self.local[layer, start : start + batch]
 
     def _fill_nan(self, row: int, layer: int | None = None) -> None:
         layers = slice(None) if layer is None else slice(layer, layer + 1)
