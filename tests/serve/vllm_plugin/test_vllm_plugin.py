@@ -99,9 +99,12 @@ def test_start_up_errors_name_the_problem(tmp_path):
     assert "block size 48" in reasons and "prefix caching" in reasons
     ok = _config(tmp_path, V2_LITE, cache_dtype="quantmla_c4r4")
     assert check_config(ok, "quantmla_c4r4", torch.device("cpu")) == []
-    bad = dict(V2_LITE, kv_lora_rank=256)
-    assert "512/64" in " ".join(check_config(_config(tmp_path, bad, cache_dtype="quantmla_c4r4"), "quantmla_c4r4",
-                                             torch.device("cpu")))
+    bad = dict(V2_LITE, kv_lora_rank=200)  # not a whole number of C4R4's 128-channel content groups
+    assert "200/64 do not fit" in " ".join(check_config(_config(tmp_path, bad, cache_dtype="quantmla_c4r4"),
+                                                        "quantmla_c4r4", torch.device("cpu")))
+    narrow = dict(V2_LITE, kv_lora_rank=384)  # variant b of the SmolLM2 conversion: fine on the torch path
+    assert check_config(_config(tmp_path, narrow, cache_dtype="quantmla_c4r4"), "quantmla_c4r4",
+                        torch.device("cpu")) == []
 
 
 def test_additional_config_is_validated(tmp_path):
