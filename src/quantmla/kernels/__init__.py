@@ -1,6 +1,7 @@
 """Attention kernels over the paged, packed MLA cache: Triton fast paths beside fp32 torch references.
 
-- :mod:`quantmla.kernels.paged`: the page layout (documented byte by byte) and :class:`PagedMLACache`
+- :mod:`quantmla.kernels.layout`: the byte layout of a page (documented byte by byte), :class:`PagedLayout`
+- :mod:`quantmla.kernels.paged`: :class:`PagedMLACache` (pool, block table, BF16 buffers; torch writer and reader)
 - :mod:`quantmla.kernels.pages`: page bookkeeping (free list, block table), shareable by several caches
 - :mod:`quantmla.kernels.reference`: fp32 torch decode / chunked-prefill attention (the oracles)
 - :mod:`quantmla.kernels.prefill`: chunked prefill for GPUs (BF16 workspace + torch's fused attention)

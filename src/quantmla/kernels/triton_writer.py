@@ -6,7 +6,7 @@ nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``) afte
 fp16 range, NaN groups flagged explicitly (GPU min/max skip NaN, torch's propagate it), IEEE division (``div_rn``),
 round-half-to-even (the ``1.5 * 2^23`` trick, exact for |y| < 2^22; larger values are clamped anyway),
 then the grouped planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of group ``g`` of a ``b``-bit
-row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``, see :mod:`quantmla.kernels.paged`).
+row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``, see :mod:`quantmla.kernels.layout`).
 Tokens in the sequence's final local window are copied as
 BF16 into the ring (only those, so that a long prefill chunk writes each ring slot exactly once); tokens
 at positions below ``sink`` go into the sink buffer. Works on CUDA and under ``TRITON_INTERPRET=1``.
