@@ -66,3 +66,15 @@ def test_export_refuses_what_vllm_cannot_read(tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError):
         export_for_vllm(str(tmp_path / "src"), str(tmp_path / "taken"))
+
+
+def test_command_line(tmp_path, capsys):
+    from quantmla.serve.checkpoint import main
+
+    _tiny_v3(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:  # exists: refused without --force
+        main([str(tmp_path / "src"), str(tmp_path / "out")])
+    assert e.value.code == 2 and "--force" in capsys.readouterr().err
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--force"]) == 0

@@ -82,3 +82,5 @@ def test_llm_generate_matches_quantmla_generate(tmp_path, capsys):
     per_request = (SINK + LOCAL) * (384 + 64) * 2 * 30  # BF16 sink + local copies, 30 layers
     assert rep["state_bytes_per_request"] == per_request
     assert rep["state_bytes_at_build"] == [SEQS * per_request] and rep["state_rows"] == SEQS
+    # allocated while the model loads: the window a GPU worker counts as model memory before sizing the KV cache
+    assert rep["state_bytes_in_load_model"] == [0, SEQS * per_request]

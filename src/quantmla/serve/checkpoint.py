@@ -130,3 +130,24 @@ def _copy_index(src: str, tmp: str, head_file: str | None) -> None:
         idx["weight_map"]["lm_head.weight"] = head_file
     with open(os.path.join(tmp, _INDEX), "w") as fh:
         json.dump(idx, fh, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m quantmla.serve.checkpoint SRC OUT [--force]``: write the vLLM export of ``SRC`` to ``OUT``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m quantmla.serve.checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("src", help="a transformers DeepSeek-V2/V3 folder, e.g. `quantmla convert --variant b --healed`'s")
+    p.add_argument("out", help="the folder to write (an existing one only with --force)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    args = p.parse_args(argv)
+    try:
+        out = export_for_vllm(args.src, args.out, force=args.force)
+    except (OSError, ValueError) as e:
+        p.exit(2, f"error: {e}\n")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

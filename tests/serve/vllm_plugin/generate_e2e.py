@@ -32,9 +32,19 @@ def main(argv: list[str]) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from quantmla.serve.vllm.worker import all_worker_caches
 
+    load_model, seen = CPUModelRunner.load_model, {}
+
+    def recording_load_model(self, *a, **kw):  # the window a GPU worker measures as the model's memory
+        seen["before"] = sum(c.state_bytes for c in all_worker_caches())
+        out = load_model(self, *a, **kw)
+        seen["after"] = sum(c.state_bytes for c in all_worker_caches())
+        return out
+
+    CPUModelRunner.load_model = recording_load_model
     llm = LLM(
         model=args.model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=64 * 2**20, seed=0, compilation_config={"custom_ops": ["-rotary_embedding"]},
@@ -56,6 +66,7 @@ def main(argv: list[str]) -> dict:
         "impls": sorted(impls),
         "layers": len(cache.layers),
         "state_bytes_at_build": state_at_build,
+        "state_bytes_in_load_model": [seen.get("before"), seen.get("after")],
         "state_rows": cache.table.planned_rows if cache.table is not None else 0,
         "state_bytes_per_request": cache.geometry.state_bytes_per_request(),
         "page_bytes": cache.geometry.block_bytes(),
