@@ -151,3 +151,4 @@ def test_cpu_mla_slots_resolve_per_engine(tmp_path):
     with set_current_vllm_config(_config(tmp_path, V2_LITE)):
         stock = resolve_obj_by_qualname(path)
     assert stock.__name__ == "CPUMLABackend" and stock.get_name() == "CPU_MLA"
+    assert resolve_obj_by_qualname(path) is stock  # outside any engine configuration: vLLM's own

