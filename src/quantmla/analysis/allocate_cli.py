@@ -36,6 +36,9 @@ def add_allocate_args(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--sink", type=int, default=4, help="cache policy the plan is for: BF16 sink tokens")
     p.add_argument("--local", type=int, default=128, help="cache policy: BF16 recent tokens")
+    p.add_argument("--estimator", choices=("measured", "predicted"), default="measured",
+                   help="distortion by error injection (default) or the first-order predictor (faster, optimistic "
+                   "at 2 bits)")  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.set_defaults(func=run_allocate)
@@ -91,9 +94,10 @@ def run_allocate(args) -> int:
     t0 = time.time()
     sens = model_sensitivities(model, ids.view(args.seqs, args.seq_len), sink=args.sink, local=args.local,
                                batch_size=args.batch_size, query_tokens=args.query_tokens, device=args.device,
-                               progress=True)  # fmt: skip
+                               estimator=args.estimator, progress=True)  # fmt: skip
     meta = {"model": name, "corpus": args.corpus or corpora.DEFAULT_SOURCE, "seqs": args.seqs,
             "seq_len": args.seq_len, "query_tokens": args.query_tokens, "sink": args.sink, "local": args.local,
+            "estimator": args.estimator,
             "seconds": round(time.time() - t0, 1),
             "uniform_predicted": {f: predicted_uniform(sens, c, r) for f, c, r in
                                   (("c4r4", 4, 4), ("c2r4", 2, 4), ("c8r8", 8, 8), ("c4r8", 4, 8))}}  # fmt: skip

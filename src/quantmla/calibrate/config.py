@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 METHODS = ("quantmla", "rtn", "smoothquant", "quarot")
 CONTENT_INITS = ("best", "identity", "hadamard")
 ROPE_INITS = ("best", "identity")
+ROPE_WEIGHTINGS = ("uniform", "attention")
 CONFIG_VERSION = 1
 
 # ``paper``: Table 7. ``cpu-fast``: a reduced budget for small models on a CPU (the main job): about two minutes
@@ -60,6 +61,8 @@ class CalibrationConfig:
         ``identity``.
     rope_init: where the RoPE transform starts: ``best`` (identity or SmoothQuant's per-pair smoothing at each
         alpha, lowest validation objective) or ``identity``.
+    rope_weighting: ``uniform`` (every causal query-key pair's logit error counts the same: the paper) or
+        ``attention`` (weighted by the full-precision attention probability of the pair; ours, an ablation).
     learn_content_scales: also learn the per-channel scales of the content transform (else rotation only).
     select_on_val: keep the learned transform only if it beats its start and the identity on validation.
     smoothquant_alphas: the migration strengths SmoothQuant-MLA tries on validation.
@@ -84,6 +87,7 @@ class CalibrationConfig:
     local: int = 128
     content_init: str = "best"
     rope_init: str = "best"
+    rope_weighting: str = "uniform"
     learn_content_scales: bool = True
     select_on_val: bool = True
     smoothquant_alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -97,6 +101,10 @@ class CalibrationConfig:
             raise ValueError(f"CalibrationConfig.method={self.method!r}; choose one of {METHODS}")
         if self.content_init not in CONTENT_INITS:
             raise ValueError(f"CalibrationConfig.content_init={self.content_init!r}; choose one of {CONTENT_INITS}")
+        if self.rope_weighting not in ROPE_WEIGHTINGS:
+            raise ValueError(
+                f"CalibrationConfig.rope_weighting={self.rope_weighting!r}; choose one of {ROPE_WEIGHTINGS}"
+            )
         if self.rope_init not in ROPE_INITS:
             raise ValueError(f"CalibrationConfig.rope_init={self.rope_init!r}; choose one of {ROPE_INITS}")
         for name in ("seq_len", "batch_size", "train_seqs", "val_seqs"):

@@ -188,8 +188,22 @@ def content_objective(
     return _nmse(mixed_attention_output(x, w, spec, c_hat, x.k_pe) - ref, ref)
 
 
-def rope_objective(x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec: QuantSpec | None) -> torch.Tensor:
-    """Positional-logit NMSE over causal pairs with the RoPE key cached as ``QDQ(k_pe z)``."""
+def attention_probs(x: LayerInputs, spec: MLASpec) -> torch.Tensor:
+    """Full-precision attention probabilities [B, H, Tq, S] of ``x``'s queries (no gradient)."""
+    with torch.no_grad():
+        logits = torch.einsum("bhtc,bsc->bhts", x.q_lat, x.c) + torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe)
+        p = torch.softmax((logits * spec.softmax_scale).masked_fill(~x.mask, float("-inf")), dim=-1)
+        return torch.nan_to_num(p)
+
+
+def rope_objective(
+    x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec: QuantSpec | None, weighting: str = "uniform"
+) -> torch.Tensor:
+    """Positional-logit NMSE over causal pairs with the RoPE key cached as ``QDQ(k_pe z)``.
+
+    ``weighting="attention"``: each (query, key) pair's squared logit error (and reference) weighted by the
+    full-precision attention probability of that pair (an error on a key the query barely attends moves the
+    output little); ``"uniform"``: every causal pair counts the same (the paper's objective)."""
     pairing = spec.rope_cache_pairing
     if r is None:
         k_hat = ste_fake_quantize(x.k_pe, qspec)
@@ -199,4 +213,9 @@ def rope_objective(x: LayerInputs, spec: MLASpec, r: RopeTransform | None, qspec
     mq = m if x.quant_mask is None else x.quant_mask.to(x.q_pe.dtype)  # only keys read from the packed copy
     ref = torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe) * m
     err = torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat - x.k_pe) * mq
+    if weighting == "attention":
+        p = attention_probs(x, spec)  # [B, H, Tq, S]
+        return (p * err.pow(2)).sum() / (p * ref.pow(2)).sum().clamp_min(1e-30)
+    if weighting != "uniform":
+        raise ValueError(f"unknown RoPE objective weighting {weighting!r}; use uniform or attention")
     return _nmse(err, ref)

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from quantmla.calibrate.checkpoint import (
 from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
+from quantmla.calibrate.shipped import save_transforms, transforms_tensors
 from quantmla.calibrate.trainer import (
     LayerBanks,
     _attention_by_block,
@@ -63,6 +64,7 @@ from quantmla.quant.formats import CacheFormat, get_format
 PROGRESS = "progress.json"
 BANK = "bank.pt"
 STREAM_VERSION = 1
+TF_PREFIX = "quantmla.transforms."  # transforms' tensors inside the per-block parts
 
 
 @dataclass
@@ -154,6 +156,7 @@ def calibrate_streamed(
     resume: bool = False,
     force: bool = False,
     keep_work: bool = False,
+    transforms_out: str | os.PathLike | None = None,
     on_block_done: Callable[[int], None] | None = None,
 ) -> StreamReport:
     """Calibrate the checkpoint in ``model_dir`` block by block and write the delta to ``out``.
@@ -161,7 +164,8 @@ def calibrate_streamed(
     ``tokens``: calibration token ids [N >= train_seqs + val_seqs, >= seq_len]. ``dtype``: the dtype the weights are
     materialized and the blocks run in (BF16 for the big FP8 models; the in-memory equivalent is the model loaded
     in that dtype). ``resume``: continue an interrupted run from its work directory. ``force``: overwrite ``out``
-    and discard a previous work directory. ``on_block_done(b)`` is called after block ``b`` is committed to disk.
+    and discard a previous work directory. ``transforms_out``: also write the learned transforms (a small file,
+    :mod:`.shipped`). ``on_block_done(b)`` is called after block ``b`` is committed to disk.
     """
     config = config or CalibrationConfig()
     out = Path(out)
@@ -214,16 +218,17 @@ def calibrate_streamed(
         cos, sin = cos[:1].float(), sin[:1].float()
         stats["forward_s"] = time.time() - t1
         t2 = time.time()
-        reports = []
+        reports, tf = [], {}
         for attn, x in zip(attn_of_block[b], attn_inputs, strict=True):
             banks = LayerBanks(x[:n_train], x[n_train:], cos, sin)
             content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
             fold_transforms(attn, spec, content, rope)
-            reports.append(rep.__dict__)
+            reports.append(asdict(rep))
+            tf.update({TF_PREFIX + k: v for k, v in transforms_tensors(attn.layer_idx, content, rope).items()})
         del attn_inputs
         stats["calibrate_s"] = time.time() - t2
         state, local = block.state_dict(), f"{prefix}layers.{b}."
-        part = {n: state[n[len(local) :]].detach().to("cpu").clone() for n in names}
+        part = {n: state[n[len(local) :]].detach().to("cpu").clone() for n in names} | tf
         del state, banks, x  # no reference to the block's weights or banks may outlive it
         atomic_save_safetensors(part, work / f"block_{b:05d}.safetensors",
                                 {"digests": json.dumps(digests), "reports": json.dumps(reports)})
@@ -240,11 +245,16 @@ def calibrate_streamed(
         if on_block_done is not None:
             on_block_done(b)
     tensors, digests, layers = _assemble(work, len(blocks))
+    transforms = {k[len(TF_PREFIX) :]: tensors.pop(k) for k in list(tensors) if k.startswith(TF_PREFIX)}
     report.layers = layers
     report.seconds = time.time() - t_start
     meta = {"base_key": stamp["base_key"], "base_digests": digests, "recipe": recipe, "report": layers,
             "model_type": spec.model_type, "num_blocks": len(blocks)}
     save_delta(out, tensors, meta, force=force)
+    if transforms_out is not None:
+        tmeta = {"base_key": stamp["base_key"], "cache_format": recipe["cache_format"], "method": config.method,
+                 "calibration": recipe["calibration"], "dtype": recipe["dtype"]}  # fmt: skip
+        save_transforms(transforms_out, transforms, tmeta, force=force)
     if not keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return report

@@ -295,7 +295,7 @@ class LayerProblem:
     def loss(self, path: str, x, transform) -> torch.Tensor:
         if path == "content":
             return content_objective(x, self.w, self.spec, transform, self.fmt.content)
-        return rope_objective(x, self.spec, transform, self.fmt.rope)
+        return rope_objective(x, self.spec, transform, self.fmt.rope, self.config.rope_weighting)
 
     @torch.no_grad()
     def validate(self, path: str, transforms: dict[str, nn.Module | None]) -> dict[str, float]:

@@ -1,0 +1,216 @@
+"""Calibrated transforms as a small file, and the ones that ship with quantmla, loaded by name.
+
+A transforms file (safetensors) holds, per attention layer ``i``, the learned content transform's factors
+``layers.i.content.u`` [Dc], ``.q`` [Dc, Dc], ``.v`` [Dc] (``T = diag(u) Q diag(v)``) and the RoPE transform's
+``layers.i.rope.log_s`` / ``.phi`` [Dr/2], in fp32 (a few MB for the embedded model), plus metadata (JSON
+strings): ``format`` = ``quantmla-transforms``, ``version``, ``model`` (the built-in name it was calibrated on),
+``base_key`` (that model's conversion key: a transforms file is never applied to another base), ``cache_format``,
+``method``, ``calibration`` (the recipe), ``label`` (what budget / machine produced it) and ``eval``: evaluation
+numbers measured on a small slice with the loaded transforms, which ``tests/calibrate/test_shipped.py``
+reproduces.
+
+Folding the loaded transforms (:func:`apply_transforms`) is the same exact algebra as after calibration: ``Q`` is
+re-orthogonalized in float64 (the nearest orthogonal matrix to the stored fp32 one) and, with a latent RMSNorm,
+``u`` is pinned to ``1 / g`` of the model's current gain, so full precision is unchanged to float64 rounding.
+
+Shipped files live in ``quantmla/models/data/<model>-quantmla-<format>.safetensors`` (package data, like the
+healing delta); :func:`apply_shipped` folds one into a loaded model by name (``quantmla eval --quantmla c4r4``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TRANSFORMS_FORMAT = "quantmla-transforms"
+TRANSFORMS_VERSION = 1
+DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "data"
+
+
+def transforms_tensors(layer: int, content, rope) -> dict[str, torch.Tensor]:
+    """The file's tensors for one attention layer's transforms (None = identity, not stored)."""
+    out = {}
+    if content is not None:
+        u, q, v = (x.detach().to(torch.float32).cpu().contiguous() for x in content.factors(torch.float64))
+        out.update({f"layers.{layer}.content.u": u, f"layers.{layer}.content.q": q, f"layers.{layer}.content.v": v})
+    if rope is not None:
+        out[f"layers.{layer}.rope.log_s"] = rope.log_s.detach().float().cpu().contiguous()
+        out[f"layers.{layer}.rope.phi"] = rope.phi.detach().float().cpu().contiguous()
+    return out
+
+
+def save_transforms(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False):
+    """Write a transforms file (temp file + rename); refuses to overwrite without ``force``."""
+    from quantmla.calibrate.delta import atomic_save_safetensors
+
+    path = Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it")
+    full = {"format": TRANSFORMS_FORMAT, "version": TRANSFORMS_VERSION, **meta}
+    return atomic_save_safetensors(tensors, path, {k: json.dumps(v) for k, v in full.items()})
+
+
+def load_transforms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"transforms file {path} does not exist")
+    with safe_open(path, framework="pt") as f:
+        raw = f.metadata() or {}
+        if raw.get("format") != json.dumps(TRANSFORMS_FORMAT):
+            raise ValueError(f"{path} is not a quantmla transforms file (metadata format {raw.get('format')!r})")
+        meta = {k: json.loads(v) for k, v in raw.items()}
+        if meta.get("version") != TRANSFORMS_VERSION:
+            raise ValueError(f"{path}: transforms version {meta.get('version')!r} unsupported")
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def _nearest_orthogonal(q: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(q.double())
+    return u @ vh
+
+
+@torch.no_grad()
+def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Fold the transforms of a file into ``model`` in place; returns the number of layers changed. Raises
+    ``ValueError`` naming the mismatch when the file was made for another model (before changing anything)."""
+    from quantmla.calibrate.fuse import fold_transforms, latent_norm_gain
+    from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+    from quantmla.mla.spec import MLASpec
+    from quantmla.mla.weights import iter_mla_attention
+
+    spec = MLASpec.from_config(model.config)
+    attns = dict(iter_mla_attention(model))
+    layers = sorted({int(k.split(".")[1]) for k in tensors})
+    plan = []
+    for i in layers:
+        if i not in attns:
+            raise ValueError(f"the transforms have layer {i}, the model has {len(attns)} attention layers")
+        attn, content, rope = attns[i], None, None
+        if f"layers.{i}.content.q" in tensors:
+            u, q, v = (tensors[f"layers.{i}.content.{n}"].double() for n in "uqv")
+            if q.shape != (attn.kv_lora_rank, attn.kv_lora_rank):
+                raise ValueError(f"layer {i}: content transform {tuple(q.shape)} for a {attn.kv_lora_rank}-dim latent")
+            g = latent_norm_gain(attn)
+            if g is not None:
+                inv = 1.0 / g.double().cpu()
+                if not torch.allclose(u, inv, rtol=1e-4, atol=0):
+                    raise ValueError(f"layer {i}: the content transform was made for another latent-norm gain")
+                u = inv
+            content = ContentTransform(u, _nearest_orthogonal(q), v, learn_rotation=False, learn_u=False,
+                                       learn_v=False)  # fmt: skip
+        if f"layers.{i}.rope.log_s" in tensors:
+            log_s = tensors[f"layers.{i}.rope.log_s"]
+            if log_s.shape != (spec.qk_rope_head_dim // 2,):
+                raise ValueError(f"layer {i}: {log_s.shape[0]} RoPE pairs, key is {spec.qk_rope_head_dim}-dim")
+            rope = RopeTransform(log_s.shape[0], log_s, tensors[f"layers.{i}.rope.phi"])
+        plan.append((attn, content, rope))
+    for attn, content, rope in plan:
+        fold_transforms(attn, spec, content, rope)
+    return len(plan)
+
+
+# ---- shipped files, by name ----------------------------------------------------------------------------------
+
+
+def shipped_path(model_name: str, fmt: str) -> Path:
+    from quantmla.models.names import canonical_name
+
+    key = canonical_name(model_name) or model_name
+    return DATA_DIR / f"{key}-quantmla-{fmt.lower()}.safetensors"
+
+
+def shipped_available() -> list[tuple[str, str]]:
+    """(model name, format) of every transforms file that ships with this install."""
+    out = []
+    for p in sorted(DATA_DIR.glob("*-quantmla-*.safetensors")):
+        model, _, fmt = p.name[: -len(".safetensors")].rpartition("-quantmla-")
+        out.append((model, fmt))
+    return out
+
+
+def base_key_of(model_name: str) -> str | None:
+    """The conversion key of a built-in model (what a shipped file's ``base_key`` must equal); None for folders."""
+    from quantmla.models.names import canonical_name
+
+    key = canonical_name(model_name)
+    if key is None:
+        return None
+    from quantmla.models.convert import ConvertConfig, conversion_key, healed_model_dir
+
+    if key == "smollm2-mla":
+        return conversion_key("smollm2", ConvertConfig(variant="a"))
+    if key == "smollm2-mla-b":
+        return conversion_key("smollm2", ConvertConfig(variant="b"))
+    if key == "smollm2-mla-b-healed":
+        return os.path.basename(healed_model_dir())
+    return None
+
+
+def load_shipped(model_name: str, fmt: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The shipped transforms for ``model_name`` (a built-in name) and cache format ``fmt``; a clear error listing
+    what ships when there is none."""
+    p = shipped_path(model_name, fmt)
+    if not p.is_file():
+        have = ", ".join(f"{m} {f}" for m, f in shipped_available()) or "none"
+        raise FileNotFoundError(f"no shipped QuantMLA transforms for --model {model_name} at {fmt}; shipped: {have}")
+    return load_transforms(p)
+
+
+def apply_shipped(model: nn.Module, model_name: str, fmt: str) -> dict:
+    """Fold the shipped transforms for (``model_name``, ``fmt``) into ``model`` in place; returns their metadata.
+    Refuses a file whose base key is not the key of the model it is applied to."""
+    tensors, meta = load_shipped(model_name, fmt)
+    want = base_key_of(model_name)
+    if want is not None and meta.get("base_key") not in (None, want):
+        raise ValueError(
+            f"the shipped {fmt} transforms were calibrated on {meta.get('base_key')!r}, this install builds {want!r} "
+            "(another converter version or source): recalibrate with `quantmla calibrate`"
+        )
+    apply_transforms(model, tensors)
+    return meta
+
+
+def shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> dict | None:
+    """The stored evaluation of the shipped transforms (None when none ship): for ``quantmla run`` to show the
+    full-budget result beside its short live calibration. Keys: ``label``, ``calibration``, ``eval``."""
+    try:
+        _, meta = load_shipped(model_name, fmt)
+    except FileNotFoundError:
+        return None
+    return {k: meta.get(k) for k in ("label", "method", "cache_format", "calibration", "eval", "base_key")}
+
+
+def format_shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> str | None:
+    """One line for ``quantmla run``: what the shipped transforms achieve (from their stored evaluation)."""
+    s = shipped_summary(model_name, fmt)
+    if s is None or not s.get("eval"):
+        return None
+    e = s["eval"]
+    parts = [f"shipped QuantMLA {fmt.upper()} transforms ({s.get('label', 'unlabelled')})"]
+    if "kl_removed_vs_rtn" in e:
+        parts.append(f"remove {100 * e['kl_removed_vs_rtn']:.0f}% of RTN's KL")
+    if "ppl_gap_closed_vs_rtn" in e:
+        parts.append(f"close {100 * e['ppl_gap_closed_vs_rtn']:.0f}% of its perplexity gap")
+    if "tokens" in e:
+        parts.append(f"on {e['tokens']} held-out tokens")
+    return ": ".join(parts[:1]) + (" " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
+__all__ = [
+    "apply_shipped",
+    "apply_transforms",
+    "format_shipped_summary",
+    "load_shipped",
+    "load_transforms",
+    "save_transforms",
+    "shipped_available",
+    "shipped_path",
+    "shipped_summary",
+    "transforms_tensors",
+]
