@@ -94,13 +94,26 @@ def test_shipped_by_name(tmp_path, monkeypatch):
     assert shipped.format_shipped_summary("smollm2-mla", "c2r4") is None
 
 
+def test_eval_quantmla_flag_names_what_ships(tmp_path, capsys):
+    from quantmla.cli import main
+
+    assert main(["eval", "--model", "smollm2-mla", "--quantmla", "c8r2", "--tasks", "ppl", "--out",
+                 str(tmp_path / "e.json")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--quantmla" in err and "no shipped QuantMLA transforms" in err and not (tmp_path / "e.json").exists()
+
+
 NONE_SHIPPED = [pytest.param("-", "-", marks=pytest.mark.skip(reason="no shipped transforms in this install"))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name,fmt", shipped.shipped_available() or NONE_SHIPPED)
-def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt):
-    """Load by name, fold, evaluate the stored slice on the CPU in fp32: the numbers stored in the file."""
+def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, tmp_path):
+    """Load by name, fold, evaluate the stored slice on the CPU in fp32: the numbers stored in the file; and
+    ``quantmla eval --quantmla`` measures the same perplexity."""
+    import json
+
+    from quantmla.cli import main
     from quantmla.data.corpus import token_stream
     from quantmla.eval.perplexity import perplexity, reference_logprobs
     from quantmla.eval.runtime import CacheSpec
@@ -119,3 +132,9 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt):
     assert r.kl_to_reference < ev["rtn"]["kl"]  # and they still beat RTN on that slice
     line = shipped.format_shipped_summary(model_name, fmt)
     assert line and fmt.upper() in line and "RTN" in line
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", model_name, "--quantmla", fmt, "--tasks", "ppl", "--corpus", ev["corpus"],
+                 "--ppl-tokens", str(ev["tokens"]), "--ppl-context", str(ev["context"]), "--out", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
+    res = json.loads(out.read_text())["results"][fmt]["ppl"]
+    assert res["perplexity"] == pytest.approx(ev["ppl"], rel=1e-4)

