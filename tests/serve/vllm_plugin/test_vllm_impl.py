@@ -1,7 +1,8 @@
 """The QuantMLA impl and metadata builder inside vLLM's calling convention, on CPU tensors shaped as vLLM passes
 them (flat tokens, decode rows first, block table and slot mapping from a toy block manager), against batch-1
-reference caches fed the same tokens and their fp32 torch oracles. Requests join, move rows, skip a step, finish
-and hand their row to a new request; every step mixes decode and prefill rows."""
+reference caches fed the same tokens and their fp32 torch oracles. Requests join, move rows, skip a step, prefill
+in two chunks (as vLLM's chunked prefill on a GPU does), finish and hand their row to a new request; steps mix
+decode and prefill rows."""
 
 from __future__ import annotations
 
@@ -160,8 +161,9 @@ def test_impl_in_vllm_calling_convention_matches_batch1_references(tmp_path, fmt
     toks = {r: _tokens(60, i) for i, r in enumerate("abcd")}
     plan = [
         {"a": 20, "b": 9},  # two prefills
-        {"b": 1, "a": 1, "c": 30},  # decodes first (rows swapped), c prefills past the local window
-        {"c": 1, "b": 1},  # a skips this step
+        {"b": 1, "a": 1, "c": 14},  # decodes first (rows swapped), c starts a chunked prefill
+        {"b": 1, "c": 16},  # a skips this step; c's second chunk reads its first (context) past the local window
+        {"c": 1, "b": 1},
         ("finish", "b"),
         {"a": 1, "c": 1, "d": 12},  # d takes b's row
         {"d": 1, "a": 1},
