@@ -34,6 +34,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,14 @@ TINY = dict(models="tiny", batches="1,3", contexts="40,300", prefill_contexts="2
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
+
+
+class Stopped(Exception):
+    """SIGTERM arrived (e.g. from ``timeout``): the rows measured so far are written, marked partial."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped(f"signal {signum}")
 
 
 def build_model(name: str, device: str):
@@ -248,13 +257,14 @@ def budget_batch(model, fmt: str, n: int, budget: int, device: str) -> dict:
     return row
 
 
-def run_model(name: str, args, device: str) -> tuple[dict, list[dict]]:
+def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """Every measurement of one model; rows are appended to ``rows`` as they are measured (kept if stopped)."""
     log(f"== {name}: building")
     t0 = time.perf_counter()
     model, desc = build_model(name, device)
     info = {"model": name, "description": desc, "build_s": time.perf_counter() - t0,
             "params": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)}  # fmt: skip
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
     formats = [f for f in args.formats if f != "hf"]
     bad = set()
     for f in formats:
@@ -327,6 +337,8 @@ def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
     L = [f"# Generation through QuantMLACache, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
          f"Command: `{meta['command']}`", "", "Sink 4 / local 128 / page 64; absorbed attention over the cache, "
          "`decode_attention(impl=\"auto\")`; `hf` = transformers' DynamicCache with the model's own attention.", ""]
+    if meta.get("partial"):
+        L += [f"**Partial run: {meta['partial']}; the rows below are what was measured before.**", ""]
     for m in models:
         name = m["model"]
         mine = [r for r in rows if r["model"] == name]
@@ -426,39 +438,55 @@ def main(argv: list[str] | None = None) -> int:
     target = os.path.join(args.out, f"generate_{tag}.json")
     if os.path.exists(target) and not args.force:
         raise SystemExit(f"error: {target} exists; pass --force to replace it or --tag to write another")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("QUANTMLA_COMMIT", "")  # the GPU machine gets a copy of the tree without .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+        except OSError:
+            commit = ""
     import transformers
 
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit or "unknown",
-            "command": " ".join(["python", "benchmarks/bench_generate.py", *(sys.argv[1:] if argv is None else argv)]),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit.strip() or
+            "unknown", "command": " ".join(["python", "benchmarks/bench_generate.py",
+                                            *(sys.argv[1:] if argv is None else argv)]),
             "torch": torch.__version__, "transformers": transformers.__version__, "policy": vars(POLICY)}  # fmt: skip
     torch.manual_seed(0)
     models, rows = [], []
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        try:
-            info, r = run_model(name, args, args.device)
-        except Exception as e:  # one model failing to load (e.g. no converted SmolLM2 here) must not lose the others
-            log(f"== {name}: failed: {type(e).__name__}: {e}")
-            models.append({"model": name, "description": f"failed: {type(e).__name__}: {e}", "params": 0,
-                           "dtype": "-"})  # fmt: skip
-            continue
-        models.append(info)
-        rows.extend(r)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            mrows: list[dict] = []
+            try:
+                info, _ = run_model(name, args, args.device, mrows)
+            except Stopped as e:  # keep what was measured; the caller's time limit ran out
+                meta["partial"] = f"stopped by {e} during {name}"
+                log(f"== {name}: {meta['partial']}; writing the {len(mrows)} rows measured")
+                models.append({"model": name, "description": f"partial ({meta['partial']})", "params": 0,
+                               "dtype": "-"})  # fmt: skip
+                rows.extend(mrows)
+                break
+            except Exception as e:  # one model failing to load (e.g. no converted SmolLM2 here) must not lose others
+                log(f"== {name}: failed: {type(e).__name__}: {e}")
+                models.append({"model": name, "description": f"failed: {type(e).__name__}: {e}", "params": 0,
+                               "dtype": "-"})  # fmt: skip
+                rows.extend(mrows)
+                continue
+            models.append(info)
+            rows.extend(mrows)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     paths = write_outputs(args.out, tag, meta, models, rows)
     log("wrote " + ", ".join(paths))
     failed = sum(1 for r in rows if r["kind"] == "check" and not r["ok"])
-    summary = {"tag": tag, "rows": len(rows), "failed_checks": failed}
+    summary = {"tag": tag, "rows": len(rows), "failed_checks": failed, "partial": meta.get("partial", False)}
     for r in rows:
         if r["kind"] == "budget" and r["format"] in ("c4r4", "c2r4"):
             ref = next((x["max_batch"] for x in rows if x["kind"] == "budget" and x["format"] == "bf16"
                         and x["model"] == r["model"]), 0)  # fmt: skip
             summary[f"{r['model']}_{r['format']}_budget_vs_bf16"] = r["max_batch"] / ref if ref else None
     print(json.dumps(summary))
-    return 1 if summary["failed_checks"] else 0
+    return 1 if summary["failed_checks"] or summary["partial"] else 0
 
 
 if __name__ == "__main__":

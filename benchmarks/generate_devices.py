@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
     cmd = " ".join(["python", "benchmarks/generate_devices.py", *(sys.argv[1:] if argv is None else argv)])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the GPU machine's tree may have no .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     meta = {"devices": devices, "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit or "unknown",
             "model": "tiny" if args.tiny else args.model, "steps": steps, "policy": vars(policy),

@@ -39,6 +39,28 @@ def test_tiny_run_writes_checked_results(tmp_path, capsys):
         bench.main(argv)
 
 
+def test_stopped_run_writes_what_it_measured(tmp_path, capsys, monkeypatch):
+    """A run stopped mid-way (SIGTERM from `timeout` raises Stopped) still writes the rows measured before, marked
+    partial, and exits non-zero; the SIGTERM handler is put back."""
+    import signal
+
+    bench = _bench()
+    before = signal.getsignal(signal.SIGTERM)
+
+    def stop(*a, **k):
+        assert signal.getsignal(signal.SIGTERM) is bench._on_sigterm  # installed while measuring
+        raise bench.Stopped("signal 15")
+
+    monkeypatch.setattr(bench, "time_decode", stop)
+    argv = ["--tiny", "--formats", "bf16", "--batches", "1", "--contexts", "40", "--out", str(tmp_path)]
+    assert bench.main(argv) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["partial"] == "stopped by signal 15 during tiny"
+    d = json.loads((tmp_path / "generate_tiny.json").read_text())
+    assert [r["kind"] for r in d["rows"]] == ["check"] and d["meta"]["partial"]
+    assert "Partial run" in (tmp_path / "generate_tiny.md").read_text()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_device_comparison_smoke(tmp_path, capsys):
     """benchmarks/generate_devices.py on two CPU copies of a tiny model: identical tokens, zero logit difference."""
     spec = importlib.util.spec_from_file_location("generate_devices", BENCH.parent / "generate_devices.py")
