@@ -274,6 +274,12 @@ def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> t
         log(f"   check {f}: {r}")
         if not ok:
             bad.add(f)  # reported, never timed
+    budget = int(args.budget_gib * 2**30)
+    for f in formats:  # first: cheap, and kept if a time limit stops the run later
+        r = budget_batch(model, f, args.budget_context, budget, device)
+        rows.append({"model": name, "kind": "budget", "format": f, "context": args.budget_context,
+                     "budget_bytes": budget, **r})  # fmt: skip
+        log(f"   budget {f}: {r}")
     for n in args.contexts:
         for b in args.batches:
             for f in args.formats:
@@ -304,12 +310,6 @@ def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> t
                 r = {"skipped": "out of memory"}
             rows.append({"model": name, "kind": "prefill", "format": f, "batch": 1, "context": n, **r})
             log(f"   prefill {f} N{n}: {r}")
-    budget = int(args.budget_gib * 2**30)
-    for f in formats:
-        r = budget_batch(model, f, args.budget_context, budget, device)
-        rows.append({"model": name, "kind": "budget", "format": f, "context": args.budget_context,
-                     "budget_bytes": budget, **r})  # fmt: skip
-        log(f"   budget {f}: {r}")
     del model
     if device == "cuda":
         torch.cuda.empty_cache()

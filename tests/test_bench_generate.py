@@ -56,7 +56,7 @@ def test_stopped_run_writes_what_it_measured(tmp_path, capsys, monkeypatch):
     assert bench.main(argv) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["partial"] == "stopped by signal 15 during tiny"
     d = json.loads((tmp_path / "generate_tiny.json").read_text())
-    assert [r["kind"] for r in d["rows"]] == ["check"] and d["meta"]["partial"]
+    assert [r["kind"] for r in d["rows"]] == ["check", "budget"] and d["meta"]["partial"]  # measured before decode
     assert "Partial run" in (tmp_path / "generate_tiny.md").read_text()
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -69,3 +69,26 @@ def test_device_comparison_smoke(tmp_path, capsys):
     assert mod.main(["--tiny", "--devices", "cpu,cpu", "--formats", "c2r4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate_devices_tiny.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["identical"] and r["max_logit_diff"] == 0 and not r["flips"] for r in rows)
+
+
+def test_gpu_session_script_plumbing(tmp_path):
+    """benchmarks/gpu_session_issue10.sh with PY=echo (a dry run): the chosen steps run in order with their
+    arguments, each gets a summary line and a log, the bundle for the device tool holds them; a step that the time
+    budget cannot cover is skipped with a line saying so."""
+    import subprocess
+    import tarfile
+
+    script = BENCH.parent / "gpu_session_issue10.sh"
+    out, res = tmp_path / "out", tmp_path / "issue10"
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PY": "echo", "OUT": str(out), "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(script), str(res), "tests,v2lite"], env=env, check=True, capture_output=True)
+    summary = (res / "summary.txt").read_text()
+    assert "tests: ok" in summary and "v2lite: ok" in summary and "devices" not in summary
+    assert "--tag h200_v2lite_32k" in (res / "v2lite.log").read_text()
+    with tarfile.open(out / "issue10.tgz") as t:
+        assert {"issue10/summary.txt", "issue10/tests.log", "issue10/v2lite.log"} <= set(t.getnames())
+    assert (out / "issue10_summary.txt").read_text() == summary
+    env["QUANTMLA_GPU_BUDGET_S"] = "20"
+    subprocess.run(["bash", str(script), str(tmp_path / "late"), "tests"], env=env, check=True, capture_output=True)
+    assert "tests: SKIPPED" in (tmp_path / "late" / "summary.txt").read_text()
