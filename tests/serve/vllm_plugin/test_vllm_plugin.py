@@ -92,7 +92,7 @@ def test_vllm_plans_blocks_from_our_page_bytes(tmp_path, hf, cache_dtype):
 
 
 def test_start_up_errors_name_the_problem(tmp_path):
-    from quantmla.serve.vllm.backend import check_config
+    from quantmla.serve.vllm.config import check_config
 
     cfg = _config(tmp_path, V2_LITE, cache_dtype="quantmla_c4r4", block_size=48, prefix_caching=True)
     reasons = " | ".join(check_config(cfg, "quantmla_c4r4", torch.device("cpu")))
@@ -108,7 +108,7 @@ def test_start_up_errors_name_the_problem(tmp_path):
 
 
 def test_additional_config_is_validated(tmp_path):
-    from quantmla.serve.vllm.adapter import requested_cache_dtype
+    from quantmla.serve.vllm.config import requested_cache_dtype
 
     cfg = _config(tmp_path, V2_LITE, cache_dtype="quantmla_c4r4")
     assert requested_cache_dtype(cfg) == "quantmla_c4r4"

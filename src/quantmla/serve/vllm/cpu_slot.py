@@ -18,7 +18,7 @@ def __getattr__(name: str):
     from vllm.config import get_current_vllm_config
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from quantmla.serve.vllm.adapter import requested_cache_dtype
+    from quantmla.serve.vllm.config import requested_cache_dtype
 
     try:
         cfg = get_current_vllm_config()

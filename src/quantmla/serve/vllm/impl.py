@@ -68,7 +68,7 @@ class QuantMLAMetadataBuilder(AttentionMetadataBuilder[QuantMLAMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: D107
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        from quantmla.serve.vllm.adapter import install_runner_hooks
+        from quantmla.serve.vllm.runner_hooks import install_runner_hooks
 
         self.cache = _worker_cache_for(vllm_config)
         install_runner_hooks()
@@ -105,8 +105,7 @@ class QuantMLAImpl(MLAAttentionImpl[QuantMLAMetadata]):
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:  # fmt: skip  # noqa: D107
         from vllm.config import get_current_vllm_config
 
-        from quantmla.serve.vllm.adapter import requested_cache_dtype
-        from quantmla.serve.vllm.backend import BACKEND_NAME, check_config, geometry
+        from quantmla.serve.vllm.config import BACKEND_NAME, check_config, geometry, requested_cache_dtype
 
         cfg = get_current_vllm_config()
         cache_dtype = requested_cache_dtype(cfg)
