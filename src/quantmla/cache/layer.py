@@ -149,26 +149,9 @@ class PagedCacheLayer:
         view = self.view
         recent = None
         if want_recent and self.fmt.is_quantized and view.n_local and max(n_new) > 1:
-            recent = self._recent(view, c_kv, k_pe, old, n_new)
+            recent = view.recent_window(c_kv, k_pe, old, n_new)
         view.write(c_kv, k_pe, n_new)
         return n_new, recent
-
-    @staticmethod
-    def _recent(view, c_kv, k_pe, old: list[int], n_new: list[int]) -> torch.Tensor:
-        """BF16 ``[B, W, Dc + Dr]``: per sequence the copies of its last ``W = n_local - 1 + T`` positions after this
-        write (the ring before it, then the new tokens), which the new queries may read in full precision."""
-        B, T = c_kv.shape[:2]
-        nl = view.n_local
-        W = nl - 1 + T
-        recent = torch.zeros(B, W, c_kv.shape[-1] + k_pe.shape[-1], dtype=torch.bfloat16, device=c_kv.device)
-        for b in range(B):
-            n, k = old[b], n_new[b]
-            lo = max(0, n - (nl - 1))
-            if lo < n:
-                pos = torch.arange(lo, n, device=view.device)
-                recent[b, W - k - (n - lo) : W - k] = view.local[b, pos % nl].to(c_kv.device)
-            recent[b, W - k :] = torch.cat([c_kv[b, :k], k_pe[b, :k]], dim=-1).to(torch.bfloat16)
-        return recent
 
     # -- attention ------------------------------------------------------------------------------
     def _pads_and_causal(self, mask, B: int, T: int, S: int, first: bool) -> tuple[list[int], bool]:

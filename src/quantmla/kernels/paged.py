@@ -372,6 +372,24 @@ class PagedMLACache:
             out.append(dequantize_codes(codes, scale, offset, spec))
         return torch.cat(out, dim=-1)
 
+    def recent_window(self, c_kv: torch.Tensor, k_pe: torch.Tensor, before: list[int], n_new: list[int]):
+        """The ``recent`` argument of prefill attention for a write of ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]``
+        (sequence ``b`` takes its first ``n_new[b]`` rows) onto lengths ``before``: BF16 ``[B, W, Dc + Dr]``,
+        ``W = n_local - 1 + T``, row ``b`` = the copies of its last ``W`` positions after the write (the local ring
+        as it was before it, then the new tokens), right-aligned. Call it before the write overwrites the ring."""
+        B, T = c_kv.shape[:2]
+        nl = self.n_local
+        W = nl - 1 + T
+        recent = torch.zeros(B, W, c_kv.shape[-1] + k_pe.shape[-1], dtype=torch.bfloat16, device=c_kv.device)
+        for b in range(B):
+            n, k = before[b], n_new[b]
+            lo = max(0, n - (nl - 1))
+            if lo < n:
+                pos = torch.arange(lo, n, device=self.device)
+                recent[b, W - k - (n - lo) : W - k] = self.local[b, pos % nl].to(c_kv.device)
+            recent[b, W - k :] = torch.cat([c_kv[b, :k], k_pe[b, :k]], dim=-1).to(torch.bfloat16)
+        return recent
+
     def read_tokens(self, b: int, n: int | None = None) -> torch.Tensor:
         """fp32 ``[n, Dc + Dr]``: what attention sees for sequence ``b`` (BF16 for sink/local positions,
         dequantized packed copies for the rest). ``n`` defaults to the stored length."""

@@ -104,7 +104,7 @@ class ServeLayer:
         c_pad, r_pad = _padded(c_kv, qsl), _padded(k_pe, qsl)  # [B, T, Dc], [B, T, Dr]
         recent = None
         if self.quantized and view.n_local and max(n_new, default=0) > 1:
-            recent = _recent(view, c_pad, r_pad, before, n_new)
+            recent = view.recent_window(c_pad, r_pad, before, n_new)
         view.write(c_pad, r_pad, n_new, impl=self.impl)
         return recent
 
@@ -156,23 +156,6 @@ def _padded(x: torch.Tensor, qsl: list[int]) -> torch.Tensor:
     for b, k in enumerate(n):
         out[b, :k] = x[qsl[b] : qsl[b + 1]]
     return out
-
-
-def _recent(view: PagedMLACache, c_pad, r_pad, before: list[int], n_new: list[int]) -> torch.Tensor:
-    """BF16 ``[B, W, Dc + Dr]``, ``W = n_local - 1 + T``: per row the copies of its last ``W`` positions after the
-    write (from the local ring before it, then the new tokens), right-aligned."""
-    B, T = c_pad.shape[:2]
-    nl = view.n_local
-    W = nl - 1 + T
-    recent = torch.zeros(B, W, c_pad.shape[-1] + r_pad.shape[-1], dtype=torch.bfloat16, device=c_pad.device)
-    for b in range(B):
-        n, k = before[b], n_new[b]
-        lo = max(0, n - (nl - 1))
-        if lo < n:
-            pos = torch.arange(lo, n, device=view.device)
-            recent[b, W - k - (n - lo) : W - k] = view.local[b, pos % nl].to(c_pad.device)
-        recent[b, W - k :] = torch.cat([c_pad[b, :k], r_pad[b, :k]], dim=-1).to(torch.bfloat16)
-    return recent
 
 
 def _never_written(state: RequestStateTable, layer: int, b: int) -> bool:
