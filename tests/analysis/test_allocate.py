@@ -17,6 +17,7 @@ from quantmla.analysis.allocate import (
     Plan,
     allocate,
     model_sensitivities,
+    output_fisher,
     path_bytes,
     plan_bytes,
     plan_cache,
@@ -29,6 +30,7 @@ from quantmla.cli import main
 from quantmla.compat import with_cache
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.tiny import tiny_model
+from quantmla.mla.weights import iter_mla_attention
 from quantmla.quant.formats import CachePolicy, cache_bytes, make_format
 
 
@@ -86,7 +88,8 @@ def test_plan_respects_the_budget_exactly_and_beats_uniform_at_equal_bytes():
 
 def _runtime_distortions(model, toks, sink, local):
     """Independent reference: the model's own absorbed attention over a real per-layer cache (only layer l's path
-    quantized, every other layer exact): attention-output error energy over the block's residual energy."""
+    quantized, every other layer exact): the attention-output error of every token, weighted by that layer's
+    output Fisher trace / (2 D) and averaged over tokens."""
     from quantmla.cache.hf import QuantMLACache
     from quantmla.mla.attention import enable_absorbed_attention
 
@@ -109,12 +112,14 @@ def _runtime_distortions(model, toks, sink, local):
                 hk.remove()
         return outs, resid
 
-    clean, resid = run([make_format(16, 16)] * n)
+    fisher = output_fisher(model, toks, 2, 2, "cpu", 0)
+    clean, _ = run([make_format(16, 16)] * n)
     for layer, path, bits in itertools.product(range(n), ("content", "rope"), (2, 4, 8)):
         fm = [make_format(16, 16)] * n
         fm[layer] = make_format(bits, 16) if path == "content" else make_format(16, bits)
         outs, _ = run(fm)
-        got[(layer, path, bits)] = float((outs[layer] - clean[layer]).pow(2).sum() / resid[layer].pow(2).sum())
+        err = (outs[layer] - clean[layer]).pow(2).sum(-1)  # [B, S]
+        got[(layer, path, bits)] = float((err * fisher[layer]).mean() / (2 * err.new_tensor(outs[layer].shape[-1])))
     return got
 
 
@@ -219,3 +224,27 @@ def test_allocate_command(tmp_path, capsys):
     plan = Plan.load(str(tmp_path / "plan.json"))
     assert plan.bytes_per_token <= math.floor(3.0 * (spec.kv_lora_rank + spec.qk_rope_head_dim) * 2 / 8)
     assert all(r["content_bits"] in BITS and r["rope_bits"] in BITS for r in plan.layers)
+
+
+def test_output_fisher_predicts_the_kl_of_a_small_output_error():
+    """Isotropic noise e_t added to one layer's attention output raises the KL from the unperturbed model by
+    1/2 tr(F_t) ||e_t||^2 / D per token (second order), with tr(F_t) from :func:`output_fisher`. (Dense MLPs: a
+    perturbation that flips a MoE router's top-k choice moves the output discontinuously, which no second-order
+    model sees.)"""
+    model = tiny_model("deepseek_v3", first_k_dense_replace=99)
+    toks = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    fisher = output_fisher(model, toks, 2, 16, "cpu", 0)
+    d = model.config.hidden_size
+    with torch.no_grad():
+        p = model(toks).logits.log_softmax(-1)
+    for layer, attn in iter_mla_attention(model):
+        e = 0.003 * torch.randn(2, 64, d, generator=torch.Generator().manual_seed(layer))
+        h = attn.register_forward_hook(lambda m, a, o, e=e: (o[0] + e, *o[1:]))
+        try:
+            with torch.no_grad():
+                q = model(toks).logits.log_softmax(-1)
+        finally:
+            h.remove()
+        kl = float((p.exp() * (p - q)).sum(-1).mean())
+        want = float((fisher[layer] * e.pow(2).sum(-1)).mean() / (2 * d))
+        assert kl == pytest.approx(want, rel=0.15), (layer, kl, want)

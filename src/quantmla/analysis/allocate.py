@@ -63,7 +63,8 @@ def path_spec(path: str, bits: int, width: int):
 
 @dataclass
 class LayerSensitivity:
-    """Predicted distortion of one attention layer per path and bit width (relative to the residual energy)."""
+    """Predicted distortion of one attention layer per path and bit width: the rise of the KL divergence from the
+    full-precision model (nats per token) when only that path of that layer is stored at that width."""
 
     layer: int
     distortion: dict = field(default_factory=dict)  # {"content": {"2": d, "4": d, "8": d, "16": 0.0}, "rope": {...}}
@@ -80,16 +81,70 @@ class LayerSensitivity:
 ESTIMATORS = ("measured", "predicted")
 
 
-@torch.no_grad()
-def layer_sensitivity(attn, spec, hidden, resid, cos, sin, sink, local, batch_size, query_tokens, device, seed,
-                      estimator: str = "measured") -> LayerSensitivity:  # fmt: skip
-    """:class:`LayerSensitivity` of one attention module from its input hidden states ``hidden`` [N, S, D] and the
-    residual stream entering its block ``resid`` [N, S, D] (the denominator).
+def output_fisher(model, tokens: torch.Tensor, batch_size: int = 2, samples: int = 2, device="cpu", seed: int = 0):
+    """Per attention layer, per token: ``E_y ||d log p(y) / d o_t||^2`` [N, S], the trace of the Fisher information
+    of the model's next-token distributions with respect to that layer's attention output ``o_t`` (what the layer
+    adds to the residual stream), labels ``y`` sampled from the model itself (``samples`` draws). To second order,
+    an error ``e`` in ``o_t`` raises the KL from the full-precision model by ``1/2 e^T F e``, about
+    ``1/2 ||e||^2 tr(F) / D`` for an error direction unrelated to ``F``'s."""
+    from quantmla.mla.weights import iter_mla_attention
 
-    ``measured``: the format's real quantization error is injected into one path (the other exact) and the
-    attention output recomputed under the cache policy (the dual-path error model's injection); ``predicted``:
-    the first-order predictor ``sum e^2 K`` (operator traces), which needs no second attention pass but
-    underestimates 2-bit errors of a trained model's sharp attention (softmax is not linear at that size)."""
+    attns = dict(iter_mla_attention(model))
+    n, s = tokens.shape
+    fisher = {i: torch.zeros(n, s) for i in attns}
+    store: dict = {}
+    grads_were = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embed = model.get_input_embeddings()
+
+    def grad_on(_m, _a, out):
+        return out.requires_grad_(True)
+
+    def keep(i):
+        def hook(_m, _a, out):
+            o = out[0] if isinstance(out, tuple) else out
+            o.retain_grad()
+            store[i] = o
+
+        return hook
+
+    handles = [embed.register_forward_hook(grad_on)] + [a.register_forward_hook(keep(i)) for i, a in attns.items()]
+    gen = torch.Generator().manual_seed(seed)
+    model.to(device)
+    try:
+        for b in range(0, n, batch_size):
+            ids = tokens[b : b + batch_size].to(device)
+            with torch.enable_grad():
+                logp = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)  # [B, S, V]
+                for k in range(samples):
+                    y = torch.multinomial(logp.detach().exp().flatten(0, 1).cpu(), 1, generator=gen).to(device)
+                    for o in store.values():
+                        o.grad = None
+                    logp.flatten(0, 1).gather(1, y).sum().backward(retain_graph=k + 1 < samples)
+                    for i, o in store.items():
+                        fisher[i][b : b + batch_size] += o.grad.float().pow(2).sum(-1).cpu() / samples
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in grads_were.items():
+            p.requires_grad_(g)
+    return fisher
+
+
+@torch.no_grad()
+def layer_sensitivity(attn, spec, hidden, fisher, cos, sin, sink, local, batch_size, query_tokens, device, seed,
+                      estimator: str = "measured") -> LayerSensitivity:  # fmt: skip
+    """:class:`LayerSensitivity` of one attention module from its input hidden states ``hidden`` [N, S, D] and its
+    output Fisher trace per token ``fisher`` [N, S] (:func:`output_fisher`): for every path and bit width, the
+    predicted rise of the KL divergence from the full-precision model, in nats per token,
+    ``mean_t fisher_t ||dO_t||^2 / (2 D)``.
+
+    ``dO`` is the change of the layer's attention output when the format's real quantization error is in one path
+    (the other exact), read under the cache policy. ``measured``: the attention is recomputed with the error (the
+    dual-path error model's injection); ``predicted``: the first-order predictor ``sum e^2 K`` (operator traces with
+    the Fisher weight of every query), which needs no second attention pass but underestimates 2-bit errors of a
+    trained model's sharp attention (softmax is not linear at that size)."""
     from quantmla.analysis.predictor import operator_traces
     from quantmla.calibrate.objectives import attention_output, layer_inputs, mixed_attention_output, sample_queries
     from quantmla.mla.weights import extract_layer_weights
@@ -101,15 +156,18 @@ def layer_sensitivity(attn, spec, hidden, resid, cos, sin, sink, local, batch_si
     gen = torch.Generator().manual_seed(seed)
     cos, sin = cos.to(device), sin.to(device)
     acc = {p: dict.fromkeys(BITS[:-1], 0.0) for p in PATHS}
-    energy = 0.0
+    count = 0
+    scale = 1.0 / (2 * hidden.shape[-1])
     for i in range(0, hidden.shape[0], batch_size):
         h = hidden[i : i + batch_size].to(device).float()
         qidx = sample_queries(h.shape[1], query_tokens, gen)
         x = layer_inputs(w, spec, h, cos, sin, qidx, sink, local)
-        r = resid[i : i + batch_size].float()
-        energy += float((r if qidx is None else r[:, qidx]).pow(2).sum())
+        f = fisher[i : i + batch_size]
+        f = (f if qidx is None else f[:, qidx]).to(device).float() * scale  # [B, Tq]
+        count += f.numel()
         if estimator == "predicted":
-            k_c, k_r = operator_traces(x, w, spec, reads=x.quant_mask)
+            reads = x.quant_mask.to(f.dtype)[None, None] * f[:, None, :, None]  # [B, 1, Tq, S]
+            k_c, k_r = operator_traces(x, w, spec, reads=reads)
         else:
             ref = attention_output(x, w, spec, x.c, x.k_pe)
         for path, clean in (("content", x.c), ("rope", x.k_pe)):
@@ -119,16 +177,19 @@ def layer_sensitivity(attn, spec, hidden, resid, cos, sin, sink, local, batch_si
                     acc[path][bits] += float(((q - clean).pow(2) * (k_c if path == "content" else k_r)).sum())
                     continue
                 c, k = (q, x.k_pe) if path == "content" else (x.c, q)
-                acc[path][bits] += float((mixed_attention_output(x, w, spec, c, k) - ref).pow(2).sum())
-    dist = {p: {str(b): acc[p][b] / max(energy, 1e-30) for b in BITS[:-1]} | {"16": 0.0} for p in PATHS}
+                err = (mixed_attention_output(x, w, spec, c, k) - ref).pow(2).sum(-1)  # [B, Tq]
+                acc[path][bits] += float((err * f).sum())
+    dist = {p: {str(b): acc[p][b] / max(count, 1) for b in BITS[:-1]} | {"16": 0.0} for p in PATHS}
     return LayerSensitivity(attn.layer_idx, dist)
 
 
-def model_sensitivities(model, tokens, *, sink=4, local=128, batch_size=2, query_tokens=128, device="auto",
-                        estimator="measured", progress=False, seed=0) -> list[LayerSensitivity]:  # fmt: skip
+def model_sensitivities(
+    model, tokens, *, sink=4, local=128, batch_size=2, query_tokens=128, device="auto", estimator="measured",
+    fisher_samples=2, progress=False, seed=0,
+) -> list[LayerSensitivity]:  # fmt: skip
     """Every attention layer's :class:`LayerSensitivity` on calibration ``tokens`` [N, S] (the model is not
-    modified), block by block. ``sink``/``local``: the cache policy the plan will be served with. The residual
-    energy of a block's input is the denominator of its attention modules' distortions."""
+    modified): the output Fisher of every layer first (one backward pass per sample), then block by block the
+    distortions. ``sink``/``local``: the cache policy the plan will be served with."""
     from quantmla.calibrate.trainer import (
         _attention_by_block,
         _decoder_blocks,
@@ -150,6 +211,10 @@ def model_sensitivities(model, tokens, *, sink=4, local=128, batch_size=2, query
             f"quantized), got {tuple(tokens.shape)}"
         )
     model.eval()
+    home = _device_of(model)
+    fisher = output_fisher(model, tokens, batch_size, fisher_samples, dev, seed)
+    if home is not None:
+        model.to(home)
     _, blocks = _decoder_blocks(model)
     attns = _attention_by_block(model, blocks)
     h, kwargs = _first_block_inputs(model, tokens, batch_size, dev)
@@ -164,8 +229,9 @@ def model_sensitivities(model, tokens, *, sink=4, local=128, batch_size=2, query
                 block.to(home)
         cos, sin = cos_sin_from_position_embeddings(pe)
         for attn, x in zip(attns[b], inputs, strict=True):
-            out.append(layer_sensitivity(attn, spec, x, h, cos[:1].float(), sin[:1].float(), sink, local, batch_size,
-                                         query_tokens, dev, seed + attn.layer_idx, estimator))  # fmt: skip
+            out.append(layer_sensitivity(attn, spec, x, fisher[attn.layer_idx], cos[:1].float(), sin[:1].float(),
+                                         sink, local, batch_size, query_tokens, dev, seed + attn.layer_idx,
+                                         estimator))  # fmt: skip
         h = h_next
     return out
 
