@@ -21,8 +21,9 @@ def test_calibrate_stream_then_merge(tmp_path, capsys):
     torch.save(torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(0)), toks)
     delta = tmp_path / "d.safetensors"
     assert main(["calibrate-stream", "--model", str(base), "--format", "c2r4", "--out", str(delta), "--tokens",
-                 str(toks), "--report", str(tmp_path / "rep.json"), *FLAGS]) == 0
-    assert delta.exists() and (tmp_path / "rep.json").exists()
+                 str(toks), "--report", str(tmp_path / "rep.json"), "--transforms", str(tmp_path / "t.safetensors"),
+                 *FLAGS]) == 0  # fmt: skip
+    assert delta.exists() and (tmp_path / "rep.json").exists() and (tmp_path / "t.safetensors").exists()
     assert main(["merge", "--base", str(base), "--delta", str(delta), "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))

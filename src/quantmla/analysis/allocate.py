@@ -7,18 +7,23 @@ own content and RoPE bit widths ``(c_l, r_l)`` from {2, 4, 8, 16} (16 = BF16), c
     minimize  sum_l  D_l,content(c_l) + D_l,rope(r_l)    subject to   sum_l bytes(c_l, r_l) <= B
 
 where B is the budget in cache bytes per token (all layers, the packed store: codes + scales) and ``D`` is the
-dual-path error model's output distortion: the format's real quantization error injected into that path of that
-layer (the other path exact) and the attention output recomputed under the cache policy (sink and local tokens
-read exactly), its error energy relative to the energy of the residual stream entering the block at the same
-positions -- the relative perturbation the layer adds to the residual stream, so distortions of different layers
-are comparable and add up (to first order, for uncorrelated errors).
+predicted rise of the KL divergence from the full-precision model (nats per token) when only that path of that
+layer is stored at that width. It is the dual-path error model carried to the model's output: the format's real
+quantization error is injected into the path (the other exact), the attention output recomputed under the cache
+policy (sink and local tokens read exactly), and the output error of every token ``dO_t`` weighted by the trace of
+the Fisher information of the model's next-token distributions with respect to that layer's output
+(:func:`output_fisher`, one backward pass with labels sampled from the model): ``D = mean_t tr(F_t) ||dO_t||^2 /
+(2 hidden)`` -- the second-order KL of an error whose direction is unrelated to ``F``'s. Distortions of different
+layers are then in the same unit and add up (to second order, for independent errors).
 
-The first-order predictor (operator traces x error allocation, :mod:`.predictor`; Spearman 0.97 on held-out layers
-at matched cache NMSE) gives the same numbers without a second attention pass (``estimator="predicted"``) and
-agrees within ~1.3x at 4 and 8 bits on the converted SmolLM2-MLA, but underestimates 2-bit errors there by 3x to
-130x (RoPE, median 8x): a trained model's attention is sharp, and a 2-bit key moves logits far beyond where the
-softmax is linear. A plan built on it put 2-bit RoPE keys in ten layers and lost to uniform C2R4 at equal bytes
-(perplexity 42.9 vs 35.2), so the planner measures by default.
+Two simpler objectives failed on the converted SmolLM2-MLA and are why it is built this way (benchmarks/results/
+allocate_smollm2.md): (1) the first-order predictor of the error (operator traces x error allocation,
+:mod:`.predictor`, ``estimator="predicted"``) agrees within ~1.3x at 4 and 8 bits but underestimates 2-bit errors
+by 3x to 130x (RoPE, median 8x): a trained model's attention is sharp and a 2-bit key moves logits far beyond where
+the softmax is linear; (2) normalizing the attention-output error by the residual stream's energy lets a few
+outlier tokens (huge residual norms) make middle layers look 1000x less sensitive than they are. Plans built on
+either lost to uniform C2R4 at equal bytes (KL 4-7x higher). A MoE router whose top-k choice flips under the error
+is not seen by any second-order model.
 
 The constrained problem is a multiple-choice knapsack over 2L items (every layer's two paths, 4 choices each);
 :func:`solve` solves it exactly by dynamic programming over integer bytes (tested against brute force). The plan

@@ -36,6 +36,7 @@ def add_stream_args(subparsers) -> None:
     p.add_argument("--tokens", default=None, help="calibration token ids: a torch.save-d integer tensor [N, T]")
     p.add_argument("--corpus", default=None, help="else: text corpus tokenized with the model's tokenizer")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the blocks are materialized in")
+    p.add_argument("--transforms", default=None, help="also write the learned transforms (a small file, see docs)")
     p.add_argument("--report", default=None, help="also write the per-block costs and per-layer report (JSON)")
     from quantmla.calibrate.cli import _FLAG_FIELDS  # the calibration flags of `quantmla calibrate`
 
@@ -97,10 +98,12 @@ def run_stream(args) -> int:
     check_output(args.out, force=args.force)
     if args.report:
         check_output(args.report, flag="--report", force=args.force)
+    if args.transforms:
+        check_output(args.transforms, flag="--transforms", force=args.force)
     tokens = _tokens(args, config)
     rep = calibrate_streamed(args.model, args.format, tokens, config, args.out, work=args.work,
                              dtype=getattr(torch, args.dtype), resume=args.resume, force=args.force,
-                             keep_work=args.keep_work)  # fmt: skip
+                             keep_work=args.keep_work, transforms_out=args.transforms)  # fmt: skip
     if args.report:
         write_result(rep.to_dict(), args.report, force=args.force)
     print(args.out)
