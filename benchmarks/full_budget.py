@@ -316,11 +316,13 @@ def write(results: dict, stem: str, args) -> None:
              "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
              f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
              f"{args.ppl_context}, cache policy sink 4 / local 128; QuantMLA rows: mean ± half-range over seeds "
-             f"{args.seeds}. Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed {args.seeds[0]}.",
+             f"{args.seeds}. " + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed "
+                                  f"{args.seeds[0]}." if args.tasks else "No retrieval."),
              ""]  # fmt: skip
     niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
                        key=lambda k: (k.split("@")[0], int(k.split("@")[1])))  # fmt: skip
-    for (v, f), cells in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1] != "bf16", kv[0][1])):
+    order = {f: i for i, f in enumerate(args.formats)}
+    for (v, f), cells in sorted(table.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], -1))):
         if f == "bf16":
             continue
         lines += [f"## variant {v} ({VARIANTS[v]}), {f.upper()}", ""]

@@ -193,13 +193,13 @@ def format_shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -
         return None
     e = s["eval"]
     parts = [f"shipped QuantMLA {fmt.upper()} transforms ({s.get('label', 'unlabelled')})"]
-    if "kl_removed_vs_rtn" in e:
+    if e.get("kl_removed_vs_rtn") is not None:
         parts.append(f"remove {100 * e['kl_removed_vs_rtn']:.0f}% of RTN's KL")
-    if "ppl_gap_closed_vs_rtn" in e:
+    if e.get("ppl_gap_closed_vs_rtn") is not None:
         parts.append(f"close {100 * e['ppl_gap_closed_vs_rtn']:.0f}% of its perplexity gap")
     if "tokens" in e:
         parts.append(f"on {e['tokens']} held-out tokens")
-    return ": ".join(parts[:1]) + (" " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+    return parts[0] + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
 
 
 __all__ = [
