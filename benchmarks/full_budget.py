@@ -99,6 +99,12 @@ class Runner:
                 with open(self.stem + ".json") as f:
                     self.results = json.load(f)
         os.makedirs(self.work, exist_ok=True)
+        planned = {u["key"] for u in units(args)}
+        for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
+            stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
+            pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
+            if r["kind"] == "calib" and tf and not os.path.exists(tf) and pending:
+                del self.results["units"][key]
 
     # -- models ------------------------------------------------------------------------------------------------
     def model_dir(self, v: str) -> str:
@@ -245,6 +251,9 @@ def ship(runner: Runner) -> list[str]:
             if f"{key}/ppl" not in done:
                 continue
             src = runner.transforms_path(done[f"{key}/ppl"])
+            if not os.path.exists(src):
+                print(f"not shipped: {src} is gone (rerun with --resume to recalibrate it)")
+                continue
             tensors, meta = load_transforms(src)
             model, tok, _ = resolve_model(VARIANTS[v])  # the small slice: CPU, fp32, like the test
             ids = token_stream(tok, SLICE["corpus"], "test", SLICE["tokens"])
