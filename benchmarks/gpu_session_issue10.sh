@@ -55,6 +55,17 @@ print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct
   { git check-ignore -q .gpucarry_a && git check-ignore -q .gpucarry_b; } ||
     { echo "error: .gpucarry_a/.gpucarry_b must be git-ignored"; exit 1; }
   du -sh .gpucarry_a .gpucarry_b
+  # what one call sends: the tracked + untracked-not-ignored tree plus one carry folder, at most 64 MiB
+  tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+  for d in .gpucarry_a .gpucarry_b; do
+    total=$(( tree + $(du -sb "$d" | cut -f1) ))
+    echo "$d: $(( total / 1048576 )) MiB with the working tree ($(( tree / 1048576 )) MiB)"
+    if (( total > 64 * 1048576 )); then
+      echo "error: over the device tool's 64 MiB per call: split the GGUF into more, smaller parts" \
+           "(the shipped transforms, 16 MB since 2026-11-30, grew the tree)" >&2
+      exit 1
+    fi
+  done
   exit 0
 fi
 
