@@ -77,33 +77,43 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.Pat
     return path
 
 
-def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False) -> Path:
-    """Write a delta (tensors by checkpoint name + ``meta``, each value stored as JSON). Refuses to overwrite an
-    existing file unless ``force``."""
+def save_tagged(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, kind: str, version: int,
+                force: bool = False) -> Path:  # fmt: skip
+    """A safetensors file of ``kind`` (metadata ``format``/``version`` + ``meta``, each value stored as JSON),
+    written atomically; refuses to overwrite an existing file unless ``force``."""
     path = Path(path)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it")
-    full = {"format": DELTA_FORMAT, "version": DELTA_VERSION, **meta}
+    full = {"format": kind, "version": version, **meta}
     return atomic_save_safetensors(tensors, path, {k: json.dumps(v) for k, v in full.items()})
 
 
-def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors, meta)`` of a delta written by :func:`save_delta`; raises on another kind of file."""
+def load_tagged(path: str | os.PathLike, *, kind: str, version: int, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, meta)`` of a file written by :func:`save_tagged` with this ``kind``; a file of another kind or
+    version raises :class:`CheckpointError` (a ``ValueError``) naming ``what`` was expected."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"delta {path} does not exist")
+        raise FileNotFoundError(f"{what} {path} does not exist")
     with safe_open(path, framework="pt") as f:
         raw = f.metadata() or {}
-        if raw.get("format") != json.dumps(DELTA_FORMAT):
-            raise CheckpointError(f"{path} is not a quantmla delta (metadata format {raw.get('format')!r})")
+        if raw.get("format") != json.dumps(kind):
+            raise CheckpointError(f"{path} is not a quantmla {what} (metadata format {raw.get('format')!r})")
         meta = {k: json.loads(v) for k, v in raw.items()}
-        if meta.get("version") != DELTA_VERSION:
-            raise CheckpointError(
-                f"{path}: delta version {meta.get('version')!r} unsupported (expected {DELTA_VERSION})"
-            )
+        if meta.get("version") != version:
+            raise CheckpointError(f"{path}: {what} version {meta.get('version')!r} unsupported (expected {version})")
         return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False) -> Path:
+    """Write a delta (tensors by checkpoint name + ``meta``). Refuses to overwrite an existing file unless ``force``."""
+    return save_tagged(path, tensors, meta, kind=DELTA_FORMAT, version=DELTA_VERSION, force=force)
+
+
+def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, meta)`` of a delta written by :func:`save_delta`; raises on another kind of file."""
+    return load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
 
 
 @torch.no_grad()

@@ -19,7 +19,6 @@ healing delta); :func:`apply_shipped` folds one into a loaded model by name (``q
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -45,29 +44,15 @@ def transforms_tensors(layer: int, content, rope) -> dict[str, torch.Tensor]:
 
 def save_transforms(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False):
     """Write a transforms file (temp file + rename); refuses to overwrite without ``force``."""
-    from quantmla.calibrate.delta import atomic_save_safetensors
+    from quantmla.calibrate.delta import save_tagged
 
-    path = Path(path)
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it")
-    full = {"format": TRANSFORMS_FORMAT, "version": TRANSFORMS_VERSION, **meta}
-    return atomic_save_safetensors(tensors, path, {k: json.dumps(v) for k, v in full.items()})
+    return save_tagged(path, tensors, meta, kind=TRANSFORMS_FORMAT, version=TRANSFORMS_VERSION, force=force)
 
 
 def load_transforms(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
+    from quantmla.calibrate.delta import load_tagged
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"transforms file {path} does not exist")
-    with safe_open(path, framework="pt") as f:
-        raw = f.metadata() or {}
-        if raw.get("format") != json.dumps(TRANSFORMS_FORMAT):
-            raise ValueError(f"{path} is not a quantmla transforms file (metadata format {raw.get('format')!r})")
-        meta = {k: json.loads(v) for k, v in raw.items()}
-        if meta.get("version") != TRANSFORMS_VERSION:
-            raise ValueError(f"{path}: transforms version {meta.get('version')!r} unsupported")
-        return {k: f.get_tensor(k) for k in f.keys()}, meta
+    return load_tagged(path, kind=TRANSFORMS_FORMAT, version=TRANSFORMS_VERSION, what="transforms file")
 
 
 def _nearest_orthogonal(q: torch.Tensor) -> torch.Tensor:

@@ -85,10 +85,6 @@ def _lib(device):
     return lib
 
 
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=16)
 def _ctas_per_sm(device_index: int, cbits: int) -> int:
     """Resident CTAs per SM (the CUDA occupancy calculator on the built kernel; CTAS_PER_SM if it fails)."""
@@ -117,7 +113,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
                           return_lse: bool = False):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
     from quantmla.kernels.reference import _check_q
-    from quantmla.kernels.triton_decode import attend_buffers, buffer_tiles
+    from quantmla.kernels.triton_decode import _num_sms, attend_buffers, buffer_tiles
 
     _check_q(q_lat, q_pe, cache, 3)
     reason = cuda_unsupported_reason(cache)

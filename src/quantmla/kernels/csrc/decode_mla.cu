@@ -566,19 +566,33 @@ __global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ 
   if (dc == 0 && tid == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
 }
 
+// Once per instantiation: the dynamic shared memory it needs and all of the unified L1/shared memory as shared
+// memory (3 CTAs per SM need ~225 KB).
+template <int CB>
+static cudaError_t configure() {
+  using C = Cfg<CB>;
+  static cudaError_t status = [] {
+    cudaError_t e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    return e;
+  }();
+  return status;
+}
+
 template <int CB>
 static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
-  using C = Cfg<CB>;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e == cudaSuccess)  // all of the unified L1/shared memory as shared memory: 3 CTAs per SM need ~225 KB
-      e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (e != cudaSuccess) return (int)e;
-    configured = true;
-  }
-  decode_kernel<CB><<<dim3(grid_x, grid_y, grid_z), kThreads, C::SMEM, stream>>>(p);
+  const cudaError_t e = configure<CB>();
+  if (e != cudaSuccess) return (int)e;
+  decode_kernel<CB><<<dim3(grid_x, grid_y, grid_z), kThreads, Cfg<CB>::SMEM, stream>>>(p);
   return (int)cudaGetLastError();
+}
+
+template <int CB>
+static int ctas_per_sm() {
+  int n = -1;
+  cudaError_t e = configure<CB>();
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<CB>, kThreads, Cfg<CB>::SMEM);
+  return e == cudaSuccess ? n : -1;
 }
 
 }  // namespace qmla
@@ -588,30 +602,9 @@ extern "C" {
 // Size of the Params struct, so the host side can check its ctypes mirror.
 int qmla_params_size() { return (int)sizeof(qmla::Params); }
 
-int qmla_smem_bytes(int cbits) {
-  return cbits == 4 ? qmla::Cfg<4>::SMEM : cbits == 2 ? qmla::Cfg<2>::SMEM : -1;
-}
-
 // CTAs of the kernel that fit on one SM of the current device (occupancy calculator), or -1 on error.
 int qmla_ctas_per_sm(int cbits) {
-  int n = -1;
-  cudaError_t e;
-  if (cbits == 4) {
-    e = cudaFuncSetAttribute(qmla::decode_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, qmla::Cfg<4>::SMEM);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(qmla::decode_kernel<4>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (e == cudaSuccess)
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qmla::decode_kernel<4>, qmla::kThreads, qmla::Cfg<4>::SMEM);
-  } else if (cbits == 2) {
-    e = cudaFuncSetAttribute(qmla::decode_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, qmla::Cfg<2>::SMEM);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(qmla::decode_kernel<2>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (e == cudaSuccess)
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qmla::decode_kernel<2>, qmla::kThreads, qmla::Cfg<2>::SMEM);
-  } else {
-    return -1;
-  }
-  return e == cudaSuccess ? n : -1;
+  return cbits == 4 ? qmla::ctas_per_sm<4>() : cbits == 2 ? qmla::ctas_per_sm<2>() : -1;
 }
 
 // Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
