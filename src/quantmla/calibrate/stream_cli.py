@@ -27,7 +27,7 @@ def add_stream_args(subparsers) -> None:
         "on load, only the folded attention projections written (a delta checkpoint; apply with `quantmla merge`).",
     )
     p.add_argument("--model", required=True, help="local checkpoint directory (safetensors shards + index)")
-    p.add_argument("--format", default="c4r4", help="cache format (c4r4, c2r4, ...)")
+    p.add_argument("--format", default="c4r4", help="cache format: c4r4 (default), c2r4, ...")
     p.add_argument("--out", required=True, help="the delta file to write (.safetensors)")
     p.add_argument("--work", default=None, help="progress directory (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its progress directory")
@@ -35,20 +35,17 @@ def add_stream_args(subparsers) -> None:
     p.add_argument("--keep-work", action="store_true", help="keep the progress directory after success")
     p.add_argument("--tokens", default=None, help="calibration token ids: a torch.save-d integer tensor [N, T]")
     p.add_argument("--corpus", default=None, help="else: text corpus tokenized with the model's tokenizer")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype the blocks are materialized in")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="dtype the blocks are materialized in (default bfloat16)")
     p.add_argument("--transforms", default=None, help="also write the learned transforms (a small file, see docs)")
     p.add_argument("--report", default=None, help="also write the per-block costs and per-layer report (JSON)")
-    from quantmla.calibrate.cli import _FLAG_FIELDS  # the calibration flags of `quantmla calibrate`
+    from quantmla.calibrate.cli import add_calibration_flags  # the calibration flags of `quantmla calibrate`
 
-    p.add_argument("--preset", default=None, help="paper (default) or cpu-fast")
-    p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields")
-    for name in _FLAG_FIELDS:
-        if name != "method":
-            kind = str if name == "device" else (float if name.startswith("lr_") else int)
-            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--preset", default=None, help="paper (default) or cpu-fast (reduced budget for small models)")
+    p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields (flags below override)")
     p.add_argument("--method", default=None, help="quantmla (default), rtn, smoothquant, quarot")
-    p.add_argument("--steps", type=int, default=None, help="steps for both paths")
-    p.add_argument("--no-progress", action="store_true")
+    add_calibration_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no per-block progress lines")
     p.set_defaults(func=run_stream)
 
     m = subparsers.add_parser(
