@@ -2,7 +2,8 @@
 ``tests/kernels/test_decode_cuda.py`` against each; every mutation must make the tests fail.
 
 Mutations (each a one-line change of ``csrc/decode_mla.cu``): a 1% softmax-scale error, the sink boundary one
-token off, the local-window boundary one token off, the offset term of the output dropped. Prints one line per
+token off, the local-window boundary one token off, the offset term of the output dropped, the score product's
+magic-number term off by 1/1024, the output product's row-sum correction off by 1/128. Prints one line per
 mutation and exits non-zero if any mutation survives. GPU only::
 
     PYTHONPATH=src python benchmarks/mutation_check.py
@@ -20,10 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"
 MUTATIONS = {
     "none (control: must pass)": ("", ""),
-    "softmax scale +1%": ("fp32) * scale;", "fp32) * scale * 1.01f;"),
+    "softmax scale +1%": ("ex2(fmaf(sc[i][e2], two_e, -msafe", "ex2(fmaf(sc[i][e2], two_e * 1.01f, -msafe"),
     "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
     "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
-    "offset term dropped": ("corr[r] += (o4.x + o4.y) + (o4.z + o4.w);", "corr[r] += 0.f * (o4.x + o4.w);"),
+    "offset term dropped": ("(o4.x + o4.y) + (o4.z + o4.w));", "0.f * o4.x);"),
+    "score magic term 1024 -> 1023": ("-fmaf(1024.f, qmc[r]", "-fmaf(1023.f, qmc[r]"),
+    "output row-sum correction 128 -> 127": ("fmaf(-128.f, asum", "fmaf(-127.f, asum"),
 }
 
 

@@ -7,8 +7,15 @@
 //   score:  S[h, t] = sum_g s_g[t] * (q_g . k_g[t]) + o'_g[t] * qsum_g[h]    (k = 128 + code, o' = o - 128 s)
 //   output: O_g[h, :] = sum_t bf16(P[h,t] s_g[t]) c[t, :] + sum_t P[h,t] o_g[t]
 //
-// Codes reach the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) exactly: a b-bit field becomes the
-// bf16 number 128 + code with one shift and one LOP3 per register pair (0x4300 = 128). The page's bytes are
+// Codes reach the tensor cores (mma.sync m16n8k16, fp32 accumulate) exactly, as "magic numbers":
+//   score product (fp16): a field becomes the fp16 number 1024 + 2^(b p) code, p = the field's plane, by one LOP3
+//     (0x6400 = 1024; the fields of the upper byte of each 16-bit half after one shared 8-bit shift); q of plane
+//     p carries 2^-(b p) (exact), and -1024 * sum(q) starts the accumulator, so it ends holding q . code;
+//   output product (bf16): a field becomes 128 + code (one shift + one LOP3, 0x4300 = 128); the 128 * sum_t A
+//     it adds is one extra mma per k-block against a ones matrix, subtracted once per tile.
+// q is bf16(q * qk_scale) (the rounding the tests' reference uses), times 2^-e per CTA (e from its largest |q|, so
+// the fp16 operands can neither overflow nor lose bits to subnormals), converted to fp16 exactly; scores are
+// carried in 2^-e units until the softmax, whose exp2 takes 2^e in its FMA. The page's bytes are
 // staged in shared memory with cp.async (2 stages); the SAME bytes are read with ldmatrix for the score product
 // (B = K^T: pairs of channels of one token) and with ldmatrix.trans for the output product (B = V: pairs of
 // tokens of one channel): a 16-bit element of a row holds 16/b codes of one token, and the grouped planar
@@ -19,8 +26,10 @@
 //
 // Per 64-token tile: (1) each warp: its group's partial scores for all 64 tokens (64 mma), plus the RoPE
 // scores of its own 16 tokens (8 mma); (2) partials through shared memory, every warp sums all four (one
-// barrier) and runs the same online softmax on the full tile; (3) each warp: P * s_g in bf16 as the A operand
-// of its group's output product (64 mma into O, the codes as exact bf16 numbers c). Writes the split's
+// barrier) and runs the same online softmax on the full tile (the running maximum moves only when a tile's
+// maximum exceeds it by more than kLazy: most tiles skip the rescaling of O); (3) each warp: P * s_g in bf16 as
+// the A operand of its group's output product (64 + 4 mma into O). Out-of-range tokens are masked (and their
+// meta, which may be anything, zeroed) only in the tiles that have any. Writes the split's
 // normalized partial output and its log2-sum-exp in the layout of the Triton kernels (quantmla/kernels/triton_decode.py), whose sink/local-buffer and combine kernels
 // finish the attention.
 //
@@ -42,6 +51,10 @@ constexpr int kDr = 64;      // RoPE key width
 constexpr int kGroup = 128;  // content quantization group (one warp each)
 constexpr int kStages = 2;
 constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
+constexpr float kLazy = 8.f;   // log2 units: P <= 2^8 between moves of the running maximum
+constexpr uint32_t kMagicF16 = 0x64006400u;   // fp16x2 (1024, 1024)
+constexpr uint32_t kMagicBf16 = 0x43004300u;  // bf16x2 (128, 128)
+constexpr uint32_t kOnesBf16 = 0x3F803F80u;   // bf16x2 (1, 1)
 
 struct Params {
   const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
@@ -81,6 +94,8 @@ struct Cfg {
   static_assert(PFRAG <= PART, "the P fragments reuse the partial-score buffer");
   static constexpr int SMALL = (kHeads * kWarps + kWarps * kHeads * kWarps) * 4;  // slice maxima, offset sums
   static constexpr int SMEM = kStages * STAGE + PART + QFRAG + SMALL;
+  static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, in stage 1 + PART
+  static_assert(kStages >= 2 && QSTAGE <= STAGE + PART, "q staging fits behind stage 0");
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -112,22 +127,48 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// field j (b bits) of both 16-bit halves of r -> bf16x2 (128 + code_lo, 128 + code_hi), exact
-template <int B>
-__device__ __forceinline__ uint32_t field(uint32_t r, int j) {
-  const uint32_t x = r >> (B * j), mask = ((1u << B) - 1u) * 0x00010001u, magic = 0x43004300u;
-  uint32_t y;  // (x & mask) | magic in one LOP3 (the compiler splits it when both constants are immediates)
+// D = A * B + C with fp16 operands (the first k-block of a tile's score product: C = the accumulator start)
+__device__ __forceinline__ void mma_f16_c(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                          float c01, float c23) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%11,%11};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c01), "f"(c23));
+}
+
+// D += A * B with fp16 operands (the score product)
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x & mask) | magic in one LOP3 (the compiler splits it in two when both constants are immediates)
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t magic) {
+  uint32_t y;
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
   return y;
 }
 
-// field j of both 16-bit halves as exact bf16 codes (c_lo, c_hi): the magic number 128 + c minus 128 (one HSUB2)
+// output product: field j (b bits) of both 16-bit halves of r -> bf16x2 (128 + code_lo, 128 + code_hi), exact
 template <int B>
-__device__ __forceinline__ uint32_t code(uint32_t r, int j) {
-  const uint32_t m = field<B>(r, j);
-  uint32_t y;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));  // m * 1 - 128
-  return y;
+__device__ __forceinline__ uint32_t field(uint32_t r, int j) {
+  return and_or(r >> (B * j), ((1u << B) - 1u) * 0x00010001u, kMagicBf16);
+}
+
+// score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
+// the field's plane: fields of the low byte of each half straight from r, those of the high byte from r >> 8
+// (one shift for all), each with one LOP3. Field j = plane j % F of half j / F (F = NF / 2 = 8 / B).
+template <int B>
+__device__ __forceinline__ void score_fields(uint32_t r, uint32_t (&f)[16 / B]) {
+  constexpr int F = 8 / B;
+  const uint32_t r8 = r >> 8;
+#pragma unroll
+  for (int j = 0; j < 2 * F; ++j)
+    f[j] = and_or(j < F ? r : r8, (((1u << B) - 1u) << (B * (j % F))) * 0x00010001u, kMagicF16);
 }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0)
@@ -153,29 +194,35 @@ __device__ __forceinline__ int chan_k(int c, int p, int kk) {
   return 16 * c + PS * p + 4 * ((kk & 7) >> 1) + 2 * (kk & 1) + (kk >> 3);
 }
 
-// A fragment of a 16-head x 16-channel block of q: a0 (h=g, k=2t,2t+1), a1 (g+8), a2 (g, 2t+8,2t+9), a3 (g+8)
-template <int PS>
-__device__ __forceinline__ void load_qfrag(uint32_t (&a)[4], float (&qs)[2], const void* q, long long sb_off,
-                                           long long sh, int h0, int H, int ch0, int c, int p, int g, int t,
-                                           float scale, int fp32) {
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// fp16 A fragment of a 16-head x 16-channel block of q (plane p of a b-bit field: times 2^-(b p)) from the
+// staged bf16 q [head][576]: a0 (h=g, k=2t,2t+1), a1 (g+8), a2 (g, 2t+8,2t+9), a3 (g+8). qm += the fp16 values
+// as used (for the magic-number term), qs += them times 2^(b p) (q . 1 in 2^-e units, for the offset term).
+template <int PS, int B>
+__device__ __forceinline__ void load_qfrag(uint32_t (&a)[4], float (&qm)[2], float (&qs)[2], const __nv_bfloat16* qst,
+                                           int ch0, int c, int p, int g, int t, float f) {
+  const float pf = f / (float)(1 << (B * p)), up = (float)(1 << (B * p));
   float v[2][4];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int h = h0 + g + 8 * r;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int kk = (i < 2 ? 2 * t + i : 2 * t + 8 + (i - 2));
-      float x = 0.f;
-      if (h < H) x = load_q(q, sb_off + h * sh + ch0 + chan_k<PS>(c, p, kk), fp32) * scale;
-      x = bf16_round(x);
+      const float x = __half2float(__float2half_rn(__bfloat162float(qst[(g + 8 * r) * (kDc + kDr) + ch0 +
+                                                                        chan_k<PS>(c, p, kk)]) * pf));
       v[r][i] = x;
-      qs[r] += x;
+      qm[r] += x;
+      qs[r] += x * up;
     }
   }
-  a[0] = pack_bf16(v[0][0], v[0][1]);
-  a[1] = pack_bf16(v[1][0], v[1][1]);
-  a[2] = pack_bf16(v[0][2], v[0][3]);
-  a[3] = pack_bf16(v[1][2], v[1][3]);
+  a[0] = pack_f16(v[0][0], v[0][1]);
+  a[1] = pack_f16(v[1][0], v[1][1]);
+  a[2] = pack_f16(v[0][2], v[0][3]);
+  a[3] = pack_f16(v[1][2], v[1][3]);
 }
 
 template <int CB>
@@ -199,9 +246,18 @@ __device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, c
   if (tid < meta_rows * kPage * 2 / 16) cp_async16(stage + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
 }
 
-template <int CB>
+// Meta rows of a page (quantmla.kernels.layout): content scales (one row per group), content offsets (asymmetric
+// content), RoPE scale, RoPE offset (asymmetric RoPE); compile-time, so every meta address is an immediate.
+template <bool CSYM, bool RSYM>
+struct MetaRows {
+  static constexpr int CS = 0, CO = 4, RS = CSYM ? 4 : 8, RO = RS + 1, ROWS = RS + (RSYM ? 1 : 2);
+};
+
+template <int CB, bool CSYM, bool RSYM>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Params p) {
   using C = Cfg<CB>;
+  using M = MetaRows<CSYM, RSYM>;
+  constexpr bool csym = CSYM, rsym = RSYM;
   extern __shared__ __align__(128) uint8_t smem[];
   float4* part = reinterpret_cast<float4*>(smem + kStages * C::STAGE);
   // P fragments alias the partial scores: written after the 2nd barrier of a tile, when every warp has read them
@@ -210,53 +266,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   float* soff = smax + kHeads * kWarps;  // [group][head][slice]
 
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;
   const int n = p.lens[b];
   const int lo = p.sink;
   const int hi = max(n - p.local, p.sink);
   const int pg0 = lo / kPage + sp * p.pps;
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
-  const int meta_rows = (p.c_orow >= 0 ? 8 : 4) + (p.r_orow >= 0 ? 2 : 1);
-  const bool csym = p.c_orow < 0, rsym = p.r_orow < 0;
-
-  // ---- q fragments (bf16 of q * qk_scale) into shared memory (this warp's k-blocks: its content group, then
-  // the 4 RoPE k-blocks), and their group sums in registers
-  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
-  uint4* qfrag_c = qfrag + warp * (C::CPG * C::F) * 32;  // this warp's content k-blocks
-  uint4* qfrag_r = qfrag + kWarps * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks (shared by all warps)
-  float qsc[2] = {0.f, 0.f}, qsr[2] = {0.f, 0.f};
-  {
-    const long long ql_off = (long long)b * p.q_lat_sb, qp_off = (long long)b * p.q_pe_sb;
-    uint32_t a[4];
-#pragma unroll 1
-    for (int c = 0; c < C::CPG; ++c)
-#pragma unroll 1
-      for (int pl = 0; pl < C::F; ++pl) {
-        load_qfrag<C::PS>(a, qsc, p.q_lat, ql_off, p.q_lat_sh, h0, p.H, kGroup * warp, c, pl, g, t, p.qk_scale,
-                          p.q_fp32);
-        qfrag_c[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-      }
-#pragma unroll 1
-    for (int c = 0; c < 2; ++c)
-#pragma unroll 1
-      for (int pl = 0; pl < 2; ++pl) {
-        load_qfrag<32>(a, qsr, p.q_pe, qp_off, p.q_pe_sh, h0, p.H, 0, c, pl, g, t, p.qk_scale, p.q_fp32);
-        if (warp == 0) qfrag_r[(c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], 1);
-      qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], 2);
-      qsr[r] += __shfl_xor_sync(0xffffffffu, qsr[r], 1);
-      qsr[r] += __shfl_xor_sync(0xffffffffu, qsr[r], 2);
-    }
-  }
-
-  float o[C::CPG * C::NF][4];
-#pragma unroll
-  for (int i = 0; i < C::CPG * C::NF; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {0.f, 0.f};
+  constexpr int meta_rows = M::ROWS;
 
   const uint8_t* pool = p.pool;
   const int* bt = p.block_table + (long long)b * p.bt_stride;
@@ -264,14 +281,99 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     const uint8_t* page = pool + (long long)bt[pg] * p.page_bytes;
     load_page<CB>(smem_u32(smem + st * C::STAGE), page, p, meta_rows);
   };
+  // the first page is on its way while q is prepared (stage 0; q is staged behind it)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (pg0 + s < pg1) issue(pg0 + s, s);
     cp_async_commit();
   }
 
-  const float c_bias = csym ? 128.f + (float)(1 << (CB - 1)) : 128.f;  // o' = o - c_bias * s (sym: o = -2^(b-1) s)
-  const float r_bias = rsym ? 128.f + 8.f : 128.f;
+  // ---- q: bf16(q * qk_scale) of the CTA's 16 heads staged once in shared memory (every load in flight), the
+  // CTA's largest |q| -> e; then each warp's fp16 A fragments (its content group, then the 4 RoPE k-blocks)
+  __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576]
+  {
+    const int hh = tid >> 3, part8 = tid & 7, h = h0 + hh;
+    const long long ql = (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + 64 * part8;
+    const long long qp = (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + 8 * part8;
+    float amax = 0.f;
+    __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(qst + hh * (kDc + kDr));
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      float x0 = 0.f, x1 = 0.f;
+      if (h < p.H) {
+        x0 = load_q(p.q_lat, ql + i, p.q_fp32) * p.qk_scale;
+        x1 = load_q(p.q_lat, ql + i + 1, p.q_fp32) * p.qk_scale;
+      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      row[(64 * part8 + i) / 2] = v;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      float x0 = 0.f, x1 = 0.f;
+      if (h < p.H) {
+        x0 = load_q(p.q_pe, qp + i, p.q_fp32) * p.qk_scale;
+        x1 = load_q(p.q_pe, qp + i + 1, p.q_fp32) * p.qk_scale;
+      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      row[(kDc + 8 * part8 + i) / 2] = v;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) smax[warp] = amax;
+  }
+  __syncthreads();
+  // 2^-e scales the CTA's largest |q| into [2^14, 2^15): fp16 neither overflows nor goes subnormal above 2^-28 of it
+  int e;
+  {
+    const float amax = fmaxf(fmaxf(smax[0], smax[1]), fmaxf(smax[2], smax[3]));
+    const int E = amax > 0.f ? ((__float_as_int(amax) >> 23) & 0xff) - 127 : 14;
+    e = min(max(E - 14, -100), 100);
+  }
+  const float q_down = __int_as_float((127 - e) << 23), two_e = __int_as_float((127 + e) << 23);
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
+  uint4* qfrag_c = qfrag + warp * (C::CPG * C::F) * 32;  // this warp's content k-blocks
+  uint4* qfrag_r = qfrag + kWarps * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks (shared by all warps)
+  float qmc[2] = {0.f, 0.f}, qsc[2] = {0.f, 0.f}, qmr[2] = {0.f, 0.f}, qsr[2] = {0.f, 0.f};
+  {
+    uint32_t a[4];
+#pragma unroll 1
+    for (int c = 0; c < C::CPG; ++c)
+#pragma unroll
+      for (int pl = 0; pl < C::F; ++pl) {
+        load_qfrag<C::PS, CB>(a, qmc, qsc, qst, kGroup * warp, c, pl, g, t, q_down);
+        qfrag_c[(c * C::F + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int pl = 0; pl < 2; ++pl) {
+        load_qfrag<32, 4>(a, qmr, qsr, qst, kDc, c, pl, g, t, q_down);
+        if (warp == 0) qfrag_r[(c * 2 + pl) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        qmc[r] += __shfl_xor_sync(0xffffffffu, qmc[r], o);
+        qsc[r] += __shfl_xor_sync(0xffffffffu, qsc[r], o);
+        qmr[r] += __shfl_xor_sync(0xffffffffu, qmr[r], o);
+        qsr[r] += __shfl_xor_sync(0xffffffffu, qsr[r], o);
+      }
+  }
+  // accumulator starts: the magic numbers' 1024 * sum(q as used), and the symmetric formats' 2^(b-1) offset
+  float c_init[2], r_init[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    c_init[r] = -fmaf(1024.f, qmc[r], csym ? (float)(1 << (CB - 1)) * qsc[r] : 0.f);
+    r_init[r] = -fmaf(1024.f, qmr[r], rsym ? 8.f * qsr[r] : 0.f);
+  }
+
+  float o[C::CPG * C::NF][4];
+#pragma unroll
+  for (int i = 0; i < C::CPG * C::NF; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {0.f, 0.f};
 
   for (int it = 0; pg0 + it < pg1; ++it) {
     const int pg = pg0 + it;
@@ -284,11 +386,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     const uint32_t st_u = smem_u32(st);
     const __half* meta = reinterpret_cast<const __half*>(st + C::M_SM);
     const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
+    const bool edge = tok_lo > 0 || tok_hi < kPage;                 // some token of the tile is out of range
 
-    // ---- (1) partial scores of group `warp`, all 64 tokens: acc[n-block][c-frag]
-    float s_acc[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s_acc[i][0] = s_acc[i][1] = s_acc[i][2] = s_acc[i][3] = 0.f;
+    // ---- (1) partial scores of group `warp`, all 64 tokens: acc[n-block][c-frag], in 2^-e units
+    float s_acc[8][4];  // started by the first mma (c = 0, plane 0) at c_init
 #pragma unroll
     for (int c = 0; c < C::CPG; ++c) {
       const int chunk = warp * C::CPG + c;
@@ -299,31 +400,50 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         ldsm_x4(R[4 * hf], R[4 * hf + 1], R[4 * hf + 2], R[4 * hf + 3],
                 st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
       }
+      uint32_t qa[C::F][4];
 #pragma unroll
       for (int pl = 0; pl < C::F; ++pl) {
         const uint4 q4 = qfrag_c[(c * C::F + pl) * 32 + lane];
-        const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+        qa[pl][0] = q4.x;
+        qa[pl][1] = q4.y;
+        qa[pl][2] = q4.z;
+        qa[pl][3] = q4.w;
+      }
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) mma(s_acc[nb], qa, field<CB>(R[nb], pl), field<CB>(R[nb], C::F + pl));
+      for (int nb = 0; nb < 8; ++nb) {
+        uint32_t f[C::NF];
+        score_fields<CB>(R[nb], f);
+#pragma unroll
+        for (int pl = 0; pl < C::F; ++pl) {
+          if (c == 0 && pl == 0)
+            mma_f16_c(s_acc[nb], qa[pl], f[pl], f[C::F + pl], c_init[0], c_init[1]);
+          else
+            mma_f16(s_acc[nb], qa[pl], f[pl], f[C::F + pl]);
+        }
       }
     }
-    // scale by the group's per-token scale and offset
+    // scale by the group's per-token scale, add the offset term
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) {
       const int tau = 8 * nb + 2 * t;
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + warp) * kPage + tau));
-      float2 o2 = make_float2(0.f, 0.f);
-      if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + warp) * kPage + tau));
+      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (M::CS + warp) * kPage + tau));
+      if (csym) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float s = e ? s2.y : s2.x;
-        const float op = fmaf(-c_bias, s, e ? o2.y : o2.x);  // o' = o - bias * s
-        s_acc[nb][e] = fmaf(s, s_acc[nb][e], op * qsc[0]);
-        s_acc[nb][e + 2] = fmaf(s, s_acc[nb][e + 2], op * qsc[1]);
+        for (int e2 = 0; e2 < 4; ++e2) s_acc[nb][e2] *= (e2 & 1) ? s2.y : s2.x;
+      } else {
+        const float2 o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (M::CO + warp) * kPage + tau));
+#pragma unroll
+        for (int e2 = 0; e2 < 4; ++e2)
+          s_acc[nb][e2] = fmaf((e2 & 1) ? s2.y : s2.x, s_acc[nb][e2], ((e2 & 1) ? o2.y : o2.x) * qsc[e2 >> 1]);
       }
     }
     // RoPE scores of this warp's 16 tokens (n-blocks 2w, 2w+1)
-    float racc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float racc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      racc[i][0] = racc[i][1] = r_init[0];
+      racc[i][2] = racc[i][3] = r_init[1];
+    }
     {
       uint32_t rr[4];  // [chunk][n-block half]: matrices (tokens 16w + 8(mi&1) .., chunk mi>>1)
       const int mi = lane >> 3;
@@ -332,26 +452,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int pl = 0; pl < 2; ++pl) {
-          const uint4 q4 = qfrag_r[(c * 2 + pl) * 32 + lane];
-          const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+        for (int nbl = 0; nbl < 2; ++nbl) {
+          uint32_t f[4];
+          score_fields<4>(rr[2 * c + nbl], f);
 #pragma unroll
-          for (int nbl = 0; nbl < 2; ++nbl)
-            mma(racc[nbl], qa, field<4>(rr[2 * c + nbl], pl), field<4>(rr[2 * c + nbl], 2 + pl));
+          for (int pl = 0; pl < 2; ++pl) {
+            const uint4 q4 = qfrag_r[(c * 2 + pl) * 32 + lane];
+            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+            mma_f16(racc[nbl], qa, f[pl], f[2 + pl]);
+          }
         }
 #pragma unroll
       for (int nbl = 0; nbl < 2; ++nbl) {
         const int tau = 16 * warp + 8 * nbl + 2 * t;
-        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_srow * kPage + tau));
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + M::RS * kPage + tau));
         float2 o2 = make_float2(0.f, 0.f);
-        if (!rsym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + p.r_orow * kPage + tau));
+        if (!rsym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + M::RO * kPage + tau));
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float s = e ? s2.y : s2.x;
-          const float op = fmaf(-r_bias, s, e ? o2.y : o2.x);
-          racc[nbl][e] = fmaf(s, racc[nbl][e], op * qsr[0]);
-          racc[nbl][e + 2] = fmaf(s, racc[nbl][e + 2], op * qsr[1]);
-        }
+        for (int e2 = 0; e2 < 4; ++e2)
+          racc[nbl][e2] = fmaf((e2 & 1) ? s2.y : s2.x, racc[nbl][e2], ((e2 & 1) ? o2.y : o2.x) * qsr[e2 >> 1]);
       }
     }
     // ---- (2) reduce-scatter of the partial scores: warp w gets the full scores of its slice (tokens 16w..16w+15)
@@ -359,11 +478,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     for (int nb = 0; nb < 8; ++nb)
       part[(warp * 8 + nb) * 32 + lane] = make_float4(s_acc[nb][0], s_acc[nb][1], s_acc[nb][2], s_acc[nb][3]);
     __syncthreads();
-    float sc[2][4];  // [n-block of the slice][c-frag]: heads g, g+8 x tokens 16w + 8i + 2t (+1)
+    float sc[2][4];  // [n-block of the slice][c-frag]: heads g, g+8 x tokens 16w + 8i + 2t (+1), 2^-e units
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[i][e] = racc[i][e];
+      for (int e2 = 0; e2 < 4; ++e2) sc[i][e2] = racc[i][e2];
 #pragma unroll
       for (int v = 0; v < kWarps; ++v) {
         const float4 x = part[(v * 8 + 2 * warp + i) * 32 + lane];
@@ -373,21 +492,22 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         sc[i][3] += x.w;
       }
     }
-    float mv[2] = {-INFINITY, -INFINITY};
-    bool tok_ok[2][2];
+    bool tok_ok[2][2] = {{true, true}, {true, true}};
+    if (edge) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tau = 16 * warp + 8 * i + 2 * t + e;
-        tok_ok[i][e] = tau >= tok_lo && tau < tok_hi;
-        sc[i][e] = tok_ok[i][e] ? sc[i][e] : -INFINITY;
-        sc[i][e + 2] = tok_ok[i][e] ? sc[i][e + 2] : -INFINITY;
-        mv[0] = fmaxf(mv[0], sc[i][e]);
-        mv[1] = fmaxf(mv[1], sc[i][e + 2]);
-      }
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int tau = 16 * warp + 8 * i + 2 * t + e2;
+          tok_ok[i][e2] = tau >= tok_lo && tau < tok_hi;
+          sc[i][e2] = tok_ok[i][e2] ? sc[i][e2] : -INFINITY;
+          sc[i][e2 + 2] = tok_ok[i][e2] ? sc[i][e2 + 2] : -INFINITY;
+        }
+    }
+    float mv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      mv[r] = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
       mv[r] = fmaxf(mv[r], __shfl_xor_sync(0xffffffffu, mv[r], 1));
       mv[r] = fmaxf(mv[r], __shfl_xor_sync(0xffffffffu, mv[r], 2));
     }
@@ -396,27 +516,40 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       smax[(g + 8) * kWarps + warp] = mv[1];
     }
     __syncthreads();
-    // online softmax (log2 units: q carries qk_scale); every warp derives the same tile maximum
-    float alpha[2], msafe[2];
+    // online softmax in log2 units (q carries qk_scale); every warp derives the same tile maximum, so the same
+    // (warp-uniform) decision to move the running maximum
+    float mt[2];
+    bool need[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float4 m4 = *reinterpret_cast<const float4*>(smax + (g + 8 * r) * kWarps);
-      const float mt = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
-      const float m_new = fmaxf(m_run[r], mt);
-      msafe[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = ex2(m_run[r] - msafe[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-      corr[r] *= alpha[r];
+      mt[r] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
+      need[r] = mt[r] > m_run[r] + kLazy;  // false for an empty tile (-inf)
     }
+    if (__any_sync(0xffffffffu, need[0] || need[1])) {
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = need[r] ? mt[r] : m_run[r];
+        alpha[r] = ex2(m_run[r] - m_new);  // 1 when it stays, 0 from -inf
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+        corr[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < C::CPG * C::NF; ++i)
+#pragma unroll
+        for (int e2 = 0; e2 < 4; ++e2) o[i][e2] *= alpha[e2 >> 1];
+    }
+    const float msafe[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
     // P of the slice; P * s_g (bf16) as A fragments of k-block w for each group g; sum_t P o_g per group
     float pv[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pv[i][e] = ex2(sc[i][e] - msafe[e >> 1]);
-        l_run[e >> 1] += pv[i][e];
+      for (int e2 = 0; e2 < 4; ++e2) {
+        pv[i][e2] = ex2(fmaf(sc[i][e2], two_e, -msafe[e2 >> 1]));
+        l_run[e2 >> 1] += pv[i][e2];
       }
 #pragma unroll
     for (int gr = 0; gr < kWarps; ++gr) {
@@ -424,15 +557,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int tau = 16 * warp + 8 * i + 2 * t;
-        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_srow + gr) * kPage + tau));
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (M::CS + gr) * kPage + tau));
         float2 o2 = make_float2(0.f, 0.f);
-        if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (p.c_orow + gr) * kPage + tau));
+        if (!csym) o2 = __half22float2(*reinterpret_cast<const __half2*>(meta + (M::CO + gr) * kPage + tau));
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {  // sanitized: an invalid token's meta may be anything (NaN)
-          const float sx = e ? s2.y : s2.x;
-          sv[i][e] = tok_ok[i][e] ? sx : 0.f;
-          ov[i][e] = tok_ok[i][e] ? (csym ? -(float)(1 << (CB - 1)) * sx : (e ? o2.y : o2.x)) : 0.f;
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const float sx = e2 ? s2.y : s2.x;
+          sv[i][e2] = sx;
+          ov[i][e2] = csym ? -(float)(1 << (CB - 1)) * sx : (e2 ? o2.y : o2.x);
         }
+      }
+      if (edge) {  // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            sv[i][e2] = tok_ok[i][e2] ? sv[i][e2] : 0.f;
+            ov[i][e2] = tok_ok[i][e2] ? ov[i][e2] : 0.f;
+          }
       }
       pfrag[(gr * kWarps + warp) * 32 + lane] =
           make_uint4(pack_bf16(pv[0][0] * sv[0][0], pv[0][1] * sv[0][1]), pack_bf16(pv[0][2] * sv[0][0], pv[0][3] * sv[0][1]),
@@ -451,8 +593,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       }
     }
     __syncthreads();
-    // ---- (3) output product of group `warp`: O = alpha O + sum_t bf16(P s) c, the exact codes (128 + c - 128 in
-    // bf16) straight into O: 16 independent accumulator chains
+    // ---- (3) output product of group `warp`: O += sum_t bf16(P s) (128 + c), 16 independent accumulator chains;
+    // the 128 sum_t bf16(P s) it adds comes back out of corr (row sums: one mma per k-block against ones)
     uint32_t ap[4][4];
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
@@ -462,15 +604,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       ap[kb][2] = x.z;
       ap[kb][3] = x.w;
     }
+    float asum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) mma(asum, ap[kb], kOnesBf16, kOnesBf16);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float4 o4 = *reinterpret_cast<const float4*>(soff + (warp * kHeads + g + 8 * r) * kWarps);
-      corr[r] += (o4.x + o4.y) + (o4.z + o4.w);
+      corr[r] += fmaf(-128.f, asum[2 * r], (o4.x + o4.y) + (o4.z + o4.w));
     }
-#pragma unroll
-    for (int i = 0; i < C::CPG * C::NF; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[i][e] *= alpha[e >> 1];
 #pragma unroll
     for (int kp = 0; kp < 2; ++kp) {  // two k-blocks (32 tokens) per ldmatrix.x4.trans
 #pragma unroll
@@ -484,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int j = 0; j < C::NF; ++j)
-            mma(o[c * C::NF + j], ap[2 * kp + h], code<CB>(R[2 * h], j), code<CB>(R[2 * h + 1], j));
+            mma(o[c * C::NF + j], ap[2 * kp + h], field<CB>(R[2 * h], j), field<CB>(R[2 * h + 1], j));
       }
     }
   }
@@ -568,30 +709,44 @@ __global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ 
 
 // Once per instantiation: the dynamic shared memory it needs and all of the unified L1/shared memory as shared
 // memory (3 CTAs per SM need ~225 KB).
-template <int CB>
+template <int CB, bool CSYM, bool RSYM>
 static cudaError_t configure() {
   using C = Cfg<CB>;
   static cudaError_t status = [] {
-    cudaError_t e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(decode_kernel<CB>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    auto k = decode_kernel<CB, CSYM, RSYM>;
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     return e;
   }();
   return status;
 }
 
-template <int CB>
+template <int CB, bool CSYM, bool RSYM>
 static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
-  const cudaError_t e = configure<CB>();
+  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in
+  if (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO))
+    return (int)cudaErrorInvalidValue;
+  const cudaError_t e = configure<CB, CSYM, RSYM>();
   if (e != cudaSuccess) return (int)e;
-  decode_kernel<CB><<<dim3(grid_x, grid_y, grid_z), kThreads, Cfg<CB>::SMEM, stream>>>(p);
+  decode_kernel<CB, CSYM, RSYM><<<dim3(grid_x, grid_y, grid_z), kThreads, Cfg<CB>::SMEM, stream>>>(p);
   return (int)cudaGetLastError();
 }
 
 template <int CB>
-static int ctas_per_sm() {
+static int launch_cb(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
+  const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
+  if (cs && rs) return launch<CB, true, true>(p, grid_x, grid_y, grid_z, stream);
+  if (cs) return launch<CB, true, false>(p, grid_x, grid_y, grid_z, stream);
+  if (rs) return launch<CB, false, true>(p, grid_x, grid_y, grid_z, stream);
+  return launch<CB, false, false>(p, grid_x, grid_y, grid_z, stream);
+}
+
+template <int CB>
+static int ctas_per_sm() {  // every instantiation of CB has the same registers bound and shared memory
   int n = -1;
-  cudaError_t e = configure<CB>();
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<CB>, kThreads, Cfg<CB>::SMEM);
+  cudaError_t e = configure<CB, false, false>();
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<CB, false, false>, kThreads, Cfg<CB>::SMEM);
   return e == cudaSuccess ? n : -1;
 }
 
@@ -610,8 +765,8 @@ int qmla_ctas_per_sm(int cbits) {
 // Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
 int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (cbits == 4) return qmla::launch<4>(*p, grid_x, grid_y, grid_z, s);
-  if (cbits == 2) return qmla::launch<2>(*p, grid_x, grid_y, grid_z, s);
+  if (cbits == 4) return qmla::launch_cb<4>(*p, grid_x, grid_y, grid_z, s);
+  if (cbits == 2) return qmla::launch_cb<2>(*p, grid_x, grid_y, grid_z, s);
   return (int)cudaErrorInvalidValue;
 }
 

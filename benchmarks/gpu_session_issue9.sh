@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 9 on the H200 in one device call: GPU tests of the CUDA decode kernel, then the side-by-side benchmark
+# against FlashMLA (built from a checkout at run time), a per-kernel time table, and (optionally) the same
+# benchmark for a baseline kernel source, all in one call.
+#
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_session_issue9.sh RESULTS_DIR [STEPS]
+#
+# FLASHMLA_DIR (default .flashmla): a FlashMLA checkout (csrc/ with the CUTLASS headers it needs);
+# FLASHMLA_BUILD (default /tmp/fmbuild): its build folder -- carry a previous call's build (fmbuild.tgz from
+# RESULTS_DIR, unpacked to .fmbuild) to skip the ~90 s build; BASE_SRC: a folder with another decode_mla.cu to
+# time beside the current one (step `base`). STEPS (comma-separated, default tests,bench,profile,base):
+#   tests    pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py          ~1 min
+#   bench    bench_decode.py: every format, 16 heads, the six issue shapes (tag h200_<TAG>)       ~2 min
+#   heads    bench_decode.py --heads 32,64,128 (C4R4/C2R4/BF16, two shapes)                       ~1.5 min
+#   profile  torch.profiler per-kernel table for C4R4 at B32x32K, B32x4K, B1x128K                  ~30 s
+#   base     bench_decode.py for C4R4 with QUANTMLA_CUDA_SRC=$BASE_SRC (tag h200_<TAG>_base)         ~1 min
+#   mutation benchmarks/mutation_check.py                                                          ~3 min
+# TAG defaults to s9. Everything lands in RESULTS_DIR (logs, decode_vs_flashmla_*.{json,md,png}, fmbuild.tgz).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+RES=${1:?usage: bash benchmarks/gpu_session_issue9.sh RESULTS_DIR [STEPS]}
+STEPS=${2:-tests,bench,profile,base}
+TAG=${TAG:-s9}
+FM=${FLASHMLA_DIR:-.flashmla}
+FMB=${FLASHMLA_BUILD:-/tmp/fmbuild}
+mkdir -p "$RES" "$FMB"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QUANTMLA_CACHE=${QUANTMLA_CACHE:-/root/qcache}
+if [[ -d .fmbuild && -z "$(ls -A "$FMB")" ]]; then cp -a .fmbuild/. "$FMB"/ && touch "$FMB"/*.so 2>/dev/null; fi
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader | tee "$RES/device.txt"
+step() { [[ ",$STEPS," == *",$1,"* ]]; }
+if step tests; then
+  python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py -q -x 2>&1 |
+    tail -25 | tee "$RES/tests.log"
+fi
+if step bench; then
+  python benchmarks/bench_decode.py --flashmla "$FM" --flashmla-build "$FMB" --out "$RES" --tag "h200_$TAG" \
+    2>&1 | tee "$RES/bench.log" | tail -30
+  tar czf "$RES/fmbuild.tgz" -C "$FMB" . 2>/dev/null
+fi
+if step heads; then
+  python benchmarks/bench_decode.py --flashmla "$FM" --flashmla-build "$FMB" --out "$RES" --tag "h200_${TAG}_heads" \
+    --heads 32,64,128 --formats bf16,c4r4,c2r4 --shapes 32x32768,8x131072 2>&1 | tee "$RES/heads.log" | tail -20
+fi
+if step profile; then
+  for s in "32 32768" "32 4096" "1 131072" "8 131072"; do
+    python benchmarks/profile_decode.py c4r4 $s --table --reps 5 2>&1 | head -14
+  done | tee "$RES/profile.log"
+fi
+if step base && [[ -n ${BASE_SRC:-} ]]; then
+  QUANTMLA_CUDA_SRC=$BASE_SRC python benchmarks/bench_decode.py --flashmla "$FM" --flashmla-build "$FMB" --out "$RES" \
+    --tag "h200_${TAG}_base" --formats c4r4 2>&1 | tee "$RES/base.log" | tail -12
+fi
+if step mutation; then
+  python benchmarks/mutation_check.py 2>&1 | tee "$RES/mutation.log" | tail -20
+fi
