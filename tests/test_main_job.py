@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import quantmla
+from quantmla.calibrate.shipped import shipped_available
 from quantmla.cli import main
 
 TINY = ["run", "--tiny", "--tokens", "400", "--context", "200", "--preset", "smoke"]
@@ -52,3 +53,44 @@ def test_main_job_log_is_compact_and_ends_with_the_headline():
     out = r.stdout.rstrip().splitlines()
     assert out[-2].startswith("== Accuracy kept (C4R4): QuantMLA ") and out[-1].startswith("   Perplexity")
     assert out[-3].startswith("== Memory saved") and out[-4].startswith("   C4R4 QuantMLA")
+
+
+def test_main_job_shipped_transforms_of_another_conversion_are_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    """A shipped file whose base key is not this install's conversion: no row, a note saying why, model untouched."""
+    import torch
+
+    from quantmla import main_job
+    from quantmla.calibrate import shipped
+    from quantmla.mla.tiny import tiny_model
+
+    monkeypatch.setattr(shipped, "DATA_DIR", tmp_path)
+    shipped.save_transforms(tmp_path / "smollm2-mla-quantmla-c4r4.safetensors", {}, {"base_key": "another-conversion"})
+    model = tiny_model("deepseek_v2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert main_job._shipped(model, "smollm2-mla", "c4r4") == (None, None)
+    assert "shipped transforms not used" in capsys.readouterr().out
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert main_job._shipped(model, "smollm2-mla", "c2r4") == (None, None)  # none ships: nothing printed
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(("smollm2-mla", "c4r4") not in shipped_available(), reason="no shipped smollm2-mla C4R4")
+def test_main_job_scores_the_shipped_transforms_beside_rtn(tmp_path, capsys):
+    """The embedded model, live calibration skipped: the shipped C4R4 transforms get their own row on the same
+    tokens, labelled with the file's budget, and they beat RTN's KL there (what they were calibrated for)."""
+    from quantmla.calibrate.shipped import load_shipped
+
+    out = tmp_path / "run.json"
+    assert main(["run", "--tokens", "512", "--context", "256", "--formats", "bf16,c4r4", "--no-calibrate",
+                 "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    rows = {r["label"]: r for r in d["rows"]}
+    assert set(rows) == {"BF16", "C4R4 RTN", "C4R4 QuantMLA shipped"}
+    assert rows["C4R4 QuantMLA shipped"]["kl_to_full_precision"] < rows["C4R4 RTN"]["kl_to_full_precision"]
+    assert rows["C4R4 QuantMLA shipped"]["cache_bytes_bf16_model"] == rows["C4R4 RTN"]["cache_bytes_bf16_model"]
+    _, meta = load_shipped("smollm2-mla", "c4r4")
+    assert d["shipped"]["label"] == meta["label"] and d["shipped"]["calibration"] == meta["calibration"]
+    assert meta["label"] in printed and "steps per layer" in printed  # the budget it was made with
+    assert "== Shipped transforms (C4R4" in printed and "Recorded in the file" in printed

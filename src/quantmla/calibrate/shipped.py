@@ -171,6 +171,25 @@ def shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> dict 
     return {k: meta.get(k) for k in ("label", "method", "cache_format", "calibration", "eval", "base_key")}
 
 
+def recipe_text(cal: dict | None) -> str:
+    """A calibration recipe in a few words, against the paper's (Table 7) budget: e.g. "24+24 steps per layer on 8 x
+    512 tokens; reduced budget (paper: 300+300 on 128 x 2048)"."""
+    from quantmla.calibrate.config import CalibrationConfig
+
+    if not cal:
+        return "recipe not recorded"
+    keys = ("steps_content", "steps_rope", "train_seqs", "seq_len")
+    if any(k not in cal for k in keys):
+        return "recipe incomplete"
+    paper = CalibrationConfig()
+    c = cal
+    mine = f"{c['steps_content']}+{c['steps_rope']} steps per layer on {c['train_seqs']} x {c['seq_len']} tokens"
+    if all(cal[k] >= getattr(paper, k) for k in keys):
+        return mine + " (the paper's budget)"
+    return (f"{mine}; reduced budget (paper: {paper.steps_content}+{paper.steps_rope} on {paper.train_seqs} x "
+            f"{paper.seq_len})")  # fmt: skip
+
+
 def format_shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> str | None:
     """One line for ``quantmla run``: what the shipped transforms achieve (from their stored evaluation)."""
     s = shipped_summary(model_name, fmt)
@@ -193,6 +212,7 @@ __all__ = [
     "format_shipped_summary",
     "load_shipped",
     "load_transforms",
+    "recipe_text",
     "save_transforms",
     "shipped_available",
     "shipped_path",
