@@ -60,12 +60,38 @@ def _nearest_orthogonal(q: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
+def layer_transforms(attn: nn.Module, spec, tensors: dict[str, torch.Tensor], i: int):
+    """(content, rope) transform objects of attention layer ``i`` from a file's tensors (None where the file holds
+    none), checked against ``attn`` (latent width, latent-norm gain, RoPE pairs): ``ValueError`` names a mismatch."""
+    from quantmla.calibrate.fuse import latent_norm_gain
+    from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+
+    content, rope = None, None
+    if f"layers.{i}.content.q" in tensors:
+        u, q, v = (tensors[f"layers.{i}.content.{n}"].double() for n in "uqv")
+        if q.shape != (attn.kv_lora_rank, attn.kv_lora_rank):
+            raise ValueError(f"layer {i}: content transform {tuple(q.shape)} for a {attn.kv_lora_rank}-dim latent")
+        g = latent_norm_gain(attn)
+        if g is not None:
+            inv = 1.0 / g.double().cpu()
+            if not torch.allclose(u, inv, rtol=1e-4, atol=0):
+                raise ValueError(f"layer {i}: the content transform was made for another latent-norm gain")
+            u = inv
+        content = ContentTransform(u, _nearest_orthogonal(q), v, learn_rotation=False, learn_u=False,
+                                   learn_v=False)  # fmt: skip
+    if f"layers.{i}.rope.log_s" in tensors:
+        log_s = tensors[f"layers.{i}.rope.log_s"]
+        if log_s.shape != (spec.qk_rope_head_dim // 2,):
+            raise ValueError(f"layer {i}: {log_s.shape[0]} RoPE pairs, key is {spec.qk_rope_head_dim}-dim")
+        rope = RopeTransform(log_s.shape[0], log_s, tensors[f"layers.{i}.rope.phi"])
+    return content, rope
+
+
 @torch.no_grad()
 def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     """Fold the transforms of a file into ``model`` in place; returns the number of layers changed. Raises
     ``ValueError`` naming the mismatch when the file was made for another model (before changing anything)."""
-    from quantmla.calibrate.fuse import fold_transforms, latent_norm_gain
-    from quantmla.calibrate.transforms import ContentTransform, RopeTransform
+    from quantmla.calibrate.fuse import fold_transforms
     from quantmla.mla.spec import MLASpec
     from quantmla.mla.weights import iter_mla_attention
 
@@ -76,25 +102,7 @@ def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     for i in layers:
         if i not in attns:
             raise ValueError(f"the transforms have layer {i}, the model has {len(attns)} attention layers")
-        attn, content, rope = attns[i], None, None
-        if f"layers.{i}.content.q" in tensors:
-            u, q, v = (tensors[f"layers.{i}.content.{n}"].double() for n in "uqv")
-            if q.shape != (attn.kv_lora_rank, attn.kv_lora_rank):
-                raise ValueError(f"layer {i}: content transform {tuple(q.shape)} for a {attn.kv_lora_rank}-dim latent")
-            g = latent_norm_gain(attn)
-            if g is not None:
-                inv = 1.0 / g.double().cpu()
-                if not torch.allclose(u, inv, rtol=1e-4, atol=0):
-                    raise ValueError(f"layer {i}: the content transform was made for another latent-norm gain")
-                u = inv
-            content = ContentTransform(u, _nearest_orthogonal(q), v, learn_rotation=False, learn_u=False,
-                                       learn_v=False)  # fmt: skip
-        if f"layers.{i}.rope.log_s" in tensors:
-            log_s = tensors[f"layers.{i}.rope.log_s"]
-            if log_s.shape != (spec.qk_rope_head_dim // 2,):
-                raise ValueError(f"layer {i}: {log_s.shape[0]} RoPE pairs, key is {spec.qk_rope_head_dim}-dim")
-            rope = RopeTransform(log_s.shape[0], log_s, tensors[f"layers.{i}.rope.phi"])
-        plan.append((attn, content, rope))
+        plan.append((attns[i], *layer_transforms(attns[i], spec, tensors, i)))
     for attn, content, rope in plan:
         fold_transforms(attn, spec, content, rope)
     return len(plan)
@@ -210,6 +218,7 @@ __all__ = [
     "apply_shipped",
     "apply_transforms",
     "format_shipped_summary",
+    "layer_transforms",
     "load_shipped",
     "load_transforms",
     "recipe_text",

@@ -17,6 +17,12 @@ the hidden states entering the next block (``bank.pt``) and ``progress.json``, e
 and renamed, so an interrupt (or a crash) loses at most the block in flight. ``resume=True`` continues after the
 last finished block if the recipe and the base checkpoint are the same (else it refuses); the finished delta is
 identical to an uninterrupted run's.
+
+The bank is a cache: when it is missing, resuming recomputes it through the finished blocks with their original
+weights (exactly as the first pass did; bit for bit on the same device). A *thin* part holds only a block's
+transforms (:mod:`.stream_handover` packs a work directory that small, to move it to another machine); resuming
+folds them into the block's base weights again, so the delta equals an uninterrupted run's to the fp32 rounding of
+the transforms, and the transforms file is identical.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from quantmla.calibrate.checkpoint import (
 from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
-from quantmla.calibrate.shipped import save_transforms, transforms_tensors
+from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
 from quantmla.calibrate.trainer import (
     LayerBanks,
     _attention_by_block,
@@ -65,6 +71,7 @@ PROGRESS = "progress.json"
 BANK = "bank.pt"
 STREAM_VERSION = 1
 TF_PREFIX = "quantmla.transforms."  # transforms' tensors inside the per-block parts
+THIN = "thin"  # part metadata: "1" = the block's transforms only (folded again on resume)
 
 
 @dataclass
@@ -130,10 +137,7 @@ def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict) -> int:
                         f"{work} holds progress of another run ({k} differs): resume with the same model, format, "
                         "calibration settings and text, or start over with --force"
                     )
-            done = int(prog["blocks_done"])
-            if done and not (work / BANK).exists():
-                raise RuntimeError(f"{work}: {BANK} is missing; start over with --force")
-            return done
+            return int(prog["blocks_done"])
         if not force:
             raise FileExistsError(
                 f"{work} holds an earlier run's progress: pass --resume to continue it or --force to start over"
@@ -199,7 +203,7 @@ def calibrate_streamed(
         if name != "layers":
             child.to("meta")  # the embedding is needed for block 0's inputs only
     if start:
-        h = torch.load(work / BANK, weights_only=True)
+        h = _replay_finished(start, blocks, attn_of_block, work, reader, prefix, spec, h, block_kwargs, config, device)
     report = StreamReport(bank_bytes=3 * h.numel() * h.element_size())
     n_train = config.train_seqs
     for b in range(start, len(blocks)):
@@ -230,7 +234,7 @@ def calibrate_streamed(
         state, local = block.state_dict(), f"{prefix}layers.{b}."
         part = {n: state[n[len(local) :]].detach().to("cpu").clone() for n in names} | tf
         del state, banks, x  # no reference to the block's weights or banks may outlive it
-        atomic_save_safetensors(part, work / f"block_{b:05d}.safetensors",
+        atomic_save_safetensors(part, part_path(work, b),
                                 {"digests": json.dumps(digests), "reports": json.dumps(reports)})
         _save_bank(work / BANK, h_next)
         block.to("meta")
@@ -260,6 +264,49 @@ def calibrate_streamed(
     return report
 
 
+def part_path(work: Path, b: int) -> Path:
+    return Path(work) / f"block_{b:05d}.safetensors"
+
+
+def _part(work: Path, b: int) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(part_path(work, b), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _replay_finished(start, blocks, attn_of_block, work, reader, prefix, spec, h, block_kwargs, config, device):
+    """Before resuming at block ``start``: the hidden states entering it (``bank.pt``, or recomputed through the
+    finished blocks with their original weights, as the first pass computed them) and full parts for thin ones."""
+    have_bank = (work / BANK).exists()
+    thin = {b for b in range(start) if _part(work, b)[1].get(THIN) == "1"}
+    for b in range(start if not have_bank else max(thin, default=-1) + 1):
+        if have_bank and b not in thin:
+            continue
+        block = blocks[b]
+        load_module_tensors(block, f"{prefix}layers.{b}.", reader, device)
+        reader.close()
+        if not have_bank:
+            h, attn_inputs, _ = _run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
+            del attn_inputs
+        if b in thin:  # fold the block's stored transforms into its base weights, keep the changed tensors
+            tf, meta = _part(work, b)
+            plain = {k[len(TF_PREFIX) :]: v for k, v in tf.items()}
+            names = []
+            for attn in attn_of_block[b]:
+                fold_transforms(attn, spec, *layer_transforms(attn, spec, plain, attn.layer_idx))
+                names += folded_tensor_names(attn, _name_in(attn, block, b, prefix))
+            state, local = block.state_dict(), f"{prefix}layers.{b}."
+            part = {n: state[n[len(local) :]].detach().to("cpu").clone() for n in names} | tf
+            del state
+            atomic_save_safetensors(part, part_path(work, b), {k: v for k, v in meta.items() if k != THIN})
+        block.to("meta")
+    if have_bank:
+        return torch.load(work / BANK, weights_only=True)
+    _save_bank(work / BANK, h)
+    return h
+
+
 def _name_in(attn: nn.Module, block: nn.Module, b: int, prefix: str) -> str:
     """Checkpoint prefix of ``attn`` inside block ``b`` (``model.layers.b.self_attn.`` or ``...self_attn.0.``)."""
     for name, m in block.named_modules():
@@ -273,7 +320,7 @@ def _assemble(work: Path, num_blocks: int) -> tuple[dict, dict, list]:
 
     tensors, digests, layers = {}, {}, []
     for b in range(num_blocks):
-        with safe_open(work / f"block_{b:05d}.safetensors", framework="pt") as f:
+        with safe_open(part_path(work, b), framework="pt") as f:
             meta = f.metadata()
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
         digests.update(json.loads(meta["digests"]))
@@ -281,4 +328,4 @@ def _assemble(work: Path, num_blocks: int) -> tuple[dict, dict, list]:
     return tensors, digests, layers
 
 
-__all__ = ["StreamReport", "calibrate_streamed", "rss_bytes"]
+__all__ = ["StreamReport", "calibrate_streamed", "part_path", "rss_bytes"]
