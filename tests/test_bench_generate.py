@@ -75,13 +75,18 @@ def test_gpu_session_script_plumbing(tmp_path):
     """benchmarks/gpu_session_issue10.sh with PY=echo (a dry run): the chosen steps run in order with their
     arguments, each gets a summary line and a log, the bundle for the device tool holds them; a step that the time
     budget cannot cover is skipped with a line saying so."""
+    import shutil
     import subprocess
     import tarfile
 
-    script = BENCH.parent / "gpu_session_issue10.sh"
+    (tmp_path / "repo" / "benchmarks").mkdir(parents=True)  # a copy: never this checkout's carries or /root/keep
+    for f in ("gpu_session_issue10.sh", "device_carry.sh"):
+        shutil.copy(BENCH.parent / f, tmp_path / "repo" / "benchmarks" / f)
+    script = tmp_path / "repo" / "benchmarks" / "gpu_session_issue10.sh"
     out, res = tmp_path / "out", tmp_path / "issue10"
     out.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "PY": "echo", "OUT": str(out), "HOME": str(tmp_path)}
+    env = {"PATH": "/usr/bin:/bin", "PY": "echo", "OUT": str(out), "HOME": str(tmp_path),
+           "QUANTMLA_KEEP": str(tmp_path / "keep")}
     subprocess.run(["bash", str(script), str(res), "tests,v2lite"], env=env, check=True, capture_output=True)
     summary = (res / "summary.txt").read_text()
     assert "tests: ok" in summary and "v2lite: ok" in summary and "devices" not in summary
@@ -92,3 +97,15 @@ def test_gpu_session_script_plumbing(tmp_path):
     env["QUANTMLA_GPU_BUDGET_S"] = "20"
     subprocess.run(["bash", str(script), str(tmp_path / "late"), "tests"], env=env, check=True, capture_output=True)
     assert "tests: SKIPPED" in (tmp_path / "late" / "summary.txt").read_text()
+
+
+def test_chunked_prefill_times_every_chunk(tmp_path, capsys):
+    """--prefill-chunk: a 200-token prompt in forwards of 64 tokens -> four timed chunks summing to the row's time."""
+    argv = ["--tiny", "--formats", "c4r4", "--batches", "1", "--contexts", "40", "--prefill-contexts", "200",
+            "--prefill-chunk", "64", "--out", str(tmp_path)]  # fmt: skip
+    assert _bench().main(argv) == 0
+    rows = json.loads((tmp_path / "generate_tiny.json").read_text())["rows"]
+    (pre,) = [r for r in rows if r["kind"] == "prefill"]
+    assert pre["chunk"] == 64 and len(pre["chunk_seconds"]) == 4 and all(t > 0 for t in pre["chunk_seconds"])
+    assert pre["seconds"] == pytest.approx(sum(pre["chunk_seconds"]))
+    assert "forwards of 64 tokens" in (tmp_path / "generate_tiny.md").read_text()
