@@ -79,3 +79,19 @@ def test_job_time_by_hand(tmp_path):
     p.write_text(json.dumps(c.to_dict()))
     assert StepCosts.from_json(p) == c
     assert "PLACEHOLDER" in placeholder_costs().label
+
+
+def test_format_overrides_by_hand(tmp_path):
+    c = StepCosts("x", "y", step_overhead_s=1.0, per_token_s=0.5, prefill_pair_s=0.25,
+                  decode_ctx_token_s={"bf16": 2.0, "c4r4": 1.0},
+                  format_overrides={"c4r4": {"prefill_pair_s": 0.5, "step_overhead_s": 0.0}})  # fmt: skip
+    # bf16: 1 + 4 x 0.5 + 8 x 0.25 = 5; c4r4: 0 + 4 x 0.5 + 8 x 0.5 = 6; then 1 + 1 + 10 x 2 and 0 + 1 + 10 x 1
+    assert job_time([(4, 8, 0, 0), (2, 0, 2, 10)], c, "bf16", 4)[0] == 27.0
+    assert job_time([(4, 8, 0, 0), (2, 0, 2, 10)], c, "C4R4", 4)[0] == 17.0
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(c.to_dict()))
+    assert StepCosts.from_json(p) == c
+    with pytest.raises(ValueError, match="unknown cost 'decode'"):
+        StepCosts("x", "y", 1.0, 0.5, 0.25, {"bf16": 2.0}, {"bf16": {"decode": 1.0}})
+    with pytest.raises(ValueError, match=r"\['c4r4'\]\['per_token_s'\] must be >= 0"):
+        StepCosts("x", "y", 1.0, 0.5, 0.25, {"bf16": 2.0}, {"c4r4": {"per_token_s": -1.0}})

@@ -8,8 +8,10 @@ A serving step (one forward pass of vLLM's scheduler output) costs, for one mode
                                                           #   positions each attends to
            + decode_ctx_token_s[f]  * decode_ctx_tokens   # decode attention: cached tokens read, format f
 
-Only the last term depends on the cache format (the bytes the decode kernel reads per cached token); the
+Only the last term must depend on the cache format (the bytes the decode kernel reads per cached token); the
 format's other effect, fewer preemptions and so fewer recomputed prefill tokens, is in the trace itself.
+Measured costs may also give a format its own first three terms (``format_overrides``: the prefill path of a
+packed cache differs from BF16's; benchmarks/step_costs.py fits all four terms per format).
 ``StepCosts.from_json`` reads measured costs; :func:`placeholder_costs` are *not* measurements: they are
 derived from our H200 decode-kernel results and rough FLOP rates and say so in their label.
 """
@@ -20,6 +22,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+_SHARED = ("step_overhead_s", "per_token_s", "prefill_pair_s")
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -29,13 +33,25 @@ class StepCosts:
     per_token_s: float
     prefill_pair_s: float
     decode_ctx_token_s: dict[str, float] = field(default_factory=dict)
+    # format -> {"step_overhead_s" | "per_token_s" | "prefill_pair_s": seconds}, replacing the shared value
+    format_overrides: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for k in ("step_overhead_s", "per_token_s", "prefill_pair_s"):
+        for k in _SHARED:
             if not getattr(self, k) >= 0:
                 raise ValueError(f"StepCosts.{k} must be >= 0, got {getattr(self, k)!r}")
         if not self.decode_ctx_token_s:
             raise ValueError("StepCosts.decode_ctx_token_s must give a cost per cached token for each format")
+        for fmt, over in self.format_overrides.items():
+            for k, v in over.items():
+                if k not in _SHARED:
+                    raise ValueError(f"StepCosts.format_overrides[{fmt!r}]: unknown cost {k!r} (one of {_SHARED})")
+                if not v >= 0:
+                    raise ValueError(f"StepCosts.format_overrides[{fmt!r}][{k!r}] must be >= 0, got {v!r}")
+
+    def cost(self, name: str, fmt: str) -> float:
+        """``step_overhead_s``, ``per_token_s`` or ``prefill_pair_s`` of format ``fmt``."""
+        return self.format_overrides.get(fmt.lower(), {}).get(name, getattr(self, name))
 
     def decode_cost(self, fmt: str) -> float:
         try:
@@ -46,8 +62,8 @@ class StepCosts:
     def step_s(self, step: tuple[int, int, int, int], fmt: str) -> float:
         """``step`` = (tokens, prefill_pairs, decode_tokens, decode_ctx_tokens)."""
         tokens, pairs, _decode_tokens, decode_ctx = step
-        return (self.step_overhead_s + self.per_token_s * tokens + self.prefill_pair_s * pairs
-                + self.decode_cost(fmt) * decode_ctx)
+        return (self.cost("step_overhead_s", fmt) + self.cost("per_token_s", fmt) * tokens
+                + self.cost("prefill_pair_s", fmt) * pairs + self.decode_cost(fmt) * decode_ctx)
 
     def to_dict(self) -> dict:
         return asdict(self)
