@@ -3,7 +3,7 @@
 
 Mutations (each a one-line change of ``csrc/decode_mla.cu``): a 1% softmax-scale error, the sink boundary one
 token off, the local-window boundary one token off, the offset term of the output dropped, the score product's
-magic-number term off by 1/1024, the output product's row-sum correction off by 1/128. Prints one line per
+magic-number term off by 1/1024, the output product's code bias off by one. Prints one line per
 mutation and exits non-zero if any mutation survives. GPU only::
 
     PYTHONPATH=src python benchmarks/mutation_check.py
@@ -26,7 +26,7 @@ MUTATIONS = {
     "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
     "offset term dropped": ("(o4.x + o4.y) + (o4.z + o4.w));", "0.f * o4.x);"),
     "score magic term 1024 -> 1023": ("-fmaf(1024.f, qmc[r]", "-fmaf(1023.f, qmc[r]"),
-    "output row-sum correction 128 -> 127": ("fmaf(-128.f, asum", "fmaf(-127.f, asum"),
+    "output code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)"),
 }
 
 

@@ -11,8 +11,9 @@
 //   score product (fp16): a field becomes the fp16 number 1024 + 2^(b p) code, p = the field's plane, by one LOP3
 //     (0x6400 = 1024; the fields of the upper byte of each 16-bit half after one shared 8-bit shift); q of plane
 //     p carries 2^-(b p) (exact), and -1024 * sum(q) starts the accumulator, so it ends holding q . code;
-//   output product (bf16): a field becomes 128 + code (one shift + one LOP3, 0x4300 = 128); the 128 * sum_t A
-//     it adds is one extra mma per k-block against a ones matrix, subtracted once per tile.
+//   output product (bf16): a field becomes 128 + code (one shift + one LOP3, 0x4300 = 128), minus 128 (one
+//     bf16x2 FMA, exact): O accumulates over a whole split, and a 128 carried in its fp32 accumulators (row sums
+//     subtracted once per tile instead) cost up to 4x the error at 128K tokens (C2R4: rel. L2 1.6e-2, H200).
 // q is bf16(q * qk_scale) (the rounding the tests' reference uses), times 2^-e per CTA (e from its largest |q|, so
 // the fp16 operands can neither overflow nor lose bits to subnormals), converted to fp16 exactly; scores are
 // carried in 2^-e units until the softmax, whose exp2 takes 2^e in its FMA. The page's bytes are
@@ -28,7 +29,7 @@
 // scores of its own 16 tokens (8 mma); (2) partials through shared memory, every warp sums all four (one
 // barrier) and runs the same online softmax on the full tile (the running maximum moves only when a tile's
 // maximum exceeds it by more than kLazy: most tiles skip the rescaling of O); (3) each warp: P * s_g in bf16 as
-// the A operand of its group's output product (64 + 4 mma into O). Out-of-range tokens are masked (and their
+// the A operand of its group's output product (64 mma into O, the codes as exact bf16 numbers c). Out-of-range tokens are masked (and their
 // meta, which may be anything, zeroed) only in the tiles that have any. Writes the split's
 // normalized partial output and its log2-sum-exp in the layout of the Triton kernels (quantmla/kernels/triton_decode.py), whose sink/local-buffer and combine kernels
 // finish the attention.
@@ -54,7 +55,6 @@ constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
 constexpr float kLazy = 8.f;   // log2 units: P <= 2^8 between moves of the running maximum
 constexpr uint32_t kMagicF16 = 0x64006400u;   // fp16x2 (1024, 1024)
 constexpr uint32_t kMagicBf16 = 0x43004300u;  // bf16x2 (128, 128)
-constexpr uint32_t kOnesBf16 = 0x3F803F80u;   // bf16x2 (1, 1)
 
 struct Params {
   const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
@@ -157,6 +157,15 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t m
 template <int B>
 __device__ __forceinline__ uint32_t field(uint32_t r, int j) {
   return and_or(r >> (B * j), ((1u << B) - 1u) * 0x00010001u, kMagicBf16);
+}
+
+// field j of both 16-bit halves as exact bf16 codes (c_lo, c_hi): the magic number 128 + c minus 128 (one FMA)
+template <int B>
+__device__ __forceinline__ uint32_t code(uint32_t r, int j) {
+  const uint32_t m = field<B>(r, j);
+  uint32_t y;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));  // m * 1 - 128
+  return y;
 }
 
 // score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
@@ -292,32 +301,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   // CTA's largest |q| -> e; then each warp's fp16 A fragments (its content group, then the 4 RoPE k-blocks)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576]
   {
-    const int hh = tid >> 3, part8 = tid & 7, h = h0 + hh;
-    const long long ql = (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + 64 * part8;
-    const long long qp = (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + 8 * part8;
+    // pairs of channels, consecutive threads on consecutive pairs (coalesced), every load in flight
+    constexpr int kPairs = kHeads * (kDc + kDr) / 2, kPerThread = kPairs / kThreads;
+    static_assert(kPairs % kThreads == 0, "q pairs per thread");
+    __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
     float amax = 0.f;
-    __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(qst + hh * (kDc + kDr));
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
+    for (int k = 0; k < kPerThread; ++k) {
+      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2)), h = h0 + hh;
       float x0 = 0.f, x1 = 0.f;
       if (h < p.H) {
-        x0 = load_q(p.q_lat, ql + i, p.q_fp32) * p.qk_scale;
-        x1 = load_q(p.q_lat, ql + i + 1, p.q_fp32) * p.qk_scale;
+        const void* q = ch < kDc ? p.q_lat : p.q_pe;
+        const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
+                                     : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
+        x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
+        x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
       }
       const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
       amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-      row[(64 * part8 + i) / 2] = v;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      float x0 = 0.f, x1 = 0.f;
-      if (h < p.H) {
-        x0 = load_q(p.q_pe, qp + i, p.q_fp32) * p.qk_scale;
-        x1 = load_q(p.q_pe, qp + i + 1, p.q_fp32) * p.qk_scale;
-      }
-      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
-      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-      row[(kDc + 8 * part8 + i) / 2] = v;
+      qst2[f] = v;
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -593,8 +595,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       }
     }
     __syncthreads();
-    // ---- (3) output product of group `warp`: O += sum_t bf16(P s) (128 + c), 16 independent accumulator chains;
-    // the 128 sum_t bf16(P s) it adds comes back out of corr (row sums: one mma per k-block against ones)
+    // ---- (3) output product of group `warp`: O += sum_t bf16(P s) c, 16 independent accumulator chains
     uint32_t ap[4][4];
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
@@ -604,13 +605,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       ap[kb][2] = x.z;
       ap[kb][3] = x.w;
     }
-    float asum[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) mma(asum, ap[kb], kOnesBf16, kOnesBf16);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float4 o4 = *reinterpret_cast<const float4*>(soff + (warp * kHeads + g + 8 * r) * kWarps);
-      corr[r] += fmaf(-128.f, asum[2 * r], (o4.x + o4.y) + (o4.z + o4.w));
+      corr[r] += (o4.x + o4.y) + (o4.z + o4.w);
     }
 #pragma unroll
     for (int kp = 0; kp < 2; ++kp) {  // two k-blocks (32 tokens) per ldmatrix.x4.trans
@@ -625,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int j = 0; j < C::NF; ++j)
-            mma(o[c * C::NF + j], ap[2 * kp + h], field<CB>(R[2 * h], j), field<CB>(R[2 * h + 1], j));
+            mma(o[c * C::NF + j], ap[2 * kp + h], code<CB>(R[2 * h], j), code<CB>(R[2 * h + 1], j));
       }
     }
   }
@@ -667,44 +665,72 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 }
 
 // Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
-// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 threads: one channel per thread, splits streamed
-// with several loads in flight (the Triton combine walks the splits serially in one program per (b, h)).
-__global__ void __launch_bounds__(128) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
-                                                      float* __restrict__ out, float* __restrict__ lse, int ns,
-                                                      int H) {
-  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  __shared__ float red[4];
+// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 512 threads: channel tid % 128, splits tid / 128 + 4k
+// (four split groups, 8 loads in flight each, summed through shared memory): at B1 x 128K (~340 splits) one
+// thread per channel walking every split took 35 us.
+constexpr int kCombineGroups = 4;
+__global__ void __launch_bounds__(128 * kCombineGroups) combine_kernel(const float* __restrict__ po,
+                                                                       const float* __restrict__ pl,
+                                                                       float* __restrict__ out,
+                                                                       float* __restrict__ lse, int ns, int H) {
+  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & 127, grp = tid >> 7;
+  __shared__ float red[4 * kCombineGroups];
+  __shared__ float racc[kCombineGroups][128], rws[kCombineGroups][128];
   const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
   float mx = -INFINITY;
-  for (int s = tid; s < ns; s += 128) mx = fmaxf(mx, plb[(long long)s * H]);
+  for (int s = tid; s < ns; s += 128 * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
   __syncthreads();
-  mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-  const float msafe = mx == -INFINITY ? 0.f : mx;
-  const float* pob = po + ((long long)b * ns * H + h) * kDc + dc * 128 + tid;  // po[b, s, h, d] = pob[s * H * Dc]
-  const long long step = (long long)H * kDc;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum[4] = {0.f, 0.f, 0.f, 0.f};
-  int s = 0;
-  for (; s + 4 <= ns; s += 4) {
+  mx = red[0];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float w = ex2(plb[(long long)(s + u) * H] - msafe);
-      const float x = pob[(s + u) * step];
-      wsum[u] += w;
-      acc[u] = w > 0.f ? fmaf(w, x, acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
+  for (int w = 1; w < 4 * kCombineGroups; ++w) mx = fmaxf(mx, red[w]);
+  const float msafe = mx == -INFINITY ? 0.f : mx;
+  const float* pob = po + ((long long)b * ns * H + h) * kDc + dc * 128 + ch;  // po[b, s, h, d] = pob[s * H * Dc]
+  const long long step = (long long)H * kDc;
+  constexpr int U = 8;
+  float acc[U], wsum[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) acc[u] = wsum[u] = 0.f;
+  int s = grp;
+  for (; s + kCombineGroups * (U - 1) < ns; s += kCombineGroups * U) {
+    float w[U], x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      w[u] = plb[(long long)(s + kCombineGroups * u) * H];
+      x[u] = pob[(s + kCombineGroups * u) * step];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float wu = ex2(w[u] - msafe);
+      wsum[u] += wu;
+      acc[u] = wu > 0.f ? fmaf(wu, x[u], acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
     }
   }
-  for (; s < ns; ++s) {
+  for (; s < ns; s += kCombineGroups) {
     const float w = ex2(plb[(long long)s * H] - msafe);
     wsum[0] += w;
     acc[0] = w > 0.f ? fmaf(w, pob[s * step], acc[0]) : acc[0];
   }
-  const float ws = (wsum[0] + wsum[1]) + (wsum[2] + wsum[3]);
-  const float a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  out[((long long)b * H + h) * kDc + dc * 128 + tid] = ws > 0.f ? a / ws : 0.f;
-  if (dc == 0 && tid == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
+  float a = 0.f, ws = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    a += acc[u];
+    ws += wsum[u];
+  }
+  racc[grp][ch] = a;
+  rws[grp][ch] = ws;
+  __syncthreads();
+  if (grp == 0) {
+#pragma unroll
+    for (int g2 = 1; g2 < kCombineGroups; ++g2) {
+      a += racc[g2][ch];
+      ws += rws[g2][ch];
+    }
+    out[((long long)b * H + h) * kDc + dc * 128 + ch] = ws > 0.f ? a / ws : 0.f;
+    if (dc == 0 && ch == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
+  }
 }
 
 // Once per instantiation: the dynamic shared memory it needs and all of the unified L1/shared memory as shared
@@ -772,7 +798,7 @@ int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int gr
 
 // Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
 int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
-  qmla::combine_kernel<<<dim3(qmla::kDc / 128, H, B), 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  qmla::combine_kernel<<<dim3(qmla::kDc / 128, H, B), 128 * qmla::kCombineGroups, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();
 }
