@@ -94,6 +94,12 @@ def _ctas_per_sm(device_index: int, cbits: int) -> int:
     return n if n > 0 else CTAS_PER_SM
 
 
+@functools.lru_cache(maxsize=16)
+def _side_stream(device_index: int):
+    """One side stream per device for the BF16 buffer kernel (created on first use, never at import)."""
+    return torch.cuda.Stream(device=torch.device("cuda", device_index))
+
+
 @functools.lru_cache(maxsize=4096)
 def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) -> int:
     """Split-K factor for ``slots`` resident CTAs (SMs x CTAs per SM) that fills whole waves: minimizes
@@ -162,10 +168,18 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     lib = _lib(dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
+        # the BF16 sink/local buffers (Triton, a few CTAs) run beside the page kernel on a side stream: they
+        # write other partial slots, and the combine waits for both (also inside a CUDA graph: fork and join)
+        cur = torch.cuda.current_stream(dev)
+        side = _side_stream(dev_index)
+        side.wait_stream(cur)
         err = lib.qmla_decode(ctypes.byref(p), c.bits, hg, ns, B, ctypes.c_void_p(stream))
         if err != 0:
+            cur.wait_stream(side)
             raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        attend_buffers(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+        with torch.cuda.stream(side):
+            attend_buffers(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+        cur.wait_stream(side)
         out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
         lse = torch.empty(B, H, dtype=torch.float32, device=dev)
         ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (po, pl, out, lse)]

@@ -665,14 +665,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 }
 
 // Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
-// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 512 threads: channel tid % 128, splits tid / 128 + 4k
-// (four split groups, 8 loads in flight each, summed through shared memory): at B1 x 128K (~340 splits) one
-// thread per channel walking every split took 35 us.
-constexpr int kCombineGroups = 4;
-__global__ void __launch_bounds__(128 * kCombineGroups) combine_kernel(const float* __restrict__ po,
-                                                                       const float* __restrict__ pl,
-                                                                       float* __restrict__ out,
-                                                                       float* __restrict__ lse, int ns, int H) {
+// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 G threads: channel tid % 128, splits tid / 128 + G k
+// (G split groups, 8 loads in flight each, summed through shared memory). G = 4 for many splits (at B1 x 128K,
+// ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost 2x).
+template <int G>
+__global__ void __launch_bounds__(128 * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
+                                                          float* __restrict__ out, float* __restrict__ lse, int ns,
+                                                          int H) {
+  constexpr int kCombineGroups = G;
   const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & 127, grp = tid >> 7;
   __shared__ float red[4 * kCombineGroups];
   __shared__ float racc[kCombineGroups][128], rws[kCombineGroups][128];
@@ -719,9 +719,11 @@ __global__ void __launch_bounds__(128 * kCombineGroups) combine_kernel(const flo
     a += acc[u];
     ws += wsum[u];
   }
-  racc[grp][ch] = a;
-  rws[grp][ch] = ws;
-  __syncthreads();
+  if (G > 1) {
+    racc[grp][ch] = a;
+    rws[grp][ch] = ws;
+    __syncthreads();
+  }
   if (grp == 0) {
 #pragma unroll
     for (int g2 = 1; g2 < kCombineGroups; ++g2) {
@@ -798,8 +800,11 @@ int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int gr
 
 // Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
 int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
-  qmla::combine_kernel<<<dim3(qmla::kDc / 128, H, B), 128 * qmla::kCombineGroups, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      po, pl, out, lse, ns, H);
+  const dim3 grid(qmla::kDc / 128, H, B);
+  if (ns >= 64)
+    qmla::combine_kernel<4><<<grid, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
+  else
+    qmla::combine_kernel<1><<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();
 }
 
