@@ -18,9 +18,38 @@ its current block and resumes there). ``--ship`` writes the seed-0 QuantMLA tran
 the recipe, the base-model key, a label and an evaluation on a small CPU slice that ``tests/calibrate/
 test_shipped.py`` reproduces.
 
-    # GPU (the lead): one call per line until it prints "all units done"
-    python benchmarks/full_budget.py --device cuda --budget-s 540 --resume --tag paper --ship
-    # CPU stand-in for the shipped transforms (cpu-fast budget)
+A call of the device tool runs on a machine that may not outlive it, so the run goes in chunks, one device call
+each, handing its state to the next through ``$OUT`` (``--carry-out``; what and how much: ``full_budget_carry.py``)
+and taking it back in (``--carry-in``). A calibration stopped by ``--budget-s`` continues in the next chunk with
+the block after the last finished one (tested on the CPU: ``tests/test_full_budget.py``, three "machines").
+
+GPU recipe (the lead), one chunk per device call until a call prints "all units done":
+
+1. Once per machine, the SmolLM2 kit (``benchmarks/device_smollm2_setup.sh``: the calls that carry
+   ``.gpucarry_1`` ... ``.gpucarry_N`` leave no room for the state; give them other work, e.g. the measured
+   V3 / K2 projection, ``benchmarks/stream_projection.py --measure``, which needs no kit).
+2. Here, before each chunk: ``rm -rf .fbcarry && mkdir .fbcarry`` and, from the second chunk on,
+   ``cp <files_at of the last chunk>/fb/* .fbcarry/``; move the shipped files it returned
+   (``smollm2-mla*-quantmla-*.safetensors``) into ``src/quantmla/models/data/`` instead and commit them (they replace
+   the CPU stand-ins; ``pytest -m slow tests/calibrate/test_shipped.py`` on the CPU reproduces their numbers).
+   ``du -sh .fbcarry`` should stay under 32 MiB (the working tree is ~31 MB of the 64 MiB a call carries).
+3. The call: ``carry=[".fbcarry"]``, ``timeout_s=600``, command (one line; ``<sha>``: the commit)::
+
+     source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py
+       --device cuda --budget-s 420 --resume --ship --tag paper --carry-in .fbcarry --carry-out $OUT/fb
+       --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0
+
+   ``--budget-s`` covers the units (model build on a fresh machine included); keep ~3 minutes of the call for
+   start-up, shipping (three CPU evaluations of 1024 tokens) and the hand-over: ``--budget-s`` = the call's
+   seconds - 180. The state in ``$OUT/fb`` is rewritten after every unit and every minute of calibration, so a
+   call killed at its limit still hands over. Core table first (above, ~1 h estimated), then
+   ``--seeds 0,1,2``, ``--methods ...,quantmla-attnw``, ``--variants a,b`` with the same tag. Variant b ships two
+   more 8 MB files: keep them outside the tree (an ignored folder) until the last chunk, or the tree and the state
+   no longer fit one call.
+4. After the last chunk: ``cp <files_at>/fb/full_budget_paper.{json,md,png} benchmarks/results/`` and commit.
+
+CPU stand-in for the shipped transforms (cpu-fast budget)::
+
     python benchmarks/full_budget.py --device cpu --preset cpu-fast --variants a --methods rtn,quantmla \\
         --seeds 0 --tasks none --ppl-tokens 2048 --ppl-context 512 --tag cpu-fast --ship
 """
@@ -82,6 +111,12 @@ def units(args) -> list[dict]:
     return out
 
 
+def paths(args) -> tuple[str, str]:
+    """(results stem, work folder)."""
+    stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
+    return stem, args.work or stem + ".work"
+
+
 class Runner:
     def __init__(self, args):
         self.args = args
@@ -89,9 +124,10 @@ class Runner:
         self.t0 = time.time()
         self.base: dict = {}
         self.refs: dict = {}
-        self.stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
-        self.work = args.work or os.path.join(args.results_dir, f"full_budget_{args.tag}.work")
+        self.stem, self.work = paths(args)
         self.results = {"units": {}}
+        self.on_progress = None  # called after every unit and, at most once a minute, after a calibrated block
+        self._last_progress = time.time()
         if os.path.exists(self.stem + ".json"):
             if not (args.resume or args.force):
                 raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
@@ -165,7 +201,10 @@ class Runner:
         stem = out[: -len(".transforms.safetensors")]
 
         def check_budget(_b):
-            if time.time() - self.t0 > self.args.budget_s:
+            if self.on_progress is not None and time.time() - self._last_progress > 60:
+                self.on_progress()
+                self._last_progress = time.time()
+            if self.over_budget():
                 raise OutOfBudget
 
         rep = calibrate_streamed(self.model_dir(u["variant"]), u["format"], tokens, cfg, stem + ".delta.safetensors",
@@ -199,6 +238,10 @@ class Runner:
                                    cache=CacheSpec(u["format"]), seed=0)  # fmt: skip
         return {f"{t}@{n}": [v["correct"], v["n"]] for t, by in summary.items() for n, v in by.items()}
 
+    def over_budget(self) -> bool:
+        """Checked after every calibrated block: stop there (the next call continues with the next block)."""
+        return time.time() - self.t0 > self.args.budget_s
+
     def estimate(self, kind: str) -> float:
         done = [r["seconds"] for r in self.results["units"].values() if r.get("kind") == kind]
         return max(done) if done else DEFAULT_S[kind] * (1 if self.device.type == "cuda" else 10)
@@ -223,6 +266,8 @@ class Runner:
                                                "device": _device_name(self.device)}  # fmt: skip
             print(json.dumps({"unit": u["key"], "seconds": round(time.time() - t, 1)}), flush=True)
             write(self.results, self.stem, self.args)
+            if self.on_progress is not None:
+                self.on_progress()
         return True
 
 
@@ -245,10 +290,11 @@ def ship(runner: Runner) -> list[str]:
 
     args, done, written = runner.args, runner.results["units"], []
     seed = args.seeds[0]
+    already = {s["key"] for s in runner.results.setdefault("shipped", {}).values()}
     for v in args.variants:
         for f in args.formats:
             key = f"{v}/{f}/quantmla/s{seed}"
-            if f"{key}/ppl" not in done:
+            if f"{key}/ppl" not in done or key in already:  # shipped by an earlier call: kept in the repo
                 continue
             src = runner.transforms_path(done[f"{key}/ppl"])
             if not os.path.exists(src):
@@ -282,6 +328,7 @@ def ship(runner: Runner) -> list[str]:
             dst = os.path.join(args.ship_dir, shipped_path(VARIANTS[v], f).name)
             save_transforms(dst, tensors, meta, force=True)
             written.append(dst)
+            runner.results["shipped"][os.path.basename(dst)] = {"key": key, "label": label}
             print(f"shipped {dst}: slice KL {q['kl']:.3e} (RTN {rt['kl']:.3e}), ppl {q['ppl']:.3f} "
                   f"(RTN {rt['ppl']:.3f})")
     return written
@@ -315,8 +362,8 @@ def _fmt_seeds(vals: list[float], scale: float = 1.0, digits: int = 3) -> str:
 
 
 def write(results: dict, stem: str, args) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()  # fmt: skip
+    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the device's tree has no .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()  # fmt: skip
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results.update(date=date, commit=commit, command=args.command, args={k: v for k, v in vars(args).items()})
     table = _rows(results, args)
@@ -436,6 +483,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ship-dir", default=SHIP_DIR)
     ap.add_argument("--work", default=None, help="transforms and calibration progress (default: next to results)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--carry-in", default=None, help="state of an earlier device call (its --carry-out folder)")
+    ap.add_argument("--carry-out", default=None, help="write what the next call needs here (e.g. $OUT/fb)")
     args = ap.parse_args(argv)
     args.command = "python benchmarks/full_budget.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.threads:
@@ -447,10 +496,23 @@ def main(argv=None) -> int:
     bad = [m for m in args.methods if m not in METHODS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown method/variant {bad}; methods {list(METHODS)}, variants {list(VARIANTS)}")
+    if args.carry_in or args.carry_out:
+        sys.path.insert(0, HERE)
+        import full_budget_carry as carry
+    if args.carry_in:
+        carry.carry_in(args.carry_in, *paths(args))
     runner = Runner(args)
+    if args.carry_out:  # kept current while the call runs: a call killed at its time limit still hands over
+        runner.on_progress = lambda: carry.carry_out(runner, units(args), args.carry_out, [], quiet=True)
     finished = runner.run()
+    if args.carry_out:  # the state first, in case shipping outlasts the call
+        carry.carry_out(runner, units(args), args.carry_out, [])
     if args.ship:
-        ship(runner)
+        shipped = ship(runner)
+        if shipped:
+            write(runner.results, runner.stem, args)
+        if args.carry_out:
+            carry.carry_out(runner, units(args), args.carry_out, shipped)
     left = [u["key"] for u in units(args) if u["key"] not in runner.results["units"]]
     print("all units done" if finished and not left else f"{len(left)} units left: rerun with --resume")
     return 0

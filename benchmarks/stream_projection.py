@@ -11,9 +11,22 @@ weights in DeepSeek's FP8 block format (real shapes unless ``--scale``), runs ``
 the chosen budget and records per-stage seconds and peak memory. Without ``--measure`` the block cost comes from
 an analytic model (FLOPs and bytes over stated device throughputs), labelled as such.
 
+Only a real-shape block on the GPU gives a meaningful per-block time (and the projection row): one V3 block is
+10.7 GiB of FP8 (K2 15.9 GiB) written to ``--workdir`` and 21-32 GiB in BF16 on the device, with the paper's
+160 x 2048-token banks (13 GiB of host memory). A CPU cannot hold that block and its banks at a useful speed;
+``--scale N`` (widths and experts / N) with ``--preset smoke`` only checks the code path there: its seconds say
+nothing about an H200, and the report gives no projection for it.
+
     python benchmarks/stream_projection.py --model deepseek-v3                       # analytic only, seconds
-    python benchmarks/stream_projection.py --model deepseek-v3 --measure --device cuda --workdir /tmp/v3blk
-    python benchmarks/stream_projection.py --model kimi-k2 --measure --scale 32 --device cpu --preset smoke  # CPU
+    python benchmarks/stream_projection.py --model kimi-k2 --measure --scale 32 --device cpu --preset smoke \\
+        --tag cpu-smoke                                                                # CPU: the code path only
+
+GPU (the lead; needs no SmolLM2 kit, so it can ride along the kit's carry calls of device_smollm2_setup.sh; one call
+per model, ~5 min each, estimated; timeout_s 600)::
+
+    export PYTHONPATH=$PWD/src; QUANTMLA_COMMIT=<sha> python benchmarks/stream_projection.py --model deepseek-v3 \\
+        --measure --device cuda --workdir /tmp/v3blk; cp benchmarks/results/stream_projection_deepseek-v3.* $OUT/
+    (the same with --model kimi-k2 --workdir /tmp/k2blk); then copy the returned .md/.json into benchmarks/results/
 """
 
 from __future__ import annotations
@@ -207,7 +220,8 @@ def main() -> None:
 
 
 def _write(res: dict, args) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the device's tree has no .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.machine()})"
     res.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
                device=dev, command="python benchmarks/stream_projection.py " + " ".join(os.sys.argv[1:]))  # fmt: skip

