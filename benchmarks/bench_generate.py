@@ -274,7 +274,8 @@ def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> t
     bad = set()
     for f in formats:
         r = check(model, f, device)
-        ok = r["prefill_rel_l2"] < args.check_tol and r["decode_rel_l2"] < args.check_tol
+        ok = (r["prefill_rel_l2"] < args.check_tol and r["decode_rel_l2"] < args.check_tol
+              and min(r["prefill_top1"], r["decode_top1"]) >= args.check_top1)
         rows.append({"model": name, "kind": "check", "format": f, **r, "ok": ok})
         log(f"   check {f}: {r}")
         if not ok:
@@ -429,7 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-gib", type=float, help="cache budget for the largest batch, default 40")
     ap.add_argument("--budget-context", type=int, help="tokens per sequence for the budget, default 131072")
     ap.add_argument("--hf-max-tokens", type=int, default=32 * 32768, help="largest batch x context for `hf` decode")
-    ap.add_argument("--check-tol", type=float, default=2e-2, help="largest relative L2 error of the checked logits")
+    # the check runs the same BF16 model twice, fast kernels vs the fp32 torch attention: on the random-weight
+    # V2-Lite (27 layers) even the BF16 cache's kernels differ by 3.9-4.1% in logits (H200, 2026-12-01, top-1 all
+    # equal), so the gate is 10% and top-1 >= 0.9; a broken kernel gives errors of order 1
+    ap.add_argument("--check-tol", type=float, default=0.1,
+                    help="largest relative L2 error of the checked logits (default %(default)s)")
+    ap.add_argument("--check-top1", type=float, default=0.9,
+                    help="smallest top-1 agreement of the checked logits (default %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, small shapes, seconds")
     ap.add_argument("--tag", default=None)
