@@ -27,7 +27,9 @@ GPU recipe (the lead), one chunk per device call until a call prints "all units 
 
 1. Once per machine, the SmolLM2 kit (``benchmarks/device_smollm2_setup.sh``: the calls that carry
    ``.gpucarry_1`` ... ``.gpucarry_N`` leave no room for the state; give them other work, e.g. the measured
-   V3 / K2 projection, ``benchmarks/stream_projection.py --measure``, which needs no kit).
+   V3 / K2 projection, ``benchmarks/stream_projection.py --measure``, which needs no kit). The very first chunk
+   has no state yet and can run in the call that brings the kit's last part (the command below without
+   ``--carry-in``).
 2. Here, before each chunk: ``rm -rf .fbcarry && mkdir .fbcarry`` and, from the second chunk on,
    ``cp <files_at of the last chunk>/fb/* .fbcarry/``; move the shipped files it returned
    (``smollm2-mla*-quantmla-*.safetensors``) into ``src/quantmla/models/data/`` instead and commit them (they replace
@@ -37,7 +39,10 @@ GPU recipe (the lead), one chunk per device call until a call prints "all units 
 
      source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py
        --device cuda --budget-s 420 --resume --ship --tag paper --carry-in .fbcarry --carry-out $OUT/fb
-       --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0
+       --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0
+
+   On a warm machine the work folder is still there (``--carry-in`` then skips what it already has: nothing is
+   recomputed); on a fresh one ``--carry-in`` rebuilds it.
 
    ``--budget-s`` covers the units (model build on a fresh machine included); keep ~3 minutes of the call for
    start-up, shipping (three CPU evaluations of 1024 tokens) and the hand-over: ``--budget-s`` = the call's
