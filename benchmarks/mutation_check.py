@@ -24,7 +24,7 @@ MUTATIONS = {
     "softmax scale +1%": ("ex2(fmaf(sc[i][e2], two_e, -msafe", "ex2(fmaf(sc[i][e2], two_e * 1.01f, -msafe"),
     "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
     "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
-    "offset term dropped": ("(o4.x + o4.y) + (o4.z + o4.w));", "0.f * o4.x);"),
+    "offset term dropped": ("corr[r] += (o4.x + o4.y) + (o4.z + o4.w);", "corr[r] += 0.f * o4.x;"),
     "score magic term 1024 -> 1023": ("-fmaf(1024.f, qmc[r]", "-fmaf(1023.f, qmc[r]"),
     "output code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)"),
 }
