@@ -8,12 +8,14 @@ Tolerances per output (the kernels round q and p to fp16/bf16 for the tensor cor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernels_testutil import DEVICE, assert_close, make_cache
 
 from quantmla.kernels import decode_attention
-from quantmla.quant.formats import CachePolicy
+from quantmla.quant.formats import CachePolicy, get_format
 
 FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
 O_TOL = dict(atol=3e-2, rtol=3e-2, min_cos=0.9995)
@@ -60,6 +62,15 @@ def test_decode_default_policy_window(name):
 def test_decode_16_heads_default_split():
     cache, _, _ = make_cache("c4r8", [150, 90], seed=4)
     _check(cache, H=16)
+
+
+def test_decode_128_dim_rope_in_one_group():
+    """A 128-dim RoPE key (SmolLM2-MLA variant a) in one 4-bit group: the Triton kernel reads it right. (Two groups
+    of 64, the default, are refused: test_dispatch; the kernel read them as plain planes, rel. L2 0.78.)"""
+    fmt = get_format("c4r4")
+    fmt = replace(fmt, name="c4r4-rope128", rope=replace(fmt.rope, group_size=128))
+    cache, _, _ = make_cache(fmt, [150, 40], dr=128, seed=5)
+    _check(cache, H=3)
 
 
 @pytest.mark.gpu
