@@ -46,13 +46,14 @@ def test_unsupported_formats_say_why():
         resolve_impl("triton", torch.zeros(1), get_format("c4r16"), kernel="decode")
 
 
-def test_multi_group_low_bit_rope_is_not_offered_to_triton():
-    """4-bit RoPE in two groups (SmolLM2-MLA variant a: 128-dim RoPE, groups of 64) is packed grouped planar, which
-    the Triton decode kernel does not read: it must be refused (auto falls back to torch), not decoded wrongly."""
-    why = triton_unsupported_reason(get_format("c4r4"), 256, 128, 64, "decode")
-    assert "one RoPE group" in why and "2 groups of 64" in why
-    assert triton_unsupported_reason(get_format("c4r4"), 256, 64, 64, "decode") == ""
-    assert triton_unsupported_reason(get_format("c8r8"), 256, 128, 64, "decode") != ""  # 8-bit: plane check
-    with pytest.raises(ValueError, match="one RoPE group"):
-        resolve_impl("triton", torch.zeros(1), get_format("c4r4"), kernel="decode",
-                     layout=type("L", (), {"kv_lora_rank": 256, "rope_dim": 128, "page_size": 64})())  # fmt: skip
+
+def test_two_group_rope_is_offered_to_triton():
+    """4-bit RoPE in two groups (SmolLM2-MLA variant a: 128-dim RoPE, groups of 64): plain planar pages, one group
+    per bit plane, so the Triton decode kernel takes it (its result: test_decode.py); a group narrower than a
+    plane is refused."""
+    from dataclasses import replace
+
+    assert triton_unsupported_reason(get_format("c4r4"), 256, 128, 64, "decode") == ""
+    fmt = get_format("c4r4")
+    narrow = replace(fmt, rope=replace(fmt.rope, group_size=32))
+    assert "plane width" in triton_unsupported_reason(narrow, 256, 128, 64, "decode")

@@ -137,3 +137,27 @@ def test_triton_writer_bit_exact_on_large_values_nan_and_inf(name):
         finite = torch.ones(T, dc + dr, dtype=torch.bool)
         finite[1] = ~nan_group
         assert torch.isfinite(got[finite]).all(), "a finite (or inf) input read back as NaN/inf"
+
+
+def test_row_packing_content_grouped_rope_plain_planar():
+    """The layout's byte rule (kernels/layout.py), checked against the quantizer's own codes: content rows grouped
+    planar (byte j of group g: channel g*G + j, and g*G + G/2 + j in the high nibble), RoPE rows plain planar
+    (byte j: channel j, and j + Dr/2) -- with two groups on each path (content 256 in 128s, RoPE 128 in 64s);
+    the Triton writer writes the same bytes."""
+    from quantmla.quant.quantize import quantize_codes
+
+    fmt = get_format("c4r4")
+    kw = dict(dc=256, dr=128, seed=7)
+    ref, c, k = make_cache(fmt, [3], writer="torch", **kw)
+    tri, _, _ = make_cache(fmt, [3], writer="triton", **kw)
+    assert torch.equal(ref.pool, tri.pool)
+    page = ref.table.pages(0)[0]
+    cc, _, _ = quantize_codes(c[0, :3].float(), ref.fmt.content)  # [3, 256]
+    rc, _, _ = quantize_codes(k[0, :3].float(), ref.fmt.rope)  # [3, 128]
+    cb, rb = ref._region("content")[page, :3].long(), ref._region("rope")[page, :3].long()  # [3, 128], [3, 64]
+    j = torch.arange(64)
+    for g in range(2):
+        assert torch.equal(cb[:, 64 * g + j] & 15, cc[:, 128 * g + j].long())
+        assert torch.equal(cb[:, 64 * g + j] >> 4, cc[:, 128 * g + 64 + j].long())
+    assert torch.equal(rb & 15, rc[:, :64].long())
+    assert torch.equal(rb >> 4, rc[:, 64:].long())

@@ -83,12 +83,6 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
     rw = rope_dim * r.bits // 8
     if r.group_size % rw or rw < 16:
         return f"RoPE group_size {r.group_size} must be a multiple of the RoPE plane width {rw} (>= 16)"
-    if r.bits < 8 and r.group_size < rope_dim:
-        # the pages pack every path grouped planar; the kernel reads the RoPE row as plain planes, which is the
-        # same bytes only for one RoPE group (SmolLM2-MLA variant a, 128-dim RoPE in groups of 64, decoded
-        # wrongly on the H200: rel. L2 0.78 on the interpreter; 2026-12-01)
-        return (f"{r.bits}-bit RoPE in {rope_dim // r.group_size} groups of {r.group_size} (grouped planar pages) is "
-                f"not read by the Triton decode kernel; it needs one RoPE group (group_size >= rope_dim {rope_dim})")
     return ""
 
 

@@ -13,11 +13,14 @@ and is padded to one), for a format with content spec ``Sc`` (width ``Dc``) and 
     [ content codes  P x Cb  uint8 ]  token-major: row t = the Cb packed bytes of token t
     [ RoPE codes     P x Rb  uint8 ]  token-major, Rb bytes per token
 
-Within a token row the codes are packed *grouped planar* (:func:`quantmla.quant.packing.pack` with
-``group`` = the path's quantization group): each quantization group owns ``G * bits / 8`` consecutive
-bytes, and byte ``j`` of group ``g`` holds channel ``g*G + j + p*G*bits/8`` in bits ``[p*bits, (p+1)*bits)``.
-So every 16-byte chunk of a row belongs to one group (what the CUDA decode kernel needs to give each warp one
-group); for the RoPE path (one group of 64) and for 8-bit codes this is the plain planar packing.
+Within a token row the content codes are packed *grouped planar* (:func:`quantmla.quant.packing.pack` with
+``group`` = the content quantization group): each group owns ``G * bits / 8`` consecutive bytes, and byte ``j``
+of group ``g`` holds channel ``g*G + j + p*G*bits/8`` in bits ``[p*bits, (p+1)*bits)``, so every 16-byte chunk
+of a row belongs to one group (what the CUDA decode kernel needs to give each warp one group). The RoPE codes
+are packed *plain planar* (``group=None``: byte ``j`` holds channel ``j + p*Dr*bits/8``), so each bit plane is
+a run of whole RoPE groups (what the Triton decode kernel reads: one scale row per plane). For one RoPE group
+(DeepSeek's 64 dims) and for 8-bit codes the two packings are the same bytes. :meth:`PagedLayout.pack_group`
+says which; the torch writer/reader and the Triton writer all take it from there.
     [ meta           M x P   fp16  ]  group-major: row r = one scale (or offset) for each of the P tokens
 
 ``Cb = Dc * bits_c / 8`` (planar packing of :mod:`quantmla.quant.packing`; ``Dc * 2`` BF16 bytes when the
@@ -79,6 +82,14 @@ class PagedLayout:
     @staticmethod
     def _code_bytes(spec: QuantSpec | None, width: int) -> int:
         return width * 2 if spec is None else spec.code_bytes(width)
+
+    def pack_group(self, which: str) -> int | None:
+        """The ``group`` argument of :func:`quantmla.quant.packing.pack` for a path's token rows: the content
+        quantization group (grouped planar) or ``None`` for RoPE (plain planar)."""
+        if which not in ("content", "rope"):
+            raise ValueError(f"path must be 'content' or 'rope', got {which!r}")
+        spec = self.fmt.content if which == "content" else self.fmt.rope
+        return None if spec is None or which == "rope" else spec.group_size
 
     @staticmethod
     def _meta_rows(spec: QuantSpec | None, width: int) -> tuple[int, int]:

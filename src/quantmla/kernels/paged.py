@@ -342,7 +342,7 @@ class PagedMLACache:
         if spec.scale_dtype != "fp16":
             raise NotImplementedError("the paged layout stores fp16 scales; QuantSpec.scale_dtype must be 'fp16'")
         codes, scale, offset = quantize_codes(x, spec)  # [k, D] uint8, [k, G], [k, G]
-        region[pages, slots] = pack(codes, spec.bits, spec.group_size)
+        region[pages, slots] = pack(codes, spec.bits, self.layout.pack_group(which))
         meta = self._meta()
         r_s, r_o, g = self._meta_rows_of(which)
         rows = torch.arange(g, device=self.device)
@@ -363,7 +363,7 @@ class PagedMLACache:
             if spec is None:
                 out.append(raw.contiguous().view(torch.bfloat16).float())
                 continue
-            codes = unpack(raw, spec.bits, width, spec.group_size)
+            codes = unpack(raw, spec.bits, width, self.layout.pack_group(which))
             meta = self._meta()
             r_s, r_o, g = self._meta_rows_of(which)
             rows = torch.arange(g, device=self.device)

@@ -5,8 +5,8 @@ bit for bit: fp32 group statistics, the offset rounded *down* and the scale roun
 nearest, then one fp16 ulp towards the needed side, as ``torch.nextafter``) after saturating both to the finite
 fp16 range, NaN groups flagged explicitly (GPU min/max skip NaN, torch's propagate it), IEEE division (``div_rn``),
 round-half-to-even (the ``1.5 * 2^23`` trick, exact for |y| < 2^22; larger values are clamped anyway),
-then the grouped planar packing of :mod:`quantmla.quant.packing` (byte ``j`` of group ``g`` of a ``b``-bit
-row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``, see :mod:`quantmla.kernels.layout`).
+then the packing of :mod:`quantmla.kernels.layout` (content grouped planar: byte ``j`` of group ``g`` of a
+``b``-bit row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``; RoPE plain planar: ``G = Dr``).
 Tokens in the sequence's final local window are copied as
 BF16 into the ring (only those, so that a long prefill chunk writes each ring slot exactly once); tokens
 at positions below ``sink`` go into the sink buffer. Works on CUDA and under ``TRITON_INTERPRET=1``.
@@ -53,6 +53,7 @@ def _write_path(
     D: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    PGROUP: tl.constexpr,  # packing group: GROUP (grouped planar, content) or D (plain planar, RoPE)
     SYM: tl.constexpr,
     SROW: tl.constexpr,
     OROW: tl.constexpr,
@@ -67,8 +68,8 @@ def _write_path(
     pl = tl.arange(0, K)[:, None]  # [K, 1]
     j = tl.arange(0, WP)[None, :]  # [1, WP]
     inb = (j < W) & (pl < K)  # [K, WP]
-    GB: tl.constexpr = GROUP // K  # packed bytes per quantization group (grouped planar packing)
-    ch = (j // GB) * GROUP + (j % GB) + pl * GB  # channel of each (plane, byte): [K, WP]
+    GB: tl.constexpr = PGROUP // K  # packed bytes per packing group (PGROUP = D: plain planar)
+    ch = (j // GB) * PGROUP + (j % GB) + pl * GB  # channel of each (plane, byte): [K, WP]
     x = tl.load(x_ptr + ch, mask=(inb & valid) != 0, other=0.0).to(tl.float32)
     gid = ch // GROUP
     s_e = tl.zeros([K, WP], dtype=tl.float32)
@@ -185,14 +186,16 @@ def _writer_kernel(
         _copy_bf16(x_c, POOLBF + page * (PAGE_BYTES // 2) + C_OFF // 2 + slot * DC, valid, DC, CWP)
     else:
         _write_path(
-            x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CSYM, CSROW, COROW, P, CWP
-        )
+            x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CGROUP, CSYM, CSROW,
+            COROW, P, CWP,
+        )  # fmt: skip
     if RBITS == 16:
         _copy_bf16(x_r, POOLBF + page * (PAGE_BYTES // 2) + R_OFF // 2 + slot * DR, valid, DR, RWP)
     else:
         _write_path(
-            x_r, base8 + R_OFF + slot * (DR * RBITS // 8), meta, valid, DR, RBITS, RGROUP, RSYM, RSROW, ROROW, P, RWP
-        )
+            x_r, base8 + R_OFF + slot * (DR * RBITS // 8), meta, valid, DR, RBITS, RGROUP, DR, RSYM, RSROW, ROROW,
+            P, RWP,
+        )  # fmt: skip
     if CBITS != 16 or RBITS != 16:  # a quantized format: BF16 copies of the sink and the final local window
         if SINK > 0:
             in_sink = valid & (pos < SINK)
