@@ -64,13 +64,15 @@ def test_decode_16_heads_default_split():
     _check(cache, H=16)
 
 
+@pytest.mark.parametrize("name", ["c4r4", "c8r8"])
 @pytest.mark.parametrize("rope_group", [64, 128])
-def test_decode_128_dim_rope(rope_group):
+def test_decode_128_dim_rope(name, rope_group):
     """A 128-dim 4-bit RoPE key (SmolLM2-MLA variant a) in two groups of 64 (the default) or one of 128. Until
     2026-12-01 the RoPE rows were grouped planar while this kernel reads plain planes: two groups decoded with
-    rel. L2 0.78-0.91 (the H200 check of bench_generate found it); the RoPE rows are plain planar now."""
-    fmt = get_format("c4r4")
-    fmt = replace(fmt, name=f"c4r4-rope128-g{rope_group}", rope=replace(fmt.rope, group_size=rope_group))
+    rel. L2 0.78-0.91 (the H200 check of bench_generate found it); the RoPE rows are plain planar now. 8-bit RoPE
+    in two groups (refused before: the kernel read one scale for the whole row) is read in two halves."""
+    fmt = get_format(name)
+    fmt = replace(fmt, name=f"{name}-rope128-g{rope_group}", rope=replace(fmt.rope, group_size=rope_group))
     cache, _, _ = make_cache(fmt, [150, 40], dr=128, seed=5)
     _check(cache, H=3)
 

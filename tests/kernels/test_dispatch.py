@@ -56,4 +56,5 @@ def test_two_group_rope_is_offered_to_triton():
     assert triton_unsupported_reason(get_format("c4r4"), 256, 128, 64, "decode") == ""
     fmt = get_format("c4r4")
     narrow = replace(fmt, rope=replace(fmt.rope, group_size=32))
-    assert "plane width" in triton_unsupported_reason(narrow, 256, 128, 64, "decode")
+    assert "rope_dim / 2" in triton_unsupported_reason(narrow, 256, 128, 64, "decode")
+    assert triton_unsupported_reason(get_format("c8r8"), 256, 128, 64, "decode") == ""  # 8 bit: two halves

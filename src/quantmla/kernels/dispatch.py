@@ -80,9 +80,9 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
         # the grouped-planar sub-tiles (one group per sub-tile) gave wrong results on the H200 (Triton 3.6) with
         # 16-token tiles while the interpreter and 64-token tiles are right; unverified there, so not offered
         return f"grouped {c.bits}-bit content needs pages of at least 64 tokens in the Triton decode kernel"
-    rw = rope_dim * r.bits // 8
-    if r.group_size % rw or rw < 16:
-        return f"RoPE group_size {r.group_size} must be a multiple of the RoPE plane width {rw} (>= 16)"
+    hr = rope_dim // 2  # the kernel reads RoPE in two halves (4 bit: the two planes), each inside one group
+    if r.group_size % hr or hr < 16:
+        return f"RoPE group_size {r.group_size} must be a multiple of rope_dim / 2 = {hr} (>= 16)"
     return ""
 
 

@@ -192,19 +192,23 @@ def _packed_tile(
     acc = _score_part(acc, q1, qs1, k1, s1, mo1)
     acc = _score_part(acc, q2, qs2, k2, s2, mo2)
     acc = _score_part(acc, q3, qs3, k3, s3, mo3)
-    # -- RoPE: one byte row per token; 8 bit = one plane, 4 bit = two planes of DR/2
-    ra = tl.load(rptr).to(tl.int16)
+    # -- RoPE (plain planar rows): two halves of DR/2 channels, each inside one RoPE group (the dispatch checks it):
+    # 8 bit = the two halves of the byte row, 4 bit = the low and the high nibbles of the DR/2 bytes
+    HR: tl.constexpr = DR // 2
     if RBITS == 8:
-        kr = _magic(ra, 0xFF)
-        sr, mor = _scale_pair(mptr, rows, valid, RSROW, ROROW, RSYM, RBITS, 0, P)
-        acc = _score_part(acc, qrA, qsA, kr, sr, mor)
+        hptr = base8 + R_OFF + rows[:, None] * RB + tl.arange(0, HR)[None, :]  # [BLOCK_N, HR]
+        krA = _magic(tl.load(hptr).to(tl.int16), 0xFF)
+        krB = _magic(tl.load(hptr + HR).to(tl.int16), 0xFF)
+        SHB: tl.constexpr = 0
     else:
+        ra = tl.load(rptr).to(tl.int16)
         krA = _magic(ra, 0x0F)
         krB = _magic(ra, 0xF0)
-        srA, morA = _scale_pair(mptr, rows, valid, RSROW, ROROW, RSYM, RBITS, 0, P)
-        srB, morB = _scale_pair(mptr, rows, valid, RSROW + RB // RG, ROROW + RB // RG, RSYM, RBITS, 4, P)
-        acc = _score_part(acc, qrA, qsA, krA, srA, morA)
-        acc = _score_part(acc, qrB, qsB, krB, srB, morB)
+        SHB: tl.constexpr = 4
+    srA, morA = _scale_pair(mptr, rows, valid, RSROW, ROROW, RSYM, RBITS, 0, P)
+    srB, morB = _scale_pair(mptr, rows, valid, RSROW + HR // RG, ROROW + HR // RG, RSYM, RBITS, SHB, P)
+    acc = _score_part(acc, qrA, qsA, krA, srA, morA)
+    acc = _score_part(acc, qrB, qsB, krB, srB, morB)
     p, alpha, m_i, l_i = _softmax_update(acc, valid, m_i, l_i)
     o0, f0 = _out_part(o0, f0, p, alpha, k0, s0, mo0)
     o1, f1 = _out_part(o1, f1, p, alpha, k1, s1, mo1)
@@ -302,8 +306,8 @@ def _decode_kernel(
     pg0 = lo // P + sp * PPS
     pg1 = tl.minimum(pg0 + PPS, (hi + P - 1) // P)
     if QUANT:
-        RB: tl.constexpr = DR * RBITS // 8
-        qrA = tl.load(qpb + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
+        HR: tl.constexpr = DR // 2  # the two RoPE halves of _packed_tile
+        qrA = tl.load(qpb + tl.arange(0, HR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
         h0 = q0.to(tl.float16)
         h1 = q1.to(tl.float16)
         h2 = q2.to(tl.float16)
@@ -314,11 +318,8 @@ def _decode_kernel(
         qs2 = tl.sum(h2.to(tl.float32), axis=1)
         qs3 = tl.sum(h3.to(tl.float32), axis=1)
         qsA = tl.sum(hA.to(tl.float32), axis=1)
-        if RBITS == 4:
-            qrB = tl.load(qpb + RB + tl.arange(0, RB)[None, :], mask=hm[:, None], other=0.0)
-            hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
-        else:
-            hB = hA
+        qrB = tl.load(qpb + HR + tl.arange(0, HR)[None, :], mask=hm[:, None], other=0.0)
+        hB = (qrB.to(tl.float32) * qk_scale).to(tl.float16)
         qsB = tl.sum(hB.to(tl.float32), axis=1)
         for pg in range(pg0, pg1):
             page = tl.load(BT + b.to(tl.int64) * stride_bt + pg).to(tl.int64)
