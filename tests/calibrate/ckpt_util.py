@@ -102,3 +102,24 @@ def fp8_checkpoint(src: Path, dst: Path, deq: Path | None, block: tuple[int, int
     with open(dst / "config.json", "w") as f:
         json.dump(cfg, f)
     return dst, deq
+
+
+def tiny_calibration():
+    """The tiny C2R4 format, calibration config and 6 x 64 token bank the streamed-calibration tests share."""
+
+    from quantmla.calibrate.config import CalibrationConfig
+    from quantmla.quant.formats import CacheFormat
+    from quantmla.quant.spec import QuantSpec
+
+    fmt = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
+    cfg = CalibrationConfig(
+        seq_len=64, batch_size=2, train_seqs=4, val_seqs=2, steps_content=3, steps_rope=3, query_tokens=16, sink=4,
+        local=16, smoothquant_alphas=(0.5,), progress=False, device="cpu",
+    )  # fmt: skip
+    return fmt, cfg, tiny_tokens()
+
+
+def tiny_tokens(seed: int = 0):
+    import torch
+
+    return torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(seed))

@@ -8,33 +8,23 @@ import json
 
 import pytest
 import torch
-from ckpt_util import fp8_checkpoint, save_sharded
+from ckpt_util import fp8_checkpoint, save_sharded, tiny_calibration, tiny_tokens
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from quantmla.calibrate import stream as stream_mod
 from quantmla.calibrate.checkpoint import CheckpointError, load_full_model
-from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.delta import apply_delta, load_delta, merge_checkpoint
 from quantmla.calibrate.stream import calibrate_streamed
 from quantmla.calibrate.trainer import calibrate_model
 from quantmla.mla.tiny import tiny_model
-from quantmla.quant.formats import CacheFormat
-from quantmla.quant.spec import QuantSpec
 
-FMT = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
-CFG = CalibrationConfig(
-    seq_len=64, batch_size=2, train_seqs=4, val_seqs=2, steps_content=3, steps_rope=3, query_tokens=16, sink=4,
-    local=16, smoothquant_alphas=(0.5,), progress=False, device="cpu",
-)  # fmt: skip
+FMT, CFG, _ = tiny_calibration()
 
-
-def _tokens(seed=0):
-    return torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(seed))
 
 
 def _in_memory(model):
-    calibrate_model(model, FMT, _tokens(), CFG)
+    calibrate_model(model, FMT, tiny_tokens(), CFG)
     return model.state_dict()
 
 
@@ -54,7 +44,7 @@ def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path):
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     fused = _in_memory(base)
     out = tmp_path / "delta.safetensors"
-    rep = calibrate_streamed(path, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    rep = calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32)
     delta, meta = load_delta(out)
     _assert_delta_matches(delta, fused, base_state)
     assert len(rep.blocks) == len(meta["report"]) // (2 if family == "longcat_flash" else 1)
@@ -70,7 +60,7 @@ def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path):
     with pytest.raises(FileExistsError, match="force"):
         merge_checkpoint(path, out, merged)
     with pytest.raises(FileExistsError, match="force"):
-        calibrate_streamed(path, FMT, _tokens(), CFG, out, dtype=torch.float32)
+        calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32)
 
 
 def test_streamed_fp8_block_checkpoint_equals_in_memory_dequantized(tmp_path):
@@ -80,7 +70,7 @@ def test_streamed_fp8_block_checkpoint_equals_in_memory_dequantized(tmp_path):
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     fused = _in_memory(base)
     out = tmp_path / "delta.safetensors"
-    calibrate_streamed(fp8, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    calibrate_streamed(fp8, FMT, tiny_tokens(), CFG, out, dtype=torch.float32)
     delta, meta = load_delta(out)
     _assert_delta_matches(delta, fused, base_state)
     merged = merge_checkpoint(fp8, out, tmp_path / "merged")
@@ -105,7 +95,7 @@ class _Stop(Exception):
 def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
     path = save_sharded(tiny_model("deepseek_v3_half", seed=5), tmp_path / "base")  # 3 blocks
     ref = tmp_path / "ref.safetensors"
-    calibrate_streamed(path, FMT, _tokens(), CFG, ref, dtype=torch.float32)
+    calibrate_streamed(path, FMT, tiny_tokens(), CFG, ref, dtype=torch.float32)
     out, work = tmp_path / "delta.safetensors", tmp_path / "work"
 
     def stop_after_first(b):
@@ -113,15 +103,15 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
             raise _Stop
 
     with pytest.raises(_Stop):
-        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32,
+        calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32,
                            on_block_done=stop_after_first)  # fmt: skip
     assert not out.exists()
     with open(work / "progress.json") as f:
         assert json.load(f)["blocks_done"] == 1
     with pytest.raises(FileExistsError, match="--resume"):
-        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32)
+        calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32)
     with pytest.raises(ValueError, match="another run"):
-        calibrate_streamed(path, FMT, _tokens(seed=9), CFG, out, work=work, dtype=torch.float32, resume=True)
+        calibrate_streamed(path, FMT, tiny_tokens(seed=9), CFG, out, work=work, dtype=torch.float32, resume=True)
 
     # a crash inside block 1's calibration: nothing of block 1 is committed
     real = stream_mod.calibrate_attention
@@ -133,10 +123,10 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stream_mod, "calibrate_attention", crash)
     with pytest.raises(_Stop):
-        calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+        calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
     assert sorted(p.name for p in work.iterdir() if p.name.startswith("block_")) == ["block_00000.safetensors"]
     monkeypatch.setattr(stream_mod, "calibrate_attention", real)
-    calibrate_streamed(path, FMT, _tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+    calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
     got, _ = load_delta(out)
     want, _ = load_delta(ref)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -145,7 +135,7 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
 def test_merge_refuses_a_delta_of_another_model(tmp_path):
     a = save_sharded(tiny_model("deepseek_v2", seed=0), tmp_path / "m")
     out = tmp_path / "delta.safetensors"
-    calibrate_streamed(a, FMT, _tokens(), CFG, out, dtype=torch.float32)
+    calibrate_streamed(a, FMT, tiny_tokens(), CFG, out, dtype=torch.float32)
     b = save_sharded(tiny_model("deepseek_v2", seed=1), tmp_path / "other" / "m")  # same name and shapes
     with pytest.raises(CheckpointError, match="differ from those the delta"):
         merge_checkpoint(b, out, tmp_path / "merged")

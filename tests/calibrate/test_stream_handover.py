@@ -9,23 +9,15 @@ import shutil
 
 import pytest
 import torch
-from ckpt_util import save_sharded
+from ckpt_util import save_sharded, tiny_calibration
 
-from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.delta import load_delta
 from quantmla.calibrate.shipped import load_transforms
 from quantmla.calibrate.stream import calibrate_streamed
 from quantmla.calibrate.stream_handover import pack_progress, progress_of, unpack_progress
 from quantmla.mla.tiny import tiny_model
-from quantmla.quant.formats import CacheFormat
-from quantmla.quant.spec import QuantSpec
 
-FMT = CacheFormat("c2r4-tiny", QuantSpec(bits=2, group_size=32), QuantSpec(bits=4, group_size=16))
-CFG = CalibrationConfig(
-    seq_len=64, batch_size=2, train_seqs=4, val_seqs=2, steps_content=3, steps_rope=3, query_tokens=16, sink=4,
-    local=16, smoothquant_alphas=(0.5,), progress=False, device="cpu",
-)  # fmt: skip
-TOKENS = torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(0))
+FMT, CFG, TOKENS = tiny_calibration()
 
 
 class _Stop(Exception):

@@ -98,6 +98,13 @@ struct Cfg {
   static_assert(kStages >= 2 && QSTAGE <= STAGE + PART, "q staging fits behind stage 0");
 };
 
+__device__ __forceinline__ void regs4(uint32_t (&r)[4], const uint4& v) {  // an mma A fragment from a uint4
+  r[0] = v.x;
+  r[1] = v.y;
+  r[2] = v.z;
+  r[3] = v.w;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -404,13 +411,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
       }
       uint32_t qa[C::F][4];
 #pragma unroll
-      for (int pl = 0; pl < C::F; ++pl) {
-        const uint4 q4 = qfrag_c[(c * C::F + pl) * 32 + lane];
-        qa[pl][0] = q4.x;
-        qa[pl][1] = q4.y;
-        qa[pl][2] = q4.z;
-        qa[pl][3] = q4.w;
-      }
+      for (int pl = 0; pl < C::F; ++pl) regs4(qa[pl], qfrag_c[(c * C::F + pl) * 32 + lane]);
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb) {
         uint32_t f[C::NF];
@@ -459,8 +460,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
           score_fields<4>(rr[2 * c + nbl], f);
 #pragma unroll
           for (int pl = 0; pl < 2; ++pl) {
-            const uint4 q4 = qfrag_r[(c * 2 + pl) * 32 + lane];
-            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+            uint32_t qa[4];
+            regs4(qa, qfrag_r[(c * 2 + pl) * 32 + lane]);
             mma_f16(racc[nbl], qa, f[pl], f[2 + pl]);
           }
         }
@@ -598,13 +599,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     // ---- (3) output product of group `warp`: O += sum_t bf16(P s) c, 16 independent accumulator chains
     uint32_t ap[4][4];
 #pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-      const uint4 x = pfrag[(warp * kWarps + kb) * 32 + lane];
-      ap[kb][0] = x.x;
-      ap[kb][1] = x.y;
-      ap[kb][2] = x.z;
-      ap[kb][3] = x.w;
-    }
+    for (int kb = 0; kb < 4; ++kb) regs4(ap[kb], pfrag[(warp * kWarps + kb) * 32 + lane]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float4 o4 = *reinterpret_cast<const float4*>(soff + (warp * kHeads + g + 8 * r) * kWarps);
