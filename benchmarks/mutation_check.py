@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"
+SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"  # and the headers beside it
 MUTATIONS = {
     "none (control: must pass)": ("", ""),
     "softmax scale +1%": ("ex2(fmaf(sc[i][e2], two_e, -msafe", "ex2(fmaf(sc[i][e2], two_e * 1.01f, -msafe"),
@@ -31,15 +31,17 @@ MUTATIONS = {
 
 
 def main() -> int:
-    text = SRC.read_text()
+    texts = {f.name: f.read_text() for f in sorted(SRC.parent.iterdir()) if f.suffix in (".cu", ".cuh")}
     survived = []
     for name, (old, new) in MUTATIONS.items():
-        if old and text.count(old) < 1:
-            print(f"{name}: pattern not found in {SRC.name} (update the mutation list)")
+        where = [f for f, t in texts.items() if old and old in t]
+        if old and len(where) != 1:
+            print(f"{name}: pattern found in {len(where)} kernel sources, not 1 (update the mutation list)")
             survived.append(name)
             continue
         with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "decode_mla.cu").write_text(text.replace(old, new) if old else text)
+            for f, t in texts.items():  # the kernel sources, one of them mutated
+                (Path(d) / f).write_text(t.replace(old, new) if where and f == where[0] else t)
             env = dict(os.environ, QUANTMLA_CUDA_SRC=d, QUANTMLA_CACHE=os.path.join(d, "cache"))
             env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",

@@ -55,6 +55,13 @@ def _nvcc_version(nvcc: str) -> str:
     return out.strip().splitlines()[-1] if out.strip() else "unknown"
 
 
+def source_key(src: Path, flags: list[str], nvcc_version: str) -> str:
+    """Cache key of a build: the source, every header beside it (``decode_mla.cu`` includes ``mla_ops.cuh`` and
+    ``mla_combine.cuh``), the flags and the compiler version."""
+    text = src.read_bytes() + b"".join(h.name.encode() + h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))
+    return hashlib.sha256(text + " ".join(flags).encode() + nvcc_version.encode()).hexdigest()[:16]
+
+
 def build(name: str, arch: str, *, nvcc: str | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Compile ``csrc/<name>.cu`` for ``arch`` (e.g. ``"90"``, ``"90a"``, ``"80"``) unless cached; return the
     library's path. Raises :class:`CudaBuildError` with the compiler's message on failure."""
@@ -69,7 +76,7 @@ def build(name: str, arch: str, *, nvcc: str | None = None, extra: tuple[str, ..
         )
     flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC",
              "-lineinfo", *extra]  # fmt: skip
-    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + _nvcc_version(nvcc).encode()).hexdigest()[:16]
+    key = source_key(src, flags, _nvcc_version(nvcc))
     out = cache_dir() / f"{name}-sm{arch}-{key}.so"
     if out.is_file():
         return out

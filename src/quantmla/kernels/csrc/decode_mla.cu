@@ -41,6 +41,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mla_combine.cuh"
+#include "mla_ops.cuh"
+
 namespace qmla {
 
 constexpr int kWarps = 4;
@@ -53,8 +56,6 @@ constexpr int kGroup = 128;  // content quantization group (one warp each)
 constexpr int kStages = 2;
 constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
 constexpr float kLazy = 8.f;   // log2 units: P <= 2^8 between moves of the running maximum
-constexpr uint32_t kMagicF16 = 0x64006400u;   // fp16x2 (1024, 1024)
-constexpr uint32_t kMagicBf16 = 0x43004300u;  // bf16x2 (128, 128)
 
 struct Params {
   const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
@@ -97,112 +98,6 @@ struct Cfg {
   static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, in stage 1 + PART
   static_assert(kStages >= 2 && QSTAGE <= STAGE + PART, "q staging fits behind stage 0");
 };
-
-__device__ __forceinline__ void regs4(uint32_t (&r)[4], const uint4& v) {  // an mma A fragment from a uint4
-  r[0] = v.x;
-  r[1] = v.y;
-  r[2] = v.z;
-  r[3] = v.w;
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-// D += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// D = A * B + C with fp16 operands (the first k-block of a tile's score product: C = the accumulator start)
-__device__ __forceinline__ void mma_f16_c(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                          float c01, float c23) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%11,%11};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c01), "f"(c23));
-}
-
-// D += A * B with fp16 operands (the score product)
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// (x & mask) | magic in one LOP3 (the compiler splits it in two when both constants are immediates)
-__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t magic) {
-  uint32_t y;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
-  return y;
-}
-
-// output product: field j (b bits) of both 16-bit halves of r -> bf16x2 (128 + code_lo, 128 + code_hi), exact
-template <int B>
-__device__ __forceinline__ uint32_t field(uint32_t r, int j) {
-  return and_or(r >> (B * j), ((1u << B) - 1u) * 0x00010001u, kMagicBf16);
-}
-
-// field j of both 16-bit halves as exact bf16 codes (c_lo, c_hi): the magic number 128 + c minus 128 (one FMA)
-template <int B>
-__device__ __forceinline__ uint32_t code(uint32_t r, int j) {
-  const uint32_t m = field<B>(r, j);
-  uint32_t y;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));  // m * 1 - 128
-  return y;
-}
-
-// score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
-// the field's plane: fields of the low byte of each half straight from r, those of the high byte from r >> 8
-// (one shift for all), each with one LOP3. Field j = plane j % F of half j / F (F = NF / 2 = 8 / B).
-template <int B>
-__device__ __forceinline__ void score_fields(uint32_t r, uint32_t (&f)[16 / B]) {
-  constexpr int F = 8 / B;
-  const uint32_t r8 = r >> 8;
-#pragma unroll
-  for (int j = 0; j < 2 * F; ++j)
-    f[j] = and_or(j < F ? r : r8, (((1u << B) - 1u) << (B * (j % F))) * 0x00010001u, kMagicF16);
-}
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ float load_q(const void* base, long long idx, int fp32) {
-  return fp32 ? reinterpret_cast<const float*>(base)[idx]
-              : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[idx]);
-}
 
 // channel (within its group) of k-index kk of k-block (chunk c, plane p) of the score product
 template <int PS>
@@ -659,77 +554,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   }
 }
 
-// Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
-// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 G threads: channel tid % 128, splits tid / 128 + G k
-// (G split groups, 8 loads in flight each, summed through shared memory). G = 4 for many splits (at B1 x 128K,
-// ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost 2x).
-template <int G>
-__global__ void __launch_bounds__(128 * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
-                                                          float* __restrict__ out, float* __restrict__ lse, int ns,
-                                                          int H) {
-  constexpr int kCombineGroups = G;
-  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & 127, grp = tid >> 7;
-  __shared__ float red[4 * kCombineGroups];
-  __shared__ float racc[kCombineGroups][128], rws[kCombineGroups][128];
-  const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
-  float mx = -INFINITY;
-  for (int s = tid; s < ns; s += 128 * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  if ((tid & 31) == 0) red[tid >> 5] = mx;
-  __syncthreads();
-  mx = red[0];
-#pragma unroll
-  for (int w = 1; w < 4 * kCombineGroups; ++w) mx = fmaxf(mx, red[w]);
-  const float msafe = mx == -INFINITY ? 0.f : mx;
-  const float* pob = po + ((long long)b * ns * H + h) * kDc + dc * 128 + ch;  // po[b, s, h, d] = pob[s * H * Dc]
-  const long long step = (long long)H * kDc;
-  constexpr int U = 8;
-  float acc[U], wsum[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) acc[u] = wsum[u] = 0.f;
-  int s = grp;
-  for (; s + kCombineGroups * (U - 1) < ns; s += kCombineGroups * U) {
-    float w[U], x[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      w[u] = plb[(long long)(s + kCombineGroups * u) * H];
-      x[u] = pob[(s + kCombineGroups * u) * step];
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float wu = ex2(w[u] - msafe);
-      wsum[u] += wu;
-      acc[u] = wu > 0.f ? fmaf(wu, x[u], acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
-    }
-  }
-  for (; s < ns; s += kCombineGroups) {
-    const float w = ex2(plb[(long long)s * H] - msafe);
-    wsum[0] += w;
-    acc[0] = w > 0.f ? fmaf(w, pob[s * step], acc[0]) : acc[0];
-  }
-  float a = 0.f, ws = 0.f;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    a += acc[u];
-    ws += wsum[u];
-  }
-  if (G > 1) {
-    racc[grp][ch] = a;
-    rws[grp][ch] = ws;
-    __syncthreads();
-  }
-  if (grp == 0) {
-#pragma unroll
-    for (int g2 = 1; g2 < kCombineGroups; ++g2) {
-      a += racc[g2][ch];
-      ws += rws[g2][ch];
-    }
-    out[((long long)b * H + h) * kDc + dc * 128 + ch] = ws > 0.f ? a / ws : 0.f;
-    if (dc == 0 && ch == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
-  }
-}
-
 // Once per instantiation: the dynamic shared memory it needs and all of the unified L1/shared memory as shared
 // memory (3 CTAs per SM need ~225 KB).
 template <int CB, bool CSYM, bool RSYM>
@@ -797,9 +621,9 @@ int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int gr
 int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
   const dim3 grid(qmla::kDc / 128, H, B);
   if (ns >= 64)
-    qmla::combine_kernel<4><<<grid, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
+    qmla::combine_kernel<4, qmla::kDc><<<grid, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
   else
-    qmla::combine_kernel<1><<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
+    qmla::combine_kernel<1, qmla::kDc><<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();
 }
 

@@ -1,0 +1,82 @@
+// Merge of the split partials of the MLA decode kernels (decode_mla.cu): one softmax over all splits.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "mla_ops.cuh"
+
+namespace qmla {
+
+// Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
+// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 G threads: channel tid % 128, splits tid / 128 + G k
+// (G split groups, 8 loads in flight each, summed through shared memory). G = 4 for many splits (at B1 x 128K,
+// ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost 2x).
+template <int G, int D>
+__global__ void __launch_bounds__(128 * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
+                                                          float* __restrict__ out, float* __restrict__ lse, int ns,
+                                                          int H) {
+  constexpr int kCombineGroups = G;
+  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & 127, grp = tid >> 7;
+  __shared__ float red[4 * kCombineGroups];
+  __shared__ float racc[kCombineGroups][128], rws[kCombineGroups][128];
+  const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
+  float mx = -INFINITY;
+  for (int s = tid; s < ns; s += 128 * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int w = 1; w < 4 * kCombineGroups; ++w) mx = fmaxf(mx, red[w]);
+  const float msafe = mx == -INFINITY ? 0.f : mx;
+  const float* pob = po + ((long long)b * ns * H + h) * D + dc * 128 + ch;  // po[b, s, h, d] = pob[s * H * Dc]
+  const long long step = (long long)H * D;
+  constexpr int U = 8;
+  float acc[U], wsum[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) acc[u] = wsum[u] = 0.f;
+  int s = grp;
+  for (; s + kCombineGroups * (U - 1) < ns; s += kCombineGroups * U) {
+    float w[U], x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      w[u] = plb[(long long)(s + kCombineGroups * u) * H];
+      x[u] = pob[(s + kCombineGroups * u) * step];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float wu = ex2(w[u] - msafe);
+      wsum[u] += wu;
+      acc[u] = wu > 0.f ? fmaf(wu, x[u], acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
+    }
+  }
+  for (; s < ns; s += kCombineGroups) {
+    const float w = ex2(plb[(long long)s * H] - msafe);
+    wsum[0] += w;
+    acc[0] = w > 0.f ? fmaf(w, pob[s * step], acc[0]) : acc[0];
+  }
+  float a = 0.f, ws = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    a += acc[u];
+    ws += wsum[u];
+  }
+  if (G > 1) {
+    racc[grp][ch] = a;
+    rws[grp][ch] = ws;
+    __syncthreads();
+  }
+  if (grp == 0) {
+#pragma unroll
+    for (int g2 = 1; g2 < kCombineGroups; ++g2) {
+      a += racc[g2][ch];
+      ws += rws[g2][ch];
+    }
+    out[((long long)b * H + h) * D + dc * 128 + ch] = ws > 0.f ? a / ws : 0.f;
+    if (dc == 0 && ch == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+}  // namespace qmla

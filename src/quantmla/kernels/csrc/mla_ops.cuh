@@ -1,0 +1,125 @@
+// Device primitives of the packed MLA decode kernel (decode_mla.cu): PTX wrappers (cp.async, ldmatrix, mma.sync),
+// the "magic number" conversions of packed codes into exact tensor-core operands, and small float helpers.
+//
+// Magic numbers: a b-bit code c OR-ed into the low mantissa bits of a constant is an exact float:
+//   fp16 0x6400 = 1024: (1024 + c * 2^k) for fields anywhere in the low byte of a 16-bit half (ulp 1 up to 2048);
+//   bf16 0x4300 = 128:  (128 + c) for a field in the lowest bits (ulp 1 up to 256).
+// One LOP3 ((x & mask) | magic) per register of two fields; the bias is removed outside the products.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace qmla {
+
+constexpr uint32_t kMagicF16 = 0x64006400u;   // fp16x2 (1024, 1024)
+constexpr uint32_t kMagicBf16 = 0x43004300u;  // bf16x2 (128, 128)
+
+__device__ __forceinline__ void regs4(uint32_t (&r)[4], const uint4& v) {  // an mma A fragment from a uint4
+  r[0] = v.x;
+  r[1] = v.y;
+  r[2] = v.z;
+  r[3] = v.w;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A * B + C with fp16 operands (the first k-block of a tile's score product: C = the accumulator start)
+__device__ __forceinline__ void mma_f16_c(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                          float c01, float c23) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%11,%11};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c01), "f"(c23));
+}
+
+// D += A * B with fp16 operands (the score product)
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x & mask) | magic in one LOP3 (the compiler splits it in two when both constants are immediates)
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t magic) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(magic));
+  return y;
+}
+
+// output product: field j (b bits) of both 16-bit halves of r -> bf16x2 (128 + code_lo, 128 + code_hi), exact
+template <int B>
+__device__ __forceinline__ uint32_t field(uint32_t r, int j) {
+  return and_or(r >> (B * j), ((1u << B) - 1u) * 0x00010001u, kMagicBf16);
+}
+
+// field j of both 16-bit halves as exact bf16 codes (c_lo, c_hi): the magic number 128 + c minus 128 (one FMA)
+template <int B>
+__device__ __forceinline__ uint32_t code(uint32_t r, int j) {
+  const uint32_t m = field<B>(r, j);
+  uint32_t y;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));  // m * 1 - 128
+  return y;
+}
+
+// score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
+// the field's plane: fields of the low byte of each half straight from r, those of the high byte from r >> 8
+// (one shift for all), each with one LOP3. Field j = plane j % F of half j / F (F = NF / 2 = 8 / B).
+template <int B>
+__device__ __forceinline__ void score_fields(uint32_t r, uint32_t (&f)[16 / B]) {
+  constexpr int F = 8 / B;
+  const uint32_t r8 = r >> 8;
+#pragma unroll
+  for (int j = 0; j < 2 * F; ++j)
+    f[j] = and_or(j < F ? r : r8, (((1u << B) - 1u) << (B * (j % F))) * 0x00010001u, kMagicF16);
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ float load_q(const void* base, long long idx, int fp32) {
+  return fp32 ? reinterpret_cast<const float*>(base)[idx]
+              : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[idx]);
+}
+
+}  // namespace qmla

@@ -1,0 +1,38 @@
+"""The CUDA kernel's build plumbing on the CPU: the cache key covers every source the compiler reads, and the
+installed package carries those sources (a wheel without them would silently fall back to Triton)."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+import shutil
+from pathlib import Path
+
+from quantmla.kernels.cuda_build import CSRC, source_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_build_key_covers_the_included_headers(tmp_path):
+    for f in Path(CSRC).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    src = tmp_path / "decode_mla.cu"
+    base = source_key(src, ["-O3"], "nvcc 13.0")
+    assert '#include "mla_ops.cuh"' in src.read_text()  # what the key must follow
+    (tmp_path / "mla_ops.cuh").write_text((tmp_path / "mla_ops.cuh").read_text() + "\n// changed\n")
+    assert source_key(src, ["-O3"], "nvcc 13.0") != base
+    assert source_key(src, ["-O2"], "nvcc 13.0") != source_key(src, ["-O3"], "nvcc 13.0")
+    assert source_key(src, ["-O3"], "nvcc 12.8") != source_key(src, ["-O3"], "nvcc 13.0")
+
+
+def test_package_data_ships_every_kernel_source():
+    text = (ROOT / "pyproject.toml").read_text()  # (tomllib is 3.11+; the package supports 3.10)
+    section = text.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    m = re.search(r'^"quantmla\.kernels"\s*=\s*(\[.*?\])', section, re.M)
+    assert m, "no package data for quantmla.kernels"
+    patterns = ast.literal_eval(m.group(1))
+    sources = [p.relative_to(Path(CSRC).parent).as_posix() for p in Path(CSRC).iterdir() if p.is_file()]
+    assert sources, "no kernel sources found"
+    for rel in sources:
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} is not in the package data"
