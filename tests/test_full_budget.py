@@ -113,3 +113,18 @@ def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
     tf_got, meta = load_transforms(out / "smollm2-mla-quantmla-c4r4.safetensors")
     assert set(tf_got) == set(tf_want) and all(torch.equal(tf_got[k], tf_want[k]) for k in tf_want)
     assert meta["label"].startswith("smoke budget")
+
+
+def test_unit_estimates_learn_from_the_device():
+    """A unit kind not run yet is estimated from its first guess scaled by how this device's finished units compared
+    with theirs (the slowest ratio, clamped to [1/4, 4]); a kind already run takes its longest time."""
+    fb = _module()
+    g = fb.DEFAULT_S
+    h200 = [{"kind": "ppl", "seconds": 16.1, "device": "H200"}]
+    assert fb.estimate_seconds("niah", [], "H200", True) == g["niah"]
+    assert fb.estimate_seconds("niah", h200, "H200", True) == pytest.approx(g["niah"] * max(0.25, 16.1 / g["ppl"]))
+    assert fb.estimate_seconds("niah", h200, "other GPU", True) == g["niah"]  # another device: no scaling
+    slow = h200 + [{"kind": "bf16", "seconds": 10 * g["bf16"], "device": "H200"}]
+    assert fb.estimate_seconds("niah", slow, "H200", True) == pytest.approx(4 * g["niah"])  # clamped
+    assert fb.estimate_seconds("ppl", slow, "H200", True) == 16.1
+    assert fb.estimate_seconds("niah", [], "cpu", False) == 10 * g["niah"]
