@@ -197,18 +197,24 @@ def prefill_attention(
 ):
     """Chunked prefill over the paged cache, per-query policy: ``q_lat [B, H, T, Dc]`` -> ``[B, H, T, Dc]`` fp32
     (contract: :func:`quantmla.kernels.reference.prefill_attention_torch`). ``impl``: ``"torch"`` (the fp32
-    reference), ``"sdpa"`` (:func:`quantmla.kernels.prefill.prefill_attention_sdpa`: a transient BF16 workspace
-    and torch's fused attention with the policy as its mask, the GPU path) or ``"auto"`` (``sdpa`` on CUDA
-    unless :func:`force_impl` or the environment ask for ``torch``)."""
+    reference), ``"split"`` (:func:`quantmla.kernels.prefill.prefill_attention_split`: a transient BF16 workspace,
+    unmasked attention over the keys every query of a block reads packed and masked attention over the window band,
+    merged by log-sum-exp; the GPU path), ``"sdpa"`` (:func:`quantmla.kernels.prefill.prefill_attention_sdpa`: the
+    previous GPU path, torch's fused attention with the policy as one mask; kept for comparison) or ``"auto"``
+    (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``)."""
     if impl == "auto":
         forced = _forced[-1] if _forced else (os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
-        impl = "sdpa" if q_lat.is_cuda and forced != "torch" else "torch"
+        impl = "split" if q_lat.is_cuda and forced != "torch" else "torch"
     if impl == "torch":
         from quantmla.kernels.reference import prefill_attention_torch
 
         return prefill_attention_torch(q_lat, q_pe, cache, softmax_scale, n_new, recent=recent, **kw)
+    if impl == "split":
+        from quantmla.kernels.prefill import prefill_attention_split
+
+        return prefill_attention_split(q_lat, q_pe, cache, softmax_scale, n_new, recent=recent, **kw)
     if impl == "sdpa":
         from quantmla.kernels.prefill import prefill_attention_sdpa
 
         return prefill_attention_sdpa(q_lat, q_pe, cache, softmax_scale, n_new, recent=recent, **kw)
-    raise ValueError(f"prefill impl must be 'auto', 'torch' or 'sdpa', got {impl!r}")
+    raise ValueError(f"prefill impl must be 'auto', 'torch', 'split' or 'sdpa', got {impl!r}")

@@ -1,20 +1,34 @@
-"""Chunked prefill attention over the paged cache on a GPU: the per-query policy through torch's fused attention.
+"""Chunked prefill attention over the paged cache on a GPU: the per-query policy in BF16 with fp32 statistics.
 
 Same contract as :func:`quantmla.kernels.reference.prefill_attention_torch` (the fp32 oracle). Per sequence the
 packed copies of its ``n`` tokens are dequantized once into a transient BF16 workspace ``[n, Dc + Dr]`` (through
-:meth:`PagedMLACache.read_packed`, never by decoding page bytes here), the BF16 copies the policy may read (sink
-buffer, local ring, ``recent``) are appended as ``F`` more keys, and every block of queries runs one
-``torch.nn.functional.scaled_dot_product_attention`` over the ``n + F`` keys with a boolean mask that admits, for
-the query at position ``p``, the packed copy of token ``j`` when ``j <= p`` and the policy reads it packed, and
-the BF16 copy when ``j <= p`` and the policy reads it in full precision: one softmax, exactly the policy. The
-attention kernel itself (chosen by torch: memory-efficient where it takes the shapes, else math) runs in BF16 with
-fp32 accumulation, so this path agrees with the oracle to BF16 rounding. Every query block reads only the keys it
-may see (the causal prefix and the BF16 copies in its window band). Memory: the workspace plus a ``[H x block, n +
-F]`` mask (kept near 64 MB).
+:meth:`PagedMLACache.read_packed`, never by decoding page bytes here); the BF16 copies the policy may read (sink
+buffer, local ring, ``recent``) come from :func:`full_precision_rows`. Every query head reads the same keys (one
+latent KV head), so the ``H x t`` queries of a block of ``t`` positions run as ``H * t`` rows of one attention.
+
+:func:`prefill_attention_split` (``impl="split"``, the GPU default) splits the keys of a query block ``[q0, q1)``:
+
+* **far**: :meth:`CachePolicy.packed_for_all` ``(q0)`` -- positions ``sink <= j <= q0 - local`` that every query of
+  the block sees and reads packed: attention with no mask, over key tiles of a bounded size;
+* **near**: the packed copies of ``q0 - local < j < q1`` and the BF16 copies of the sink and of that band, with the
+  policy's mask (a copy is admitted when the key is causal and :meth:`CachePolicy.reads_full` picks that copy):
+  ``local + t`` keys of each kind, whatever the context.
+
+Each tile is two matrix products (BF16 in, fp32 out: ``torch.mm(..., out_dtype=torch.float32)`` on CUDA) and
+fp32 softmax statistics (row max, sum of the BF16-rounded probabilities); tiles merge exactly by their
+log-sum-exps (online softmax in fp32). No ``[H t, n]`` mask and no copy of the keys is made; the scores of one
+tile (``[H t, key tile]`` fp32 + BF16) are kept near 384 MB. ``dtype=torch.float32`` gives the oracle's numbers
+up to summation order.
+
+:func:`prefill_attention_sdpa` (``impl="sdpa"``, the previous GPU path, kept for comparison) runs torch's fused
+attention over all ``n`` packed copies plus the BF16 copies with one boolean mask ``[H x block, n + F]`` (kept near
+64 MB): at 32K keys that is blocks of 64 queries (the H200 measured it 20-30x slower than transformers' own
+attention on a 32K prompt, benchmarks/results/generate_h200_v2lite_32k.md).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import replace
 
 import torch
@@ -83,4 +97,126 @@ def prefill_attention_sdpa(
                 keys = torch.cat([keys, full[band]])  # [S + F', Dc + Dr]
             q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).to(dtype)  # [H, t, Dc + Dr]
             o[b, :, t0:t1] = _attend(q, keys, keys[:, :Dc], mask, softmax_scale).float()
+    return o
+
+
+ROWS = 8192  # query rows (heads x positions) per block of the split path
+SCORES = 1 << 26  # scores per tile: [rows, keys] fp32 + BF16 = 384 MB
+_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8), found on first use
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``: exact products, fp32 sums, no rounding of the result to ``a``'s
+    dtype (cuBLAS with an fp32 output on CUDA; the same numbers in fp32 elsewhere)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE != [False]:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE[:] = [True]
+            return out
+        except (TypeError, RuntimeError):
+            if _MM_OUT_DTYPE == [True]:
+                raise
+            _MM_OUT_DTYPE[:] = [False]
+    return a.float() @ b.float()
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(m), m, 0.0)
+
+
+class _Softmax:
+    """Online softmax of ``M`` query rows over key tiles: running max ``m [M, 1]`` (scaled logits), sum ``l [M,
+    1]`` and unnormalized output ``acc [M, Dv]``, all fp32."""
+
+    def __init__(self, scale: float, heads: int) -> None:
+        self.scale, self.heads = scale, heads
+        self.m = self.l = self.acc = None
+
+    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
+        """``q [M = H * t, D]``, ``k [S, D]``, ``v [S, Dv]``; ``allowed`` bool ``[t, S]`` (the same for every head)."""
+        s = _mm32(q, k.T)  # [M, S] raw logits
+        if allowed is not None:
+            s.view(self.heads, -1, s.shape[1]).masked_fill_(~allowed, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True) * self.scale  # [M, 1]; -inf where a row admits nothing here
+        torch.add(-_finite(m), s, alpha=self.scale, out=s)  # scale * s - m, in place (that row: p = 0, l = 0)
+        p = s.exp_() if q.dtype == torch.float32 else torch.exp(s, out=torch.empty_like(s, dtype=q.dtype))
+        l = p.sum(dim=-1, keepdim=True, dtype=torch.float32)  # [M, 1] of the probabilities the product uses
+        o = _mm32(p, v)  # [M, Dv]
+        if self.m is None:
+            self.m, self.l, self.acc = m, l, o
+            return
+        new = torch.maximum(self.m, m)
+        a, c = torch.exp(self.m - _finite(new)), torch.exp(m - _finite(new))  # exp(-inf) = 0 for empty parts
+        self.m, self.l = new, self.l * a + l * c
+        self.acc = self.acc.mul_(a).add_(o * c)
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l  # [M, Dv]
+
+
+def prefill_attention_split(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    softmax_scale: float,
+    n_new=None,
+    *,
+    recent: torch.Tensor | None = None,
+    block: int | None = None,
+    key_block: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``q_lat [B, H, T, Dc]``, ``q_pe [B, H, T, Dr]`` -> ``o_lat [B, H, T, Dc]`` fp32 (rows past ``n_new[b]`` are 0).
+
+    ``block``: query positions per block (default ``ROWS // H``); ``key_block``: keys per tile (default ``SCORES //
+    (H * block)``); ``dtype``: of the workspace, the queries and the probabilities (BF16; fp32 gives the oracle's
+    numbers up to summation order)."""
+    _check_q(q_lat, q_pe, cache, 4)
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    B, H, T, Dc = q_lat.shape
+    n_new = _n_new_list(n_new, B, T)
+    dev = q_lat.device
+    o = torch.zeros(B, H, T, Dc, dtype=torch.float32, device=dev)
+    quant = cache.fmt.is_quantized
+    # a BF16 cache has one copy of each token: the policy with no sink and no window reads it everywhere
+    policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local) if quant else replace(
+        cache.policy, sink=0, local=0)  # fmt: skip
+    step = block or max(1, ROWS // H)
+    for b, n in enumerate(cache.lengths()):
+        k_new = n_new[b]
+        if k_new == 0:
+            continue
+        if k_new > n:
+            raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
+        packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, D] workspace
+        if quant:
+            full, held = full_precision_rows(cache, b, n, k_new, recent)
+            fpos = held.nonzero()[:, 0].tolist()  # sorted positions with a BF16 copy
+            full = full[held].to(device=dev, dtype=dtype)  # [F, D]
+        else:
+            fpos, full = [], packed[:0]
+        n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
+        for t0 in range(0, k_new, step):
+            t1 = min(k_new, t0 + step)
+            q0, q1 = n - k_new + t0, n - k_new + t1  # absolute positions of the block
+            q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).to(dtype).reshape(H * (t1 - t0), -1)
+            sm = _Softmax(softmax_scale, H)
+            kb = key_block or max(1, SCORES // q.shape[0])
+            far = policy.packed_for_all(q0)
+            for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
+                keys = packed[k0 : min(far.stop, k0 + kb)]  # [S, D]
+                sm.add(q, keys, keys[:, :Dc])
+            f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
+            kpos = torch.tensor(list(range(far.stop, q1)) + fpos[:n_sink] + fpos[f0:f1], device=dev)  # [S]
+            is_full = torch.arange(len(kpos), device=dev) >= q1 - far.stop  # [S] which copies are BF16
+            keys = torch.cat([packed[far.stop : q1], full[:n_sink], full[f0:f1]])  # [S, D]
+            qpos = torch.arange(q0, q1, device=dev)  # [t]
+            allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
+            for k0 in range(0, len(kpos), kb):  # near: the band where the copy read depends on the query
+                sl = slice(k0, k0 + kb)
+                sm.add(q, keys[sl], keys[sl, :Dc], allowed[:, sl])
+            o[b, :, t0:t1] = sm.result().view(H, t1 - t0, Dc)
     return o

@@ -175,6 +175,11 @@ class CachePolicy:
         q, k = q_pos[:, None], k_pos[None, :]
         return (k < self.sink) | (k > q - self.local)
 
+    def packed_for_all(self, q0: int) -> range:
+        """The cached positions that every query at position ``>= q0`` sees and reads from the packed copy: by
+        :meth:`reads_full`, ``sink <= j <= q0 - local`` (the window only moves forward, and ``j <= q0 <= p``)."""
+        return range(self.sink, max(self.sink, q0 - self.local + 1))
+
 
 @dataclass(frozen=True)
 class CacheBytes:
