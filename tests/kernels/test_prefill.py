@@ -1,5 +1,7 @@
 """Chunked prefill over the paged cache with the per-query policy: the fp32 torch reference against an independent
-float64 computation from the raw inputs, and the GPU path (BF16 workspace + fused SDPA) against the reference.
+float64 computation from the raw inputs, and the GPU paths against the reference: the split path (impl="split":
+unmasked attention over the keys every query reads packed + masked attention over the window band, merged by
+log-sum-exp) and the previous masked-SDPA path (impl="sdpa"), both over a BF16 workspace.
 
 The BF16 path is checked against a first-order model of BF16 attention (:func:`_bf16_sigma`), not an elementwise
 bound: it rounds the query and the dequantized workspace to BF16 (logit errors of ~1e-2 at DeepSeek widths with
@@ -169,21 +171,66 @@ def test_one_new_token_is_decode():
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["c4r4", "c2r4", "bf16"])
-def test_sdpa_path_matches_reference(name):
+@pytest.mark.parametrize("impl", ["split", "sdpa"])
+@pytest.mark.parametrize("name", ["c4r4", "c2r4", "c8r8", "bf16"])
+def test_gpu_path_matches_reference(name, impl):
     lens, n_new = [40, 25, 3], [9, 4, 1]
     cache, raw, recent = _appended(name, lens, n_new)
     q_lat, q_pe = _q(3, 5, 9, 128, 32)
     ref = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="torch")
-    exact = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="sdpa", dtype=torch.float32,
+    exact = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl=impl, dtype=torch.float32,
                               block=2)  # fmt: skip
     torch.testing.assert_close(exact, ref, rtol=1e-5, atol=1e-5)  # same math, fp32: summation order only
-    fast = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl="sdpa", block=4)
-    assert_bf16_close(fast, ref, _sigma(cache, raw, q_lat, q_pe, n_new, 128), name=f"sdpa {name}")
+    fast = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=recent, impl=impl, block=4)
+    assert_bf16_close(fast, ref, _sigma(cache, raw, q_lat, q_pe, n_new, 128), name=f"{impl} {name}")
 
 
+# Lengths before the chunk and new rows (window of 8): blocks that start before, at and after sink (4) and sink +
+# local (12), a fresh sequence (0 + 16), chunks longer than the window, one empty, one of a single token.
+BOUNDARY_LENS, BOUNDARY_NEW = [0, 3, 4, 11, 12, 13, 45, 7], [16, 1, 15, 2, 16, 3, 16, 0]
+
+
+@pytest.mark.parametrize("sink,local", [(4, 8), (0, 8), (4, 0)])
+@pytest.mark.parametrize("name", ["bf16", "c8r8", "c4r4", "c2r4"])
+def test_split_fp32_matches_reference_around_boundaries(name, sink, local):
+    """fp32 split path == the fp32 oracle (summation order only) for ragged lengths around the sink and window
+    boundaries, with blocks and key tiles small enough that every boundary falls inside, at the edge of and between
+    blocks and tiles; and with the default sizes (one block, one tile)."""
+    policy = CachePolicy(sink=sink, local=local, page_size=16)
+    cache, _, recent = _appended(name, BOUNDARY_LENS, BOUNDARY_NEW, T=16, policy=policy)
+    q_lat, q_pe = _q(8, 2, 16, 128, 32)
+    run = dict(recent=recent, impl="split", dtype=torch.float32)
+    ref = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
+    for block, key_block in [(None, None), (3, 5), (7, 1), (1, 64)]:
+        got = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, block=block, key_block=key_block, **run)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"block {block}/{key_block}: {m}")
+    assert torch.all(got[7] == 0) and torch.all(got[1, :, 1:] == 0)  # rows past n_new are zero
+
+
+@pytest.mark.parametrize("name", ["bf16", "c8r8", "c4r4", "c2r4"])
+def test_split_bf16_around_boundaries(name):
+    """The BF16 split path on the boundary case, within the BF16 error model of every row."""
+    policy = CachePolicy(sink=4, local=8, page_size=16)
+    cache, raw, recent = _appended(name, BOUNDARY_LENS, BOUNDARY_NEW, T=16, policy=policy)
+    q_lat, q_pe = _q(8, 2, 16, 128, 32)
+    ref = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
+    got = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, recent=recent, impl="split", block=3,
+                            key_block=5)  # fmt: skip
+    assert_bf16_close(got, ref, _sigma(cache, raw, q_lat, q_pe, BOUNDARY_NEW, 128), name=f"split {name}")
+
+
+def test_split_needs_recent_and_a_positive_scale():
+    cache, _, recent = _appended("c4r4", [8, 25], [30, 2], T=30)
+    q = _q(2, 2, 30, 128, 32)
+    with pytest.raises(ValueError, match="pass recent="):
+        prefill_attention(*q, cache, SCALE, [30, 2], impl="split")
+    with pytest.raises(ValueError, match="softmax_scale must be > 0"):
+        prefill_attention(*q, cache, 0.0, [30, 2], recent=recent, impl="split")
+
+
+@pytest.mark.parametrize("impl", ["split", "sdpa"])
 @pytest.mark.parametrize("name", ["c4r4", "c2r4"])
-def test_bf16_check_catches_one_token_from_the_wrong_copy(name):
+def test_bf16_check_catches_one_token_from_the_wrong_copy(name, impl):
     """The BF16 check is not loose: the same path reading one token's packed copy where the policy reads its BF16
     copy (the token just before the chunk, in every new query's window) fails it."""
     lens, n_new = [40, 25, 3], [9, 4, 1]
@@ -194,7 +241,7 @@ def test_bf16_check_catches_one_token_from_the_wrong_copy(name):
     pos, n, W = lens[0] - 1, cache.lengths()[0], recent.shape[1]
     wrong = recent.clone()
     wrong[0, pos - (n - W)] = cache.read_packed(0, torch.tensor([pos]))[0].bfloat16()
-    fast = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=wrong, impl="sdpa", block=4)
+    fast = prefill_attention(q_lat, q_pe, cache, SCALE, n_new, recent=wrong, impl=impl, block=4)
     with pytest.raises(AssertionError, match="predicted BF16 std"):
         assert_bf16_close(fast, ref, sigma, name="one wrong copy")
 
@@ -215,13 +262,20 @@ def _gpu_case(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["auto", "split", "sdpa"])
 @pytest.mark.parametrize("name", ["c4r4", "c2r4", "c8r8", "bf16"])
-def test_gpu_prefill_deepseek_shapes(name):
-    """Auto prefill (SDPA over the BF16 workspace on the GPU) against the fp32 reference, within the BF16 model."""
+def test_gpu_prefill_deepseek_shapes(name, impl):
+    """GPU prefill (auto: the split path; and each path named) against the fp32 reference, within the BF16 model;
+    the split path also with small blocks and key tiles (every block and tile boundary on the GPU too)."""
     cache, raw, recent, n_new, (q_lat, q_pe) = _gpu_case(name)
     ref = prefill_attention(q_lat.cuda(), q_pe.cuda(), cache, SCALE, n_new, recent=recent, impl="torch")
-    fast = prefill_attention(q_lat.cuda(), q_pe.cuda(), cache, SCALE, n_new, recent=recent)  # auto: sdpa on CUDA
-    assert_bf16_close(fast, ref, _sigma(cache, raw, q_lat, q_pe, n_new, 512), name=f"gpu prefill {name}")
+    sigma = _sigma(cache, raw, q_lat, q_pe, n_new, 512)
+    fast = prefill_attention(q_lat.cuda(), q_pe.cuda(), cache, SCALE, n_new, recent=recent, impl=impl)
+    assert_bf16_close(fast, ref, sigma, name=f"gpu prefill {impl} {name}")
+    if impl == "split":
+        tiled = prefill_attention(q_lat.cuda(), q_pe.cuda(), cache, SCALE, n_new, recent=recent, impl=impl, block=5,
+                                  key_block=100)  # fmt: skip
+        assert_bf16_close(tiled, ref, sigma, name=f"gpu prefill split tiled {name}")
 
 
 def _decode_unsupported(impl: str, cache) -> str:

@@ -77,3 +77,18 @@ def test_adapted_shrinks_oversized_groups_only():
     assert f.content.group_size == 128 and f.rope.group_size == 32
     assert get_format("c4r4").adapted(512, 64) is get_format("c4r4")
     assert get_format("c4r4").adapted(96, 64).content.group_size == 128  # 96 is no divisor of 128: left alone
+
+
+@pytest.mark.parametrize("sink,local", [(4, 16), (0, 16), (4, 0), (0, 0), (3, 1)])
+def test_packed_for_all_is_what_every_query_of_a_block_reads_packed(sink, local):
+    """For query blocks [q0, q0 + t): a position is in packed_for_all(q0) exactly when every query of the block sees
+    it (causal) and reads_full sends each of them to its packed copy."""
+    import torch
+
+    policy = CachePolicy(sink=sink, local=local, page_size=16)
+    for q0 in range(0, 40):
+        for t in (1, 5):
+            q = torch.arange(q0, q0 + t)
+            k = torch.arange(0, q0 + t)
+            every = ((k[None, :] <= q[:, None]) & ~policy.reads_full(q, k)).all(dim=0)  # [keys]
+            assert list(policy.packed_for_all(q0)) == k[every].tolist(), (q0, t)
