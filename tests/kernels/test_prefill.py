@@ -203,7 +203,7 @@ def test_split_fp32_matches_reference_around_boundaries(name, sink, local):
     ref = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
     for block, key_block in [(None, None), (3, 5), (7, 1), (1, 64)]:
         got = prefill_attention(q_lat, q_pe, cache, SCALE, BOUNDARY_NEW, block=block, key_block=key_block, **run)
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"block {block}/{key_block}: {m}")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m, b=block, k=key_block: f"{b}/{k}: {m}")
     assert torch.all(got[7] == 0) and torch.all(got[1, :, 1:] == 0)  # rows past n_new are zero
 
 

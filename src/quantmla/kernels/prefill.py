@@ -14,9 +14,14 @@ latent KV head), so the ``H x t`` queries of a block of ``t`` positions run as `
   policy's mask (a copy is admitted when the key is causal and :meth:`CachePolicy.reads_full` picks that copy):
   ``local + t`` keys of each kind, whatever the context.
 
+A BF16 cache has one copy per token: its policy is taken as ``sink = local = 0`` (far: ``j <= q0``; near: the
+causal triangle of the block).
+
 Each tile is two matrix products (BF16 in, fp32 out: ``torch.mm(..., out_dtype=torch.float32)`` on CUDA) and
 fp32 softmax statistics (row max, sum of the BF16-rounded probabilities); tiles merge exactly by their
-log-sum-exps (online softmax in fp32). No ``[H t, n]`` mask and no copy of the keys is made; the scores of one
+log-sum-exps (online softmax in fp32). Where ``torch.mm`` has no ``out_dtype`` (torch < 2.8, the CPU) the products
+take fp32 copies of the BF16 operands: the same numbers, slower. No ``[H t, n]`` mask and no copy of the far keys
+is made (the near band's ``2 (local + t)`` keys are gathered); the scores of one
 tile (``[H t, key tile]`` fp32 + BF16) are kept near 384 MB. ``dtype=torch.float32`` gives the oracle's numbers
 up to summation order.
 
@@ -102,23 +107,27 @@ def prefill_attention_sdpa(
 
 ROWS = 8192  # query rows (heads x positions) per block of the split path
 SCORES = 1 << 26  # scores per tile: [rows, keys] fp32 + BF16 = 384 MB
-_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm takes out_dtype on CUDA (torch >= 2.8), found on first use
+_MM_OUT_DTYPE: dict[str, bool] = {}  # per device: whether torch.mm takes out_dtype there (torch >= 2.8 on CUDA)
+
+
+def _mm_out_dtype(device: torch.device) -> bool:
+    key = str(device)
+    if key not in _MM_OUT_DTYPE:
+        x = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            _MM_OUT_DTYPE[key] = torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
 
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``: exact products, fp32 sums, no rounding of the result to ``a``'s
-    dtype (cuBLAS with an fp32 output on CUDA; the same numbers in fp32 elsewhere)."""
+    dtype (cuBLAS with an fp32 output where torch offers it; the same numbers from fp32 inputs elsewhere)."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda and _MM_OUT_DTYPE != [False]:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE[:] = [True]
-            return out
-        except (TypeError, RuntimeError):
-            if _MM_OUT_DTYPE == [True]:
-                raise
-            _MM_OUT_DTYPE[:] = [False]
+    if a.is_cuda and _mm_out_dtype(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
@@ -194,10 +203,11 @@ def prefill_attention_split(
         packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, D] workspace
         if quant:
             full, held = full_precision_rows(cache, b, n, k_new, recent)
-            fpos = held.nonzero()[:, 0].tolist()  # sorted positions with a BF16 copy
+            fpos_t = held.nonzero()[:, 0].to(dev)  # [F] sorted positions with a BF16 copy
             full = full[held].to(device=dev, dtype=dtype)  # [F, D]
         else:
-            fpos, full = [], packed[:0]
+            fpos_t, full = torch.zeros(0, dtype=torch.long, device=dev), packed[:0]
+        fpos = fpos_t.tolist()
         n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
         for t0 in range(0, k_new, step):
             t1 = min(k_new, t0 + step)
@@ -210,9 +220,10 @@ def prefill_attention_split(
                 keys = packed[k0 : min(far.stop, k0 + kb)]  # [S, D]
                 sm.add(q, keys, keys[:, :Dc])
             f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
-            kpos = torch.tensor(list(range(far.stop, q1)) + fpos[:n_sink] + fpos[f0:f1], device=dev)  # [S]
-            is_full = torch.arange(len(kpos), device=dev) >= q1 - far.stop  # [S] which copies are BF16
-            keys = torch.cat([packed[far.stop : q1], full[:n_sink], full[f0:f1]])  # [S, D]
+            near = range(far.stop, max(far.stop, q1))  # packed copies the policy may read for some query here
+            kpos = torch.cat([torch.arange(near.start, near.stop, device=dev), fpos_t[:n_sink], fpos_t[f0:f1]])  # [S]
+            is_full = torch.arange(len(kpos), device=dev) >= len(near)  # [S] which copies are BF16
+            keys = torch.cat([packed[near.start : near.stop], full[:n_sink], full[f0:f1]])  # [S, D]
             qpos = torch.arange(q0, q1, device=dev)  # [t]
             allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
             for k0 in range(0, len(kpos), kb):  # near: the band where the copy read depends on the query
