@@ -43,52 +43,21 @@
 
 #include "mla_combine.cuh"
 #include "mla_ops.cuh"
+#include "mla_page.cuh"
 
 namespace qmla {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kHeads = 16;   // heads per CTA (rows of the mma tiles)
-constexpr int kPage = 64;    // tokens per page = per tile
-constexpr int kDc = 512;     // content latent width
-constexpr int kDr = 64;      // RoPE key width
-constexpr int kGroup = 128;  // content quantization group (one warp each)
 constexpr int kStages = 2;
 constexpr int kCtasPerSm = 3;  // __launch_bounds__: 168 registers
-constexpr float kLazy = 8.f;   // log2 units: P <= 2^8 between moves of the running maximum
-
-struct Params {
-  const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
-  const void* q_pe;   // [B, H, 64]
-  long long q_lat_sb, q_lat_sh, q_pe_sb, q_pe_sh;  // element strides
-  const uint8_t* pool;  // [num_pages, page_bytes]
-  long long page_bytes;
-  int c_off, r_off, m_off;       // byte offsets of the regions inside a page
-  int c_srow, c_orow, r_srow, r_orow;  // meta rows (orow < 0: symmetric spec)
-  const int* block_table;  // [B, max_pages]
-  long long bt_stride;
-  const int* lens;  // [B]
-  float* po;        // [B, NS_TOTAL, H, 512] normalized partial outputs
-  float* pl;        // [B, NS_TOTAL, H] log2-sum-exp of each partial
-  int H, ns_total, pps, sink, local;
-  float qk_scale;  // softmax_scale * log2(e)
-  int q_fp32;      // 1: q tensors are fp32, 0: bf16
-};
 
 template <int CB>  // bits of a content code (2 or 4); RoPE codes are 4 bits
-struct Cfg {
-  static constexpr int F = 8 / CB;                 // codes per byte (planes)
-  static constexpr int NF = 16 / CB;               // codes per 16-bit element (fields)
-  static constexpr int CBYTES = kDc * CB / 8;      // content bytes per token
-  static constexpr int CPG = kGroup * CB / 8 / 16; // 16-byte chunks per group
-  static constexpr int PS = kGroup / F;            // plane stride of the grouped planar packing
-  static constexpr int RBYTES = kDr * 4 / 8;       // RoPE bytes per token (4-bit)
-  static constexpr int RCH = RBYTES / 16;          // RoPE chunks per token
-  static constexpr int C_SM = 0;
-  static constexpr int R_SM = kPage * CBYTES;
-  static constexpr int M_SM = R_SM + kPage * RBYTES;
-  static constexpr int META_ROWS = 10;             // upper bound (4 + 4 content, 1 + 1 RoPE)
-  static constexpr int STAGE = M_SM + META_ROWS * kPage * 2;
+struct Cfg : PageCfg<CB> {
+  using PageCfg<CB>::CPG;
+  using PageCfg<CB>::F;
+  using PageCfg<CB>::STAGE;
   static constexpr int PART = kWarps * 8 * 32 * 16;  // partial scores [warp][n-block][lane] float4
   static constexpr int QFRAG = (kWarps * CPG * F + 4) * 32 * 16;  // q A fragments [k-block][lane] uint4
   static constexpr int PFRAG = kWarps * kWarps * 32 * 16;  // P * s_g A fragments [group][slice][lane] uint4
@@ -98,17 +67,6 @@ struct Cfg {
   static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, in stage 1 + PART
   static_assert(kStages >= 2 && QSTAGE <= STAGE + PART, "q staging fits behind stage 0");
 };
-
-// channel (within its group) of k-index kk of k-block (chunk c, plane p) of the score product
-template <int PS>
-__device__ __forceinline__ int chan_k(int c, int p, int kk) {
-  return 16 * c + PS * p + 4 * ((kk & 7) >> 1) + 2 * (kk & 1) + (kk >> 3);
-}
-
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // fp16 A fragment of a 16-head x 16-channel block of q (plane p of a b-bit field: times 2^-(b p)) from the
 // staged bf16 q [head][576]: a0 (h=g, k=2t,2t+1), a1 (g+8), a2 (g, 2t+8,2t+9), a3 (g+8). qm += the fp16 values
@@ -136,33 +94,6 @@ __device__ __forceinline__ void load_qfrag(uint32_t (&a)[4], float (&qm)[2], flo
   a[3] = pack_f16(v[1][2], v[1][3]);
 }
 
-template <int CB>
-__device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {
-  using C = Cfg<CB>;
-  const int tid = threadIdx.x;
-  constexpr int CX = C::CBYTES / 16;      // chunks per token row
-  constexpr int STEP = kThreads / CX;     // tokens per round of the block
-  static_assert(kThreads % CX == 0 && kPage % STEP == 0 && STEP % 8 == 0, "copy split");
-  const int n0 = tid / CX, x = tid % CX;  // (n0 + i * STEP) & 7 == n0 & 7: the swizzle is the same every round
-  const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
-  const uint8_t* src = page + p.c_off + n0 * C::CBYTES + 16 * x;
-#pragma unroll
-  for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
-  constexpr int NR = kPage * C::RCH;
-  static_assert(NR <= kThreads, "copy split");
-  if (tid < NR) {
-    const int n = tid / C::RCH, xr = tid % C::RCH;
-    cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
-  }
-  if (tid < meta_rows * kPage * 2 / 16) cp_async16(stage + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
-}
-
-// Meta rows of a page (quantmla.kernels.layout): content scales (one row per group), content offsets (asymmetric
-// content), RoPE scale, RoPE offset (asymmetric RoPE); compile-time, so every meta address is an immediate.
-template <bool CSYM, bool RSYM>
-struct MetaRows {
-  static constexpr int CS = 0, CO = 4, RS = CSYM ? 4 : 8, RO = RS + 1, ROWS = RS + (RSYM ? 1 : 2);
-};
 
 template <int CB, bool CSYM, bool RSYM>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Params p) {
@@ -190,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int pg, int st) {
     const uint8_t* page = pool + (long long)bt[pg] * p.page_bytes;
-    load_page<CB>(smem_u32(smem + st * C::STAGE), page, p, meta_rows);
+    load_page<CB, kThreads>(smem_u32(smem + st * C::STAGE), page, p, meta_rows);
   };
   // the first page is on its way while q is prepared (stage 0; q is staged behind it)
 #pragma unroll

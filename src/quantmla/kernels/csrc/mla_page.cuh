@@ -1,0 +1,91 @@
+// The page side of the packed MLA decode kernels (decode_mla.cu, decode_mla_sm90.cu): launch parameters, the
+// byte layout of one page of the paged cache (quantmla/kernels/layout.py) as compile-time constants, the copy of a
+// page into shared memory, and the channel order of the score product's k-blocks.
+//
+// Staged page in shared memory (one stage): content rows of CBYTES bytes, chunk x of token n at 16 * (x ^ (n & 7))
+// (bank-conflict-free ldmatrix), then the RoPE chunks chunk-major ([chunk][token] x 16 bytes), then the meta rows.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "mla_ops.cuh"
+
+namespace qmla {
+
+constexpr int kPage = 64;    // tokens per page = per tile
+constexpr int kDc = 512;     // content latent width
+constexpr int kDr = 64;      // RoPE key width
+constexpr int kGroup = 128;  // content quantization group
+constexpr float kLazy = 8.f;   // log2 units: P <= 2^8 between moves of the running maximum
+
+struct Params {
+  const void* q_lat;  // [B, H, 512] bf16 or fp32, last dim contiguous
+  const void* q_pe;   // [B, H, 64]
+  long long q_lat_sb, q_lat_sh, q_pe_sb, q_pe_sh;  // element strides
+  const uint8_t* pool;  // [num_pages, page_bytes]
+  long long page_bytes;
+  int c_off, r_off, m_off;       // byte offsets of the regions inside a page
+  int c_srow, c_orow, r_srow, r_orow;  // meta rows (orow < 0: symmetric spec)
+  const int* block_table;  // [B, max_pages]
+  long long bt_stride;
+  const int* lens;  // [B]
+  float* po;        // [B, NS_TOTAL, H, 512] normalized partial outputs
+  float* pl;        // [B, NS_TOTAL, H] log2-sum-exp of each partial
+  int H, ns_total, pps, sink, local;
+  float qk_scale;  // softmax_scale * log2(e)
+  int q_fp32;      // 1: q tensors are fp32, 0: bf16
+};
+
+template <int CB>  // bits of a content code (2 or 4); RoPE codes are 4 bits
+struct PageCfg {
+  static constexpr int F = 8 / CB;                 // codes per byte (planes)
+  static constexpr int NF = 16 / CB;               // codes per 16-bit element (fields)
+  static constexpr int CBYTES = kDc * CB / 8;      // content bytes per token
+  static constexpr int CPG = kGroup * CB / 8 / 16; // 16-byte chunks per group
+  static constexpr int PS = kGroup / F;            // plane stride of the grouped planar packing
+  static constexpr int RBYTES = kDr * 4 / 8;       // RoPE bytes per token (4-bit)
+  static constexpr int RCH = RBYTES / 16;          // RoPE chunks per token
+  static constexpr int C_SM = 0;
+  static constexpr int R_SM = kPage * CBYTES;
+  static constexpr int M_SM = R_SM + kPage * RBYTES;
+  static constexpr int META_ROWS = 10;             // upper bound (4 + 4 content, 1 + 1 RoPE)
+  static constexpr int STAGE = M_SM + META_ROWS * kPage * 2;
+};
+
+// channel (within its group) of k-index kk of k-block (chunk c, plane p) of the score product
+template <int PS>
+__device__ __forceinline__ int chan_k(int c, int p, int kk) {
+  return 16 * c + PS * p + 4 * ((kk & 7) >> 1) + 2 * (kk & 1) + (kk >> 3);
+}
+
+// Meta rows of a page (quantmla.kernels.layout): content scales (one row per group), content offsets (asymmetric
+// content), RoPE scale, RoPE offset (asymmetric RoPE); compile-time, so every meta address is an immediate.
+template <bool CSYM, bool RSYM>
+struct MetaRows {
+  static constexpr int CS = 0, CO = 4, RS = CSYM ? 4 : 8, RO = RS + 1, ROWS = RS + (RSYM ? 1 : 2);
+};
+
+// Copy one page into a shared-memory stage with cp.async (16 bytes per thread and round; the caller commits).
+template <int CB, int kThreads>
+__device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {
+  using C = PageCfg<CB>;
+  const int tid = threadIdx.x;
+  constexpr int CX = C::CBYTES / 16;      // chunks per token row
+  constexpr int STEP = kThreads / CX;     // tokens per round of the block
+  static_assert(kThreads % CX == 0 && kPage % STEP == 0 && STEP % 8 == 0, "copy split");
+  const int n0 = tid / CX, x = tid % CX;  // (n0 + i * STEP) & 7 == n0 & 7: the swizzle is the same every round
+  const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
+  const uint8_t* src = page + p.c_off + n0 * C::CBYTES + 16 * x;
+#pragma unroll
+  for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
+  constexpr int NR = kPage * C::RCH;
+  static_assert(NR <= kThreads, "copy split");
+  if (tid < NR) {
+    const int n = tid / C::RCH, xr = tid % C::RCH;
+    cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
+  }
+  if (tid < meta_rows * kPage * 2 / 16) cp_async16(stage + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
+}
+
+}  // namespace qmla
