@@ -189,27 +189,39 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
         except Exception as e:  # noqa: BLE001 - report and go on with our kernels
             log(f"H={H} B={B} N={N} flashmla failed: {type(e).__name__}: {str(e)[:300]}")
         del kcache
-    for fmt in formats:
+    for spec in formats:
+        fmt, _, cuda_kernel = spec.partition("@")  # "c4r4@wgmma": that CUDA kernel instead of the default
         try:
             c = build_cache(fmt, kv, lens, seed=B + N)
-            which = resolve_impl("auto", q_lat, c.fmt, kernel="decode", layout=c.layout, cache=c)
-            kind = which if which != "triton" or fmt == "bf16" else "triton-packed"
-            out, lse = decode_attention(q_lat, q_pe, c, SCALE, return_lse=True)
+            if cuda_kernel:
+                from quantmla.kernels.cuda_decode import decode_attention_cuda
+
+                kind = f"cuda-{cuda_kernel}"
+
+                def run(c=c, k=cuda_kernel, **kw):
+                    return decode_attention_cuda(q_lat, q_pe, c, SCALE, kernel=k, **kw)
+            else:
+                which = resolve_impl("auto", q_lat, c.fmt, kernel="decode", layout=c.layout, cache=c)
+                kind = which if which != "triton" or fmt == "bf16" else "triton-packed"
+
+                def run(c=c, **kw):
+                    return decode_attention(q_lat, q_pe, c, SCALE, **kw)
+            out, lse = run(return_lse=True)
             qr_lat, qr_pe = q_as_kernel_rounds(q_lat, kind), q_as_kernel_rounds(q_pe, kind)
             ref, ref_lse = decode_attention_torch(qr_lat, qr_pe, c, SCALE, return_lse=True)
             rel, le = rel_err(out, ref), lse_err(lse, ref_lse)
             ok = rel <= REL_TOL and le <= LSE_TOL
-            us = timer(lambda c=c: decode_attention(q_lat, q_pe, c, SCALE), reps)
+            us = timer(run, reps)
             eb = effective_bytes(c)
-            rows.append({**base, "impl": fmt, "us": us, "rel": rel, "lse_err": le, "ok": ok, "bytes": eb,
+            rows.append({**base, "impl": spec, "us": us, "rel": rel, "lse_err": le, "ok": ok, "bytes": eb,
                          "kernel": kind})  # fmt: skip
-            log(f"H={H:3d} B={B:3d} N={N:7d} {fmt:5s} [{kind}] {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
+            log(f"H={H:3d} B={B:3d} N={N:7d} {spec:5s} [{kind}] {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
                 f"rel={rel:.1e} lse={le:.1e} {'OK' if ok else 'FAIL'}")  # fmt: skip
             ok_all &= ok
             del c
         except Exception as e:  # noqa: BLE001 - a format that cannot run at this shape is reported, not fatal
-            log(f"H={H} B={B} N={N} {fmt}: {type(e).__name__}: {str(e)[:300]}")
-            rows.append({**base, "impl": fmt, "us": None, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            log(f"H={H} B={B} N={N} {spec}: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({**base, "impl": spec, "us": None, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         torch.cuda.empty_cache()
     return ok_all
 
@@ -220,7 +232,7 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict]) -> None:
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     fm = {(r["heads"], r["batch"], r["context"]): r["us"] for r in rows if r["impl"] == "flashmla-bf16"}
-    fmts = [f for f in FORMATS if any(r["impl"] == f for r in rows)]
+    fmts = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "flashmla-bf16"))  # in the order run
     lines = [f"# Decode attention vs FlashMLA BF16, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; copy bandwidth {meta['copy_gbps']:.0f} GB/s; CUDA-graph replay after an L2 flush, "
              f"median of {meta['reps']}. Cells: us (speed-up over FlashMLA BF16). All results checked first.", "",
@@ -276,7 +288,9 @@ def main() -> None:
     ap.add_argument("--flashmla-build", default=None, help="FlashMLA build folder (default DIR/build_quantmla_bench)")
     ap.add_argument("--shapes", default=SHAPES, help="BxN,BxN,... (default %(default)s)")
     ap.add_argument("--heads", default="16", help="comma-separated head counts (default 16)")
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated; FORMAT@KERNEL times that CUDA kernel (mma, wgmma) instead of the default, "
+                         "e.g. c4r4,c4r4@wgmma (default %(default)s)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")

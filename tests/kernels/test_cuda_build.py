@@ -36,3 +36,23 @@ def test_package_data_ships_every_kernel_source():
     assert sources, "no kernel sources found"
     for rel in sources:
         assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} is not in the package data"
+
+
+def test_cuda_kernel_choice_rejects_an_unknown_kernel_before_touching_cuda(monkeypatch):
+    import pytest
+
+    from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_kernel_choice
+
+    with pytest.raises(ValueError, match="mma.*wgmma.*'tensorcore'"):
+        cuda_kernel_choice("cpu", "tensorcore")
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=KERNEL_ENV):
+        cuda_kernel_choice("cpu")
+
+
+def test_every_kernel_source_is_in_the_build_table():
+    """Each .cu file is a library the host side can load (a new kernel is not forgotten in _SOURCES)."""
+    from quantmla.kernels.cuda_decode import _SOURCES
+
+    built = {name for name, _ in _SOURCES.values()}
+    assert {p.stem for p in Path(CSRC).glob("*.cu")} == built

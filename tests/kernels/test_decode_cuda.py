@@ -1,4 +1,7 @@
-"""The CUDA C++ packed decode kernel (``impl="cuda"``) against the fp32 torch reference of the same bytes.
+"""The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
+
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+) and ``wgmma`` (sm_90 only), chosen through
+``$QUANTMLA_CUDA_KERNEL``.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
 differences left are the bf16 rounding of ``P * s`` for the output product and ``ex2.approx``: relative L2 error
@@ -22,9 +25,18 @@ from quantmla.quant.formats import CachePolicy
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+KERNELS = ["mma", pytest.param("wgmma", marks=pytest.mark.skipif(not SM90, reason="the wgmma kernel needs sm_90"))]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 POLICY = CachePolicy(sink=4, local=128, page_size=64)
+
+
+@pytest.fixture(autouse=True, params=KERNELS)
+def cuda_kernel(request, monkeypatch):
+    """Each test once per CUDA kernel (decode_attention(impl="cuda") reads $QUANTMLA_CUDA_KERNEL)."""
+    monkeypatch.setenv("QUANTMLA_CUDA_KERNEL", request.param)
+    return request.param
 
 
 def kernel_q(q: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,10 @@ def device_arch(device) -> str:
     return f"{major}{minor}"
 
 
-def load(name: str, device) -> ctypes.CDLL:
-    """The compiled library ``name`` for ``device``'s architecture (built on first use, cached per process)."""
-    arch = device_arch(device)
+def load(name: str, device, arch: str | None = None) -> ctypes.CDLL:
+    """The compiled library ``name`` for ``device``'s architecture, or for ``arch`` (e.g. ``"90a"``: the
+    architecture-specific Hopper target that ``wgmma`` needs); built on first use, cached per process."""
+    arch = arch or device_arch(device)
     key = (name, arch)
     if key not in _LIBS:
         path = build(name, arch)

@@ -1,9 +1,13 @@
-"""Host side of the CUDA C++ packed-page decode kernel (``csrc/decode_mla.cu``): checks, launch, finish.
+"""Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-The kernel attends over a sequence's packed pages (one CTA per 16-head group x split x sequence, see the
-source's header for the design); the BF16 sink/local buffers and the merge of the splits run the Triton
-kernels of :mod:`quantmla.kernels.triton_decode` (:func:`~quantmla.kernels.triton_decode.finish_partials`), so
-the result has the contract of :func:`quantmla.kernels.reference.decode_attention_torch`.
+Two kernels with one contract, launch grid and partial-output layout (one CTA per 16-head group x split x
+sequence; see each source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, sm_80+) and
+``"wgmma"`` (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, built for sm_90a, so H100 /
+H200 only). ``$QUANTMLA_CUDA_KERNEL`` (``mma``, ``wgmma`` or ``auto`` = wgmma on sm_90) or the ``kernel``
+argument chooses; the default stays ``mma`` until the wgmma kernel has been checked and timed on the H200. The
+BF16 sink/local buffers run the Triton kernel of :mod:`quantmla.kernels.triton_decode` on a side stream and a
+CUDA kernel merges the splits, so the result has the contract of
+:func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
 content 4 or 2 bits and RoPE 4 bits (C4R4, C2R4; asymmetric or symmetric), fp16 scales, any number of heads,
@@ -15,12 +19,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = 3  # __launch_bounds__(128, 3): 168 registers, ~74 KB shared memory per CTA
+CTAS_PER_SM = 3  # __launch_bounds__(128, 3): 168 registers, ~74 KB shared memory per CTA (the mma kernel)
+KERNELS = ("mma", "wgmma")
+KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
+DEFAULT_KERNEL = "mma"  # until the wgmma kernel is checked and timed on the H200 (issue 9)
+_SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a")}  # source, build architecture
 
 
 class _Params(ctypes.Structure):
@@ -64,10 +73,30 @@ def cuda_unsupported_reason(cache) -> str:
     return ""
 
 
-def _lib(device):
+def cuda_kernel_choice(device, kernel: str | None = None) -> str:
+    """``"mma"`` or ``"wgmma"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``, else the
+    default; ``"auto"`` is wgmma on sm_90 and mma elsewhere. Asking for wgmma off sm_90 is an error."""
+    import torch
+
+    choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
+    if choice not in ("auto", *KERNELS):
+        raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
+                         f"got {choice!r}")  # fmt: skip
+    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
+    if choice == "auto":
+        return "wgmma" if sm90 else "mma"
+    if choice == "wgmma" and not sm90:
+        cap = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"the wgmma decode kernel is built for sm_90a (H100/H200); this GPU is sm_{cap[0]}{cap[1]}: "
+                           f"use kernel='mma'")  # fmt: skip
+    return choice
+
+
+def _lib(device, kernel: str = "mma"):
     from quantmla.kernels.cuda_build import CudaBuildError, load
 
-    lib = load("decode_mla", device)
+    name, arch = _SOURCES[kernel]
+    lib = load(name, device, arch)
     if not getattr(lib, "_qmla_checked", False):
         lib.qmla_params_size.restype = ctypes.c_int
         lib.qmla_decode.restype = ctypes.c_int
@@ -86,9 +115,9 @@ def _lib(device):
 
 
 @functools.lru_cache(maxsize=16)
-def _ctas_per_sm(device_index: int, cbits: int) -> int:
+def _ctas_per_sm(device_index: int, cbits: int, kernel: str = "mma") -> int:
     """Resident CTAs per SM (the CUDA occupancy calculator on the built kernel; CTAS_PER_SM if it fails)."""
-    lib = _lib(torch.device("cuda", device_index))
+    lib = _lib(torch.device("cuda", device_index), kernel)
     lib.qmla_ctas_per_sm.restype = ctypes.c_int
     n = lib.qmla_ctas_per_sm(cbits)
     return n if n > 0 else CTAS_PER_SM
@@ -116,8 +145,9 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 
 
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
-                          return_lse: bool = False):  # fmt: skip
-    """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`."""
+                          return_lse: bool = False, kernel: str | None = None):  # fmt: skip
+    """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
+    ``kernel``: ``"mma"``, ``"wgmma"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
     from quantmla.kernels.reference import _check_q
     from quantmla.kernels.triton_decode import _num_sms, attend_buffers, buffer_tiles
 
@@ -143,7 +173,8 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     hg = math.ceil(H / HEADS_PER_CTA)
     c, r = cache.fmt.content, cache.fmt.rope
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev) * _ctas_per_sm(dev_index, c.bits))
+    kernel = cuda_kernel_choice(dev, kernel)
+    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev) * _ctas_per_sm(dev_index, c.bits, kernel))
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
@@ -165,7 +196,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
     )  # fmt: skip
-    lib = _lib(dev)
+    lib = _lib(dev, kernel)
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
         # the BF16 sink/local buffers (Triton, a few CTAs) run beside the page kernel on a side stream: they

@@ -1,0 +1,560 @@
+// Packed low-bit MLA decode attention for Hopper (sm_90a): "swap-AB" warpgroup products, tokens on M.
+//
+// Same contract, page layout, launch grid and partial-output layout as decode_mla.cu (the mma.sync kernel for
+// sm_80+): one CTA = one warpgroup (4 warps) = one (16-head group, split, sequence); the BF16 sink/local buffers
+// and the merge of the splits run elsewhere (quantmla/kernels/cuda_decode.py). The torch reference of the same byte
+// layout is the definition: quantmla/kernels/reference.py.
+//
+// Per 64-token tile (one page), with the 16 heads on N of every wgmma (m64n16k16) and the page's codes as the
+// register A operand, so each code is unpacked once per product for all heads:
+//   score   S_g^T[64 tokens x 16 heads] = K_g Q_g^T   per content group g (4 x 8 k-blocks) and for RoPE (4 k-blocks):
+//           A = codes as fp16 magic numbers 1024 + 2^(b p) c (one LOP3 per pair, as in decode_mla.cu; ldmatrix of
+//           the staged page, the A fragment of tokens 16w+g / 16w+g+8 is exactly what mma.sync's B fragment was),
+//           B = q^T (fp16, 2^-e and 2^-(b p) folded in, the channel order of the fragments), staged once per CTA.
+//           Accumulators start at -1024 sum(q) (and the symmetric offset), so they end holding q . c; then
+//           S = sum_g s_g[t] S_g + o_g[t] qsum_g   (per-token scales are row scales of S^T: never per element).
+//   softmax over the 64 rows per head (one cross-warp exchange of the tile maximum; lazy running maximum as in
+//           decode_mla.cu); row sums and the offset terms sum_t P o_g[t] stay per thread until the epilogue.
+//   output  O_(g,h)^T[64 channels x 16 heads] += V_(g,h)^T (P s_g)^T   for the two 64-channel halves h of group g:
+//           A = codes as exact bf16 (128 + c minus 128), from ldmatrix.trans of the same staged bytes (pairs of
+//           tokens of one channel), B = bf16(P s_g)^T written to shared memory by the softmax.
+// The output's M rows are a permutation of the group's channels (the fields of one ldmatrix.trans element):
+// row 16w + r of half h of group g = channel 128 g + 16 (w % CPG) + 2 (r % 8) + r / 8 + PS (2 (w / CPG) + h).
+// Asynchrony: the output product of tile i runs on the tensor cores while the score product of tile i + 1 is
+// being unpacked; wgmma_wait<0> before the softmax covers both.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "mla_combine.cuh"
+#include "mla_ops.cuh"
+#include "mla_page.cuh"
+#include "mla_wgmma.cuh"
+
+namespace qmla {
+namespace sm90 {
+
+constexpr int kThreads = 128;  // one warpgroup
+constexpr int kHeads = 16;     // N of every wgmma
+constexpr int kStages = 2;
+constexpr int kMinCtas = 2;    // __launch_bounds__ minimum CTAs per SM
+constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
+constexpr int kKBlock = kHeads * 32;  // bytes of one 16 x 16 B operand k-block (16-bit elements)
+
+template <int CB>
+struct Cfg : PageCfg<CB> {
+  using PageCfg<CB>::STAGE;
+  static constexpr int PT = kStages * STAGE;          // bf16(P s_g)^T k-blocks [group][k-step][k-block]
+  static constexpr int QB = PT + 16 * kKBlock;         // [2][5 groups][t][4] floats: accumulator starts, q sums
+  static constexpr int RED = QB + 2 * 5 * kHeads * 4;  // [head][warp] floats: tile maxima, row sums
+  static constexpr int ROFF = RED + kHeads * 4 * 4;    // [group][head][warp] floats: offset sums
+  static constexpr int QT = ROFF + 4 * kHeads * 4 * 4;  // q^T k-blocks (fp16) [36][k-block]
+  static constexpr int SMEM = QT + kQkBlocks * kKBlock;
+  static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
+  static_assert(kStages == 2 && QSTAGE <= STAGE + 16 * kKBlock, "q staging fits in stage 1 and the P tiles");
+  static_assert(QT % 16 == 0 && PT % 16 == 0, "operand tiles are 16-byte aligned");
+};
+
+// the 4 heads of this thread's accumulator columns: c -> 8 (c / 2) + 2t + c % 2; element of d for (row half ri, c)
+__device__ __forceinline__ int head_of(int c, int t) { return 8 * (c >> 1) + 2 * t + (c & 1); }
+__host__ __device__ constexpr int acc_idx(int ri, int c) { return 4 * (c >> 1) + (c & 1) + 2 * ri; }
+
+template <int CB, bool CSYM, bool RSYM>
+__global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using C = Cfg<CB>;
+  using M = MetaRows<CSYM, RSYM>;
+  constexpr int F = C::F, NF = C::NF, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* qb = reinterpret_cast<float*>(smem + C::QB);     // [2][5][4 t][4 c]
+  float* red = reinterpret_cast<float*>(smem + C::RED);   // [head][warp]
+  float* roff = reinterpret_cast<float*>(smem + C::ROFF);  // [group][head][warp]
+
+  const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int h0 = hg * kHeads;
+  const int n = p.lens[b];
+  const int lo = p.sink;
+  const int hi = max(n - p.local, p.sink);
+  const int pg0 = lo / kPage + sp * p.pps;
+  const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
+
+  const int* bt = p.block_table + (long long)b * p.bt_stride;
+  auto issue = [&](int pg, int st) {
+    const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
+    load_page<CB, kThreads>(smem_u32(smem + st * C::STAGE), page, p, M::ROWS);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (pg0 + s < pg1) issue(pg0 + s, s);
+    cp_async_commit();
+  }
+
+  // ---- q: bf16(q * qk_scale) staged from stage 1 on (coalesced pairs), the CTA's largest |q| -> e
+  __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576], over stage 1 and PT
+  {
+    constexpr int kPairs = kHeads * (kDc + kDr) / 2, kPerThread = kPairs / kThreads;
+    static_assert(kPairs % kThreads == 0, "q pairs per thread");
+    __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2)), h = h0 + hh;
+      float x0 = 0.f, x1 = 0.f;
+      if (h < p.H) {
+        const void* q = ch < kDc ? p.q_lat : p.q_pe;
+        const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
+                                     : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
+        x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
+        x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
+      }
+      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      qst2[f] = v;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) red[warp] = amax;
+  }
+  __syncthreads();
+  int e;
+  {
+    const float amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    const int E = amax > 0.f ? ((__float_as_int(amax) >> 23) & 0xff) - 127 : 14;
+    e = min(max(E - 14, -100), 100);
+  }
+  const float q_down = __int_as_float((127 - e) << 23), two_e = __int_as_float((127 + e) << 23);
+
+  // ---- q^T as the B operand of the score product: k-block kb, 16-byte row (head h, k-half kh) per step
+  const uint32_t qt_u = smem_u32(smem + C::QT);
+  for (int r = tid; r < kQkBlocks * kHeads * 2; r += kThreads) {
+    const int kb = r / (2 * kHeads), h = (r >> 1) % kHeads, kh = r & 1;
+    int ch0, c, pl, bits;
+    if (kb < 32) {
+      ch0 = kGroup * (kb >> 3);
+      c = (kb & 7) / F;
+      pl = (kb & 7) % F;
+      bits = CB;
+    } else {
+      ch0 = kDc;
+      c = (kb - 32) >> 1;
+      pl = (kb - 32) & 1;
+      bits = 4;
+    }
+    const float pf = q_down / (float)(1 << (bits * pl));
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int kk = 8 * kh + 2 * i + j;
+        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<32>(c, pl, kk));
+        v[j] = __bfloat162float(qst[h * (kDc + kDr) + ch]) * pf;
+      }
+      w[i] = pack_f16(v[0], v[1]);  // exact: a power-of-two scaling of a bf16 value inside fp16's range
+    }
+    *reinterpret_cast<uint4*>(smem + C::QT + kb * kKBlock + kblock_offset(8 * kh, h)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  // accumulator starts and q sums per (group, head), from the fp16 values as used
+  if (tid < 5 * kHeads) {
+    const int gr = tid / kHeads, h = tid % kHeads;
+    const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : 4, planes = gr < 4 ? F : 2;
+    float qm = 0.f, qs = 0.f;
+    for (int i = 0; i < nkb; ++i) {
+      const float up = (float)(1 << (bits * (i % planes)));
+      for (int kk = 0; kk < 16; ++kk) {
+        const float x = __half2float(*reinterpret_cast<const __half*>(smem + C::QT + (kb0 + i) * kKBlock +
+                                                                       kblock_offset(kk, h)));
+        qm += x;
+        qs += x * up;
+      }
+    }
+    const bool sym = gr < 4 ? CSYM : RSYM;
+    const float init = -fmaf(1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
+    const int slot = (gr * 4 + ((h & 7) >> 1)) * 4 + 2 * (h >> 3) + (h & 1);  // [group][t][c]
+    qb[slot] = init;
+    qb[5 * kHeads + slot] = qs;
+  }
+  __syncthreads();
+
+  const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
+
+  float oacc[8][8];  // [2 group + half][d]: O^T of this thread's rows / heads
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) oacc[i][j] = 0.f;
+  float m_run[4], l_run[4], po[4][4];  // per head column c; po: [group][c]
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    m_run[c] = -INFINITY;
+    l_run[c] = 0.f;
+#pragma unroll
+    for (int gr = 0; gr < 4; ++gr) po[gr][c] = 0.f;
+  }
+  const int vshift = CB * 2 * (warp / CPG);  // the two planes this warp's output rows take from each byte
+
+  for (int it = 0; pg0 + it < pg1; ++it) {
+    const int pg = pg0 + it;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (pg + kStages - 1 < pg1) issue(pg + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    const uint8_t* st = smem + (it % kStages) * C::STAGE;
+    const uint32_t st_u = smem_u32(st);
+    const __half* meta = reinterpret_cast<const __half*>(st + C::M_SM);
+    const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
+    const bool edge = tok_lo > 0 || tok_hi < kPage;
+
+    // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE
+    float sacc[5][8];
+#pragma unroll
+    for (int gr = 0; gr < 5; ++gr) {
+      const float4 i4 = *reinterpret_cast<const float4*>(qb + (gr * 4 + t) * 4);
+      const float iv[4] = {i4.x, i4.y, i4.z, i4.w};
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sacc[gr][acc_idx(ri, c)] = iv[c];
+      fence_operands(sacc[gr]);
+    }
+    {
+      const int mi = lane >> 3;
+      const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
+#pragma unroll
+      for (int x = 0; x < CX; x += 2) {
+        uint32_t R[4];  // token g / g+8 of chunk x, then of chunk x + 1
+        ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * ((x + (mi >> 1)) ^ (lane & 7)));
+        uint32_t a[2][F][4];
+#pragma unroll
+        for (int hx = 0; hx < 2; ++hx) {
+          uint32_t f0[NF], f1[NF];
+          score_fields<CB>(R[2 * hx], f0);
+          score_fields<CB>(R[2 * hx + 1], f1);
+#pragma unroll
+          for (int pl = 0; pl < F; ++pl) {
+            a[hx][pl][0] = f0[pl];
+            a[hx][pl][1] = f1[pl];
+            a[hx][pl][2] = f0[F + pl];
+            a[hx][pl][3] = f1[F + pl];
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int hx = 0; hx < 2; ++hx) {
+          const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
+#pragma unroll
+          for (int pl = 0; pl < F; ++pl)
+            wgmma_f16_n16(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the batch before this one is done: its A registers are free
+      }
+      uint32_t R[4];  // RoPE: chunk-major rows, token g / g+8 of chunk 0, then of chunk 1
+      ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::R_SM + (mi >> 1) * (kPage * 16) + tok * 16);
+      uint32_t a[2][2][4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        uint32_t f0[4], f1[4];
+        score_fields<4>(R[2 * c], f0);
+        score_fields<4>(R[2 * c + 1], f1);
+#pragma unroll
+        for (int pl = 0; pl < 2; ++pl) {
+          a[c][pl][0] = f0[pl];
+          a[c][pl][1] = f1[pl];
+          a[c][pl][2] = f0[2 + pl];
+          a[c][pl][3] = f1[2 + pl];
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int pl = 0; pl < 2; ++pl)
+          wgmma_f16_n16(sacc[4], a[c][pl], qdesc.at((32 + 2 * c + pl) * kKBlock), qdesc.hi);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
+#pragma unroll
+    for (int gr = 0; gr < 5; ++gr) fence_operands(sacc[gr]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+
+    // ---- (2) scores of this thread's tokens 16w + g + 8 ri and head columns c
+    float sv[4][2], ov[4][2];  // content scales / offsets [group][ri]
+    float sc[2][4];
+    bool tok_ok[2] = {true, true};
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int tau = 16 * warp + g + 8 * ri;
+      if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
+      const float rs = __half2float(meta[M::RS * kPage + tau]);
+      const float ro = RSYM ? 0.f : __half2float(meta[M::RO * kPage + tau]);
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) {
+        sv[gr][ri] = __half2float(meta[(M::CS + gr) * kPage + tau]);
+        ov[gr][ri] = CSYM ? 0.f : __half2float(meta[(M::CO + gr) * kPage + tau]);
+      }
+      float qsv[5][4];
+#pragma unroll
+      for (int gr = 0; gr < 5; ++gr) {
+        const float4 q4 = *reinterpret_cast<const float4*>(qb + 5 * kHeads + (gr * 4 + t) * 4);
+        qsv[gr][0] = q4.x;
+        qsv[gr][1] = q4.y;
+        qsv[gr][2] = q4.z;
+        qsv[gr][3] = q4.w;
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float s = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4][c]);
+#pragma unroll
+        for (int gr = 0; gr < 4; ++gr)
+          s += CSYM ? sv[gr][ri] * sacc[gr][acc_idx(ri, c)]
+                    : fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], ov[gr][ri] * qsv[gr][c]);
+        sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
+      }
+    }
+    // tile maximum per head: over g (lanes), then over the four warps
+    float mv[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      mv[c] = fmaxf(sc[0][c], sc[1][c]);
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) mv[c] = fmaxf(mv[c], __shfl_xor_sync(0xffffffffu, mv[c], o));
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[head_of(c, t) * 4 + warp] = mv[c];
+    }
+    __syncthreads();
+    float mt[4];
+    bool need[4], any = false;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float4 m4 = *reinterpret_cast<const float4*>(red + head_of(c, t) * 4);
+      mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
+      need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
+      any |= need[c];
+    }
+    if (__any_sync(0xffffffffu, any)) {
+      float alpha[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float m_new = need[c] ? mt[c] : m_run[c];
+        alpha[c] = need[c] ? ex2(m_run[c] - m_new) : 1.f;  // 0 from -inf
+        m_run[c] = m_new;
+        l_run[c] *= alpha[c];
+#pragma unroll
+        for (int gr = 0; gr < 4; ++gr) po[gr][c] *= alpha[c];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c];
+    }
+    // P; bf16(P s_g)^T into the B tiles of the output product (k-step = warp, k-half = ri); sum_t P o_g per thread
+    float pv[2][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float ms = m_run[c] == -INFINITY ? 0.f : m_run[c];
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        pv[ri][c] = ex2(fmaf(sc[ri][c], two_e, -ms));
+        l_run[c] += pv[ri][c];
+      }
+    }
+#pragma unroll
+    for (int gr = 0; gr < 4; ++gr) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
+        const float s = tok_ok[ri] ? sv[gr][ri] : 0.f;
+        const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * sv[gr][ri] : ov[gr][ri]) : 0.f;
+        uint8_t* tile = smem + C::PT + (gr * 4 + warp) * kKBlock + ri * 128 + g * 2;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          po[gr][c] = fmaf(pv[ri][c], o, po[gr][c]);
+          const int h = head_of(c, t);
+          *reinterpret_cast<__nv_bfloat16*>(tile + (h >> 3) * 256 + (h & 7) * 16) = __float2bfloat16_rn(pv[ri][c] * s);
+        }
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    // ---- (3) output product: O_(g,h)^T += codes^T (bf16, exact) x bf16(P s_g)^T, 4 k-steps of 16 tokens
+#pragma unroll
+    for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+    {
+      const int mi = lane >> 3;
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) {
+        const int chunk = gr * CPG + (warp % CPG);
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp) {
+          const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
+          uint32_t R[4];  // tokens (2t, 2t+1) / (8+2t, 9+2t) of k-step 2kp, then of k-step 2kp + 1
+          ldsm_x4_t(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) R[i] >>= vshift;
+          uint32_t a[2][2][4];
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
+              a[ks][hh][0] = code<CB>(R[2 * ks], hh);
+              a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
+              a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
+              a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
+            }
+          wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              wgmma_bf16_n16(oacc[2 * gr + hh], a[ks][hh], pdesc.at((gr * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+      }
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+
+  // ---- epilogue: row sums and offset sums over g and the four warps; normalized partial output, log2-sum-exp
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) {
+      l_run[c] += __shfl_xor_sync(0xffffffffu, l_run[c], o);
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) po[gr][c] += __shfl_xor_sync(0xffffffffu, po[gr][c], o);
+    }
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = head_of(c, t);
+      red[h * 4 + warp] = l_run[c];
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) roff[(gr * kHeads + h) * 4 + warp] = po[gr][c];
+    }
+  }
+  __syncthreads();
+  float inv_l[4], corr[4][4];
+  const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int h = head_of(c, t);
+    const float4 l4 = *reinterpret_cast<const float4*>(red + h * 4);
+    const float l = (l4.x + l4.y) + (l4.z + l4.w);
+    inv_l[c] = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int gr = 0; gr < 4; ++gr) {
+      const float4 o4 = *reinterpret_cast<const float4*>(roff + (gr * kHeads + h) * 4);
+      corr[gr][c] = (o4.x + o4.y) + (o4.z + o4.w);
+    }
+    if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
+  }
+#pragma unroll
+  for (int gr = 0; gr < 4; ++gr)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const int ch = kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int h = h0 + head_of(c, t);
+          if (h < p.H) p.po[(row0 + h) * kDc + ch] = (oacc[2 * gr + hh][acc_idx(ri, c)] + corr[gr][c]) * inv_l[c];
+        }
+      }
+#endif
+}
+
+template <int CB, bool CSYM, bool RSYM>
+static cudaError_t configure() {
+  static cudaError_t status = [] {
+    auto k = decode_kernel_sm90<CB, CSYM, RSYM>;
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<CB>::SMEM);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    return e;
+  }();
+  return status;
+}
+
+template <int CB, bool CSYM, bool RSYM>
+static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
+  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in
+  if (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO))
+    return (int)cudaErrorInvalidValue;
+  const cudaError_t e = configure<CB, CSYM, RSYM>();
+  if (e != cudaSuccess) return (int)e;
+  decode_kernel_sm90<CB, CSYM, RSYM><<<dim3(grid_x, grid_y, grid_z), kThreads, Cfg<CB>::SMEM, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int CB>
+static int launch_cb(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
+  const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
+  if (cs && rs) return launch<CB, true, true>(p, grid_x, grid_y, grid_z, stream);
+  if (cs) return launch<CB, true, false>(p, grid_x, grid_y, grid_z, stream);
+  if (rs) return launch<CB, false, true>(p, grid_x, grid_y, grid_z, stream);
+  return launch<CB, false, false>(p, grid_x, grid_y, grid_z, stream);
+}
+
+template <int CB>
+static int ctas_per_sm() {
+  int n = -1;
+  cudaError_t e = configure<CB, false, false>();
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel_sm90<CB, false, false>, kThreads,
+                                                      Cfg<CB>::SMEM);
+  return e == cudaSuccess ? n : -1;
+}
+
+}  // namespace sm90
+}  // namespace qmla
+
+// The same C entry points as decode_mla.cu (a separate library, loaded by quantmla/kernels/cuda_decode.py).
+extern "C" {
+
+int qmla_params_size() { return (int)sizeof(qmla::Params); }
+
+int qmla_ctas_per_sm(int cbits) {
+  return cbits == 4 ? qmla::sm90::ctas_per_sm<4>() : cbits == 2 ? qmla::sm90::ctas_per_sm<2>() : -1;
+}
+
+// Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
+int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (cbits == 4) return qmla::sm90::launch_cb<4>(*p, grid_x, grid_y, grid_z, s);
+  if (cbits == 2) return qmla::sm90::launch_cb<2>(*p, grid_x, grid_y, grid_z, s);
+  return (int)cudaErrorInvalidValue;
+}
+
+int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
+  const dim3 grid(qmla::kDc / 128, H, B);
+  if (ns >= 64)
+    qmla::combine_kernel<4, qmla::kDc><<<grid, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
+  else
+    qmla::combine_kernel<1, qmla::kDc><<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
+  return (int)cudaGetLastError();
+}
+
+const char* qmla_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+}  // extern "C"
