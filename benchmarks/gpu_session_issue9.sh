@@ -17,7 +17,7 @@
 #   heads    bench_decode.py --heads 32,64,128 (C4R4/C2R4/BF16, two shapes)                       ~1.5 min
 #   profile  torch.profiler per-kernel table for C4R4 at B32x32K, B32x4K, B1x128K                  ~30 s
 #   base     bench_decode.py for C4R4 with QUANTMLA_CUDA_SRC=$BASE_SRC (tag h200_<TAG>_base)         ~1 min
-#   mutation benchmarks/mutation_check.py                                                          ~3 min
+#   mutation benchmarks/mutation_check.py --kernel wgmma (MUTATE_KERNEL=mma for the other)           ~3 min
 # TAG defaults to s9. Everything lands in RESULTS_DIR (logs, decode_vs_flashmla_*.{json,md,png}, fmbuild.tgz).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -60,5 +60,5 @@ if step base && [[ -n ${BASE_SRC:-} ]]; then
     --tag "h200_${TAG}_base" --formats c4r4 2>&1 | tee "$RES/base.log" | tail -12
 fi
 if step mutation; then
-  python benchmarks/mutation_check.py 2>&1 | tee "$RES/mutation.log" | tail -20
+  python benchmarks/mutation_check.py --kernel "${MUTATE_KERNEL:-wgmma}" 2>&1 | tee "$RES/mutation.log" | tail -20
 fi

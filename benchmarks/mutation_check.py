@@ -1,16 +1,17 @@
-"""Show that the CUDA decode kernel's GPU tests can fail: build deliberately broken copies of the kernel and run
-``tests/kernels/test_decode_cuda.py`` against each; every mutation must make the tests fail.
+"""Show that the CUDA decode kernels' GPU tests can fail: build deliberately broken copies of a kernel and run
+``tests/kernels/test_decode_cuda.py`` (that kernel's cases) against each; every mutation must make the tests fail.
 
-Mutations (each a one-line change of ``csrc/decode_mla.cu``): a 1% softmax-scale error, the sink boundary one
-token off, the local-window boundary one token off, the offset term of the output dropped, the score product's
-magic-number term off by 1/1024, the output product's code bias off by one. Prints one line per
-mutation and exits non-zero if any mutation survives. GPU only::
+Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
+sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
+score product's magic-number term off by 1/1024, the output product's code bias off by one. Prints one line per
+mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma``: sm_90)::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -18,23 +19,42 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src" / "quantmla" / "kernels" / "csrc" / "decode_mla.cu"  # and the headers beside it
+CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
+SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu"}
+SELECT = {"mma": "not wgmma", "wgmma": "wgmma"}  # the test ids carry the kernel: test_x[mma-...] / [wgmma-...]
+BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
 MUTATIONS = {
-    "none (control: must pass)": ("", ""),
-    "softmax scale +1%": ("ex2(fmaf(sc[i][e2], two_e, -msafe", "ex2(fmaf(sc[i][e2], two_e * 1.01f, -msafe"),
-    "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
-    "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
-    "offset term dropped": ("corr[r] += (o4.x + o4.y) + (o4.z + o4.w);", "corr[r] += 0.f * o4.x;"),
-    "score magic term 1024 -> 1023": ("-fmaf(1024.f, qmc[r]", "-fmaf(1023.f, qmc[r]"),
-    "output code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)"),
+    "mma": {
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1%": ("ex2(fmaf(sc[i][e2], two_e, -msafe", "ex2(fmaf(sc[i][e2], two_e * 1.01f, -msafe"),
+        "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
+        "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
+        "offset term dropped": ("corr[r] += (o4.x + o4.y) + (o4.z + o4.w);", "corr[r] += 0.f * o4.x;"),
+        "score magic term 1024 -> 1023": ("-fmaf(1024.f, qmc[r]", "-fmaf(1023.f, qmc[r]"),
+        "output code bias 128 -> 127": BIAS,
+    },
+    "wgmma": {
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))"),
+        "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
+        "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
+        "offset term dropped": ("corr[gr][c] = (o4.x + o4.y) + (o4.z + o4.w);", "corr[gr][c] = 0.f * o4.x;"),
+        "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
+        "output code bias 128 -> 127": BIAS,
+    },
 }
 
 
 def main() -> int:
-    texts = {f.name: f.read_text() for f in sorted(SRC.parent.iterdir()) if f.suffix in (".cu", ".cuh")}
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=sorted(SOURCES), default="mma")
+    kernel = ap.parse_args().kernel
+    mutations = MUTATIONS[kernel]
+    texts = {f.name: f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cu", ".cuh")}
+    own = {SOURCES[kernel]} | {f for f in texts if f.endswith(".cuh")}  # where this kernel's mutations may be
     survived = []
-    for name, (old, new) in MUTATIONS.items():
-        where = [f for f, t in texts.items() if old and old in t]
+    for name, (old, new) in mutations.items():
+        where = [f for f, t in texts.items() if old and f in own and old in t]
         if old and len(where) != 1:
             print(f"{name}: pattern found in {len(where)} kernel sources, not 1 (update the mutation list)")
             survived.append(name)
@@ -45,7 +65,7 @@ def main() -> int:
             env = dict(os.environ, QUANTMLA_CUDA_SRC=d, QUANTMLA_CACHE=os.path.join(d, "cache"))
             env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                str(ROOT / "tests" / "kernels" / "test_decode_cuda.py")],
+                                "-k", SELECT[kernel], str(ROOT / "tests" / "kernels" / "test_decode_cuda.py")],
                                env=env, capture_output=True, text=True)  # fmt: skip
             caught = r.returncode != 0 and "failed" in r.stdout
             why = [ln.strip() for ln in r.stdout.splitlines() if ln.startswith("E ")][:3]
@@ -58,7 +78,7 @@ def main() -> int:
             print(f"{name}: {'CAUGHT' if caught else 'SURVIVED'}: {' | '.join(why)[:300]}", flush=True)
             if not caught:
                 survived.append(name)
-    print(f"{len(MUTATIONS) - 1 - len(survived)}/{len(MUTATIONS) - 1} mutations caught")
+    print(f"{kernel}: {len(mutations) - 1 - len(survived)}/{len(mutations) - 1} mutations caught")
     return 1 if survived else 0
 
 

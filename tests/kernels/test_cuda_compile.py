@@ -1,0 +1,31 @@
+"""The CUDA decode kernels compile offline (nvcc only, no GPU) for the chips they are built for, with no register
+spills, and the Hopper kernel without ptxas serializing its wgmma batches (warning C7512: every wgmma would wait
+for the one before, the design's overlap gone). Skipped where no nvcc is installed (CI has none)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from quantmla.kernels.cuda_build import CSRC, find_nvcc
+
+NVCC = find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc (pip install nvidia-cuda-nvcc-cu12 to run this)")
+
+
+@pytest.mark.parametrize("name,arch", [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a")])
+def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path):
+    cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
+           "-o", str(tmp_path / "k.cubin"), str(CSRC / f"{name}.cu"), "-Xptxas", "-v"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and not any(spills), f"register spills: {spills}"
+    assert "C7512" not in log, "ptxas serialized the wgmma pipeline:\n" + "\n".join(
+        ln for ln in log.splitlines() if "C7512" in ln
+    )
+    if name == "decode_mla_sm90":
+        assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
