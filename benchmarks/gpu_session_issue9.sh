@@ -5,7 +5,8 @@
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_session_issue9.sh RESULTS_DIR [STEPS]
 #
-# FLASHMLA_DIR (default .flashmla): a FlashMLA checkout (csrc/ with the CUTLASS headers it needs);
+# FLASHMLA_DIR (default .flashmla): a FlashMLA checkout (csrc/ with the CUTLASS headers it needs; make it with
+# benchmarks/prepare_flashmla.sh from git mirrors, 29 MB, and carry it: the tree + .flashmla is ~57 MiB of the 64);
 # FLASHMLA_BUILD (default /tmp/fmbuild): its build folder -- carry a previous call's build (fmbuild.tgz from
 # RESULTS_DIR, unpacked to .fmbuild) to skip the ~90 s build; BASE_SRC: a folder with another decode_mla.cu to
 # time beside the current one (step `base`). STEPS (comma-separated, default micro,tests,bench,profile,base):
