@@ -29,3 +29,34 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path
     )
     if name == "decode_mla_sm90":
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
+
+
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
+    """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
+    Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
+    import ctypes
+
+    from quantmla.kernels.cuda_build import build
+    from quantmla.kernels.cuda_decode import _SOURCES, _Params
+
+    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path))
+    name, arch = _SOURCES[kernel]
+    lib = ctypes.CDLL(str(build(name, arch or "90")))
+    lib.qmla_params_size.restype = ctypes.c_int
+    assert lib.qmla_params_size() == ctypes.sizeof(_Params)
+    lib.qmla_error_string.restype = ctypes.c_char_p
+    for f in ("qmla_ctas_per_sm", "qmla_decode"):
+        getattr(lib, f).restype = ctypes.c_int
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        assert lib.qmla_ctas_per_sm(4) == -1
+        p = _Params()
+        err = lib.qmla_decode(ctypes.byref(p), 4, 1, 1, 1, None)
+        assert err != 0 and lib.qmla_error_string(err)
+    assert lib.qmla_ctas_per_sm(3) == -1  # no 3-bit kernel

@@ -41,9 +41,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "mla_combine.cuh"
 #include "mla_ops.cuh"
+#include "mla_launch.cuh"
 #include "mla_page.cuh"
+#include "mla_query.cuh"
 
 namespace qmla {
 
@@ -133,40 +134,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   // ---- q: bf16(q * qk_scale) of the CTA's 16 heads staged once in shared memory (every load in flight), the
   // CTA's largest |q| -> e; then each warp's fp16 A fragments (its content group, then the 4 RoPE k-blocks)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576]
-  {
-    // pairs of channels, consecutive threads on consecutive pairs (coalesced), every load in flight
-    constexpr int kPairs = kHeads * (kDc + kDr) / 2, kPerThread = kPairs / kThreads;
-    static_assert(kPairs % kThreads == 0, "q pairs per thread");
-    __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2)), h = h0 + hh;
-      float x0 = 0.f, x1 = 0.f;
-      if (h < p.H) {
-        const void* q = ch < kDc ? p.q_lat : p.q_pe;
-        const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
-                                     : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
-        x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
-        x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
-      }
-      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
-      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-      qst2[f] = v;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) smax[warp] = amax;
-  }
-  __syncthreads();
-  // 2^-e scales the CTA's largest |q| into [2^14, 2^15): fp16 neither overflows nor goes subnormal above 2^-28 of it
-  int e;
-  {
-    const float amax = fmaxf(fmaxf(smax[0], smax[1]), fmaxf(smax[2], smax[3]));
-    const int E = amax > 0.f ? ((__float_as_int(amax) >> 23) & 0xff) - 127 : 14;
-    e = min(max(E - 14, -100), 100);
-  }
-  const float q_down = __int_as_float((127 - e) << 23), two_e = __int_as_float((127 + e) << 23);
+  const int e = stage_q<kHeads, kThreads>(qst, smax, p, b, h0);
+  const float q_down = exp2i(-e), two_e = exp2i(e);
   uint4* qfrag = reinterpret_cast<uint4*>(smem + kStages * C::STAGE + C::PART);  // [k-block][lane]
   uint4* qfrag_c = qfrag + warp * (C::CPG * C::F) * 32;  // this warp's content k-blocks
   uint4* qfrag_r = qfrag + kWarps * (C::CPG * C::F) * 32;  // the 4 RoPE k-blocks (shared by all warps)
@@ -485,79 +454,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   }
 }
 
-// Once per instantiation: the dynamic shared memory it needs and all of the unified L1/shared memory as shared
-// memory (3 CTAs per SM need ~225 KB).
-template <int CB, bool CSYM, bool RSYM>
-static cudaError_t configure() {
-  using C = Cfg<CB>;
-  static cudaError_t status = [] {
-    auto k = decode_kernel<CB, CSYM, RSYM>;
-    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    return e;
-  }();
-  return status;
-}
-
-template <int CB, bool CSYM, bool RSYM>
-static int launch(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
-  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in
-  if (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO))
-    return (int)cudaErrorInvalidValue;
-  const cudaError_t e = configure<CB, CSYM, RSYM>();
-  if (e != cudaSuccess) return (int)e;
-  decode_kernel<CB, CSYM, RSYM><<<dim3(grid_x, grid_y, grid_z), kThreads, Cfg<CB>::SMEM, stream>>>(p);
-  return (int)cudaGetLastError();
-}
-
-template <int CB>
-static int launch_cb(const Params& p, int grid_x, int grid_y, int grid_z, cudaStream_t stream) {
-  const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
-  if (cs && rs) return launch<CB, true, true>(p, grid_x, grid_y, grid_z, stream);
-  if (cs) return launch<CB, true, false>(p, grid_x, grid_y, grid_z, stream);
-  if (rs) return launch<CB, false, true>(p, grid_x, grid_y, grid_z, stream);
-  return launch<CB, false, false>(p, grid_x, grid_y, grid_z, stream);
-}
-
-template <int CB>
-static int ctas_per_sm() {  // every instantiation of CB has the same registers bound and shared memory
-  int n = -1;
-  cudaError_t e = configure<CB, false, false>();
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<CB, false, false>, kThreads, Cfg<CB>::SMEM);
-  return e == cudaSuccess ? n : -1;
-}
+// The kernel family for mla_launch.cuh (3 CTAs per SM need ~225 KB of shared memory: the carveout takes it all).
+struct MmaKernel {
+  static constexpr int kThreads = qmla::kThreads;
+  template <int CB>
+  static int smem() { return Cfg<CB>::SMEM; }
+  template <int CB, bool CSYM, bool RSYM>
+  static KernelFn fn() { return decode_kernel<CB, CSYM, RSYM>; }
+};
 
 }  // namespace qmla
 
-extern "C" {
-
-// Size of the Params struct, so the host side can check its ctypes mirror.
-int qmla_params_size() { return (int)sizeof(qmla::Params); }
-
-// CTAs of the kernel that fit on one SM of the current device (occupancy calculator), or -1 on error.
-int qmla_ctas_per_sm(int cbits) {
-  return cbits == 4 ? qmla::ctas_per_sm<4>() : cbits == 2 ? qmla::ctas_per_sm<2>() : -1;
-}
-
-// Launch the packed-page kernel: grid (ceil(H/16), splits, B). Returns a cudaError_t code (0 = success).
-int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (cbits == 4) return qmla::launch_cb<4>(*p, grid_x, grid_y, grid_z, s);
-  if (cbits == 2) return qmla::launch_cb<2>(*p, grid_x, grid_y, grid_z, s);
-  return (int)cudaErrorInvalidValue;
-}
-
-// Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
-int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) {
-  const dim3 grid(qmla::kDc / 128, H, B);
-  if (ns >= 64)
-    qmla::combine_kernel<4, qmla::kDc><<<grid, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
-  else
-    qmla::combine_kernel<1, qmla::kDc><<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(po, pl, out, lse, ns, H);
-  return (int)cudaGetLastError();
-}
-
-const char* qmla_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
-
-}  // extern "C"
+// grid (ceil(H / 16), splits, B)
+QMLA_EXPORT_DECODE(qmla::MmaKernel)
