@@ -25,7 +25,8 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = 3  # __launch_bounds__(128, 3): 168 registers, ~74 KB shared memory per CTA (the mma kernel)
+CTAS_PER_SM = {"mma": 3, "wgmma": 2}  # fallbacks if the occupancy query fails: mma 168 registers, ~74 KB shared
+# memory per CTA; wgmma 198-230 registers, 52-68 KB
 KERNELS = ("mma", "wgmma")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "mma"  # until the wgmma kernel is checked and timed on the H200 (issue 9)
@@ -120,7 +121,7 @@ def _ctas_per_sm(device_index: int, cbits: int, kernel: str = "mma") -> int:
     lib = _lib(torch.device("cuda", device_index), kernel)
     lib.qmla_ctas_per_sm.restype = ctypes.c_int
     n = lib.qmla_ctas_per_sm(cbits)
-    return n if n > 0 else CTAS_PER_SM
+    return n if n > 0 else CTAS_PER_SM[kernel]
 
 
 @functools.lru_cache(maxsize=16)
