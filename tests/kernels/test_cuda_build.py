@@ -56,3 +56,22 @@ def test_every_kernel_source_is_in_the_build_table():
 
     built = {name for name, _ in _SOURCES.values()}
     assert {p.stem for p in Path(CSRC).glob("*.cu")} == built
+
+
+def test_each_cuda_kernel_names_the_formats_it_is_built_for():
+    from quantmla.kernels.cuda_decode import cuda_unsupported_reason
+    from quantmla.kernels.paged import PagedMLACache
+    from quantmla.quant.formats import get_format
+
+    def cache(name):
+        return PagedMLACache(name, 1, 64, num_pages=2)
+
+    for kernel in ("mma", "wgmma"):
+        assert cuda_unsupported_reason(cache("c4r4"), kernel) == ""
+        assert cuda_unsupported_reason(cache("c2r4"), kernel) == ""
+    assert cuda_unsupported_reason(cache("c8r8"), "wgmma") == ""
+    assert cuda_unsupported_reason(cache("c4r8"), "wgmma") == ""
+    why = cuda_unsupported_reason(cache("c8r8"), "mma")
+    assert "mma" in why and "C4R4" in why and "C8R8" in why
+    assert "both paths" in cuda_unsupported_reason(cache("bf16"), "wgmma")
+    assert get_format("c8r8").content.bits == 8  # (the format the message names)

@@ -55,8 +55,11 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     except ImportError:
         has_gpu = False
     if not has_gpu:
-        assert lib.qmla_ctas_per_sm(4) == -1
+        assert lib.qmla_ctas_per_sm(4, 4) == -1
         p = _Params()
-        err = lib.qmla_decode(ctypes.byref(p), 4, 1, 1, 1, None)
+        err = lib.qmla_decode(ctypes.byref(p), 4, 4, 1, 1, 1, None)
         assert err != 0 and lib.qmla_error_string(err)
-    assert lib.qmla_ctas_per_sm(3) == -1  # no 3-bit kernel
+    assert lib.qmla_ctas_per_sm(3, 4) == -1  # no 3-bit kernel
+    assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
+    if kernel == "mma":
+        assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path

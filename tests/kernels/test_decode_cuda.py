@@ -87,6 +87,21 @@ def test_cuda_decode_edges(fmt):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["c8r8", "c4r8"])
+def test_cuda_decode_8bit_formats(fmt, cuda_kernel):
+    """8-bit content (fp16 output product with P s scaled by 2^-8) and 8-bit RoPE: the wgmma kernel only."""
+    if cuda_kernel != "wgmma":
+        pytest.skip("the mma kernel has no 8-bit path (Triton runs these formats)")
+    lens = [0, 1, 4, 5, 63, 64, 65, 131, 132, 133, 196, 197, 4097]
+    cache, q_lat, q_pe = make(fmt, lens, 16, seed=17)
+    out, lse, _, _ = check(cache, q_lat, q_pe, splits=3)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+    for vs, heads in ((1e-3, 7), (40.0, 40)):
+        cache, q_lat, q_pe = make(fmt, [3000, 70], heads, seed=19, value_scale=vs)
+        check(cache, q_lat, q_pe)
+
+
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["c4r4", "c2r4"])
 @pytest.mark.parametrize("heads", [1, 7, 16, 32, 64, 128])
 def test_cuda_decode_heads(fmt, heads):

@@ -10,8 +10,9 @@ CUDA kernel merges the splits, so the result has the contract of
 :func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
-content 4 or 2 bits and RoPE 4 bits (C4R4, C2R4; asymmetric or symmetric), fp16 scales, any number of heads,
-q in bf16 or fp32 (others are converted). :func:`cuda_unsupported_reason` says why a cache is not.
+fp16 scales (asymmetric or symmetric), any number of heads, q in bf16 or fp32 (others are converted); content /
+RoPE bits: C4R4 and C2R4 on both kernels, C8R8 and C4R8 on the wgmma kernel. :func:`cuda_unsupported_reason`
+says why a cache is not.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ class _Params(ctypes.Structure):
     ]  # fmt: skip
 
 
-def cuda_unsupported_reason(cache) -> str:
-    """Empty string when the CUDA kernel handles this cache's format and shapes, else why not."""
+BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8))}  # (content, RoPE) bits built
+
+
+def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
+    """Empty string when the CUDA kernel ``kernel`` handles this cache's format and shapes, else why not."""
     fmt, L = cache.fmt, cache.layout
     c, r = fmt.content, fmt.rope
     if c is None or r is None:
@@ -63,10 +67,11 @@ def cuda_unsupported_reason(cache) -> str:
         return f"the CUDA kernel is built for latent 512 / RoPE 64, got {L.kv_lora_rank} / {L.rope_dim}"
     if L.page_size != 64:
         return f"the CUDA kernel needs pages of 64 tokens, got {L.page_size}"
-    if c.bits not in (2, 4) or c.group_size != 128:
-        return f"content must be 2 or 4 bits in groups of 128 (got {c.bits} bits, group {c.group_size})"
-    if r.bits != 4 or r.group_size != 64:
-        return f"RoPE must be 4 bits in one group of 64 (got {r.bits} bits, group {r.group_size})"
+    if c.group_size != 128 or r.group_size != 64:
+        return f"content groups must be 128 and RoPE one group of 64 (got {c.group_size} / {r.group_size})"
+    if (c.bits, r.bits) not in BITS[kernel]:
+        built = ", ".join(f"C{a}R{b}" for a, b in BITS[kernel])
+        return f"the {kernel} CUDA kernel is built for {built}, not C{c.bits}R{r.bits}"
     if c.scale_dtype != "fp16" or r.scale_dtype != "fp16":
         return "scales must be fp16"
     if cache.n_sink > 64:
@@ -101,8 +106,7 @@ def _lib(device, kernel: str = "mma"):
     if not getattr(lib, "_qmla_checked", False):
         lib.qmla_params_size.restype = ctypes.c_int
         lib.qmla_decode.restype = ctypes.c_int
-        lib.qmla_decode.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_void_p]  # fmt: skip
+        lib.qmla_decode.argtypes = [ctypes.POINTER(_Params)] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         lib.qmla_combine.restype = ctypes.c_int
         lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.qmla_error_string.restype = ctypes.c_char_p
@@ -116,11 +120,11 @@ def _lib(device, kernel: str = "mma"):
 
 
 @functools.lru_cache(maxsize=16)
-def _ctas_per_sm(device_index: int, cbits: int, kernel: str = "mma") -> int:
+def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma") -> int:
     """Resident CTAs per SM (the CUDA occupancy calculator on the built kernel; CTAS_PER_SM if it fails)."""
     lib = _lib(torch.device("cuda", device_index), kernel)
     lib.qmla_ctas_per_sm.restype = ctypes.c_int
-    n = lib.qmla_ctas_per_sm(cbits)
+    n = lib.qmla_ctas_per_sm(cbits, rbits)
     return n if n > 0 else CTAS_PER_SM[kernel]
 
 
@@ -153,11 +157,12 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     from quantmla.kernels.triton_decode import _num_sms, attend_buffers, buffer_tiles
 
     _check_q(q_lat, q_pe, cache, 3)
-    reason = cuda_unsupported_reason(cache)
-    if reason:
-        raise ValueError(f"impl='cuda' cannot run format {cache.fmt.name!r}: {reason}")
     if not (q_lat.is_cuda and q_pe.is_cuda and cache.pool.is_cuda):
         raise RuntimeError("impl='cuda' needs q and the cache on a CUDA device")
+    kernel = cuda_kernel_choice(q_lat.device, kernel)
+    reason = cuda_unsupported_reason(cache, kernel)
+    if reason:
+        raise ValueError(f"impl='cuda' cannot run format {cache.fmt.name!r}: {reason}")
     B, H, Dc = q_lat.shape
     L = cache.layout
     dev = q_lat.device
@@ -174,8 +179,8 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     hg = math.ceil(H / HEADS_PER_CTA)
     c, r = cache.fmt.content, cache.fmt.rope
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = cuda_kernel_choice(dev, kernel)
-    ns = num_splits or cuda_num_splits(B, hg, max_pages, _num_sms(dev) * _ctas_per_sm(dev_index, c.bits, kernel))
+    slots = _num_sms(dev) * _ctas_per_sm(dev_index, c.bits, r.bits, kernel)
+    ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
@@ -205,7 +210,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev_index)
         side.wait_stream(cur)
-        err = lib.qmla_decode(ctypes.byref(p), c.bits, hg, ns, B, ctypes.c_void_p(stream))
+        err = lib.qmla_decode(ctypes.byref(p), c.bits, r.bits, hg, ns, B, ctypes.c_void_p(stream))
         if err != 0:
             cur.wait_stream(side)
             raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")

@@ -128,9 +128,9 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
     if impl == "cuda":
         if kernel != "decode" or cache is None:
             raise ValueError(f"impl='cuda' exists for decode attention only, not for {kernel}")
-        from quantmla.kernels.cuda_decode import cuda_unsupported_reason
+        from quantmla.kernels.cuda_decode import cuda_kernel_choice, cuda_unsupported_reason
 
-        why = cuda_unsupported_reason(cache)
+        why = cuda_unsupported_reason(cache, cuda_kernel_choice(x.device) if x.is_cuda else "mma")
         if why:
             raise ValueError(f"impl='cuda' cannot run decode for format {fmt.name!r}: {why}")
         if not x.is_cuda:
@@ -138,9 +138,9 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
         return "cuda"
     if impl == "auto":
         if x.is_cuda and kernel == "decode" and cache is not None and triton_available():
-            from quantmla.kernels.cuda_decode import cuda_unsupported_reason
+            from quantmla.kernels.cuda_decode import cuda_kernel_choice, cuda_unsupported_reason
 
-            if not cuda_unsupported_reason(cache) and cuda_kernel_available(x.device):
+            if not cuda_unsupported_reason(cache, cuda_kernel_choice(x.device)) and cuda_kernel_available(x.device):
                 return "cuda"
         return "triton" if x.is_cuda and not reason and triton_available() else "torch"
     if impl == "triton":

@@ -457,9 +457,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 // The kernel family for mla_launch.cuh (3 CTAs per SM need ~225 KB of shared memory: the carveout takes it all).
 struct MmaKernel {
   static constexpr int kThreads = qmla::kThreads;
-  template <int CB>
+  template <int CB, int RB>
+  static constexpr bool has = RB == 4 && (CB == 2 || CB == 4);
+  template <int CB, int RB>
   static int smem() { return Cfg<CB>::SMEM; }
-  template <int CB, bool CSYM, bool RSYM>
+  template <int CB, int RB, bool CSYM, bool RSYM>
   static KernelFn fn() { return decode_kernel<CB, CSYM, RSYM>; }
 };
 

@@ -44,10 +44,10 @@ constexpr int kMinCtas = 2;    // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
 constexpr int kKBlock = kHeads * 32;  // bytes of one 16 x 16 B operand k-block (16-bit elements)
 
-template <int CB>
-struct Cfg : PageCfg<CB> {
-  using PageCfg<CB>::STAGE;
-  static constexpr int PT = kStages * STAGE;          // bf16(P s_g)^T k-blocks [group][k-step][k-block]
+template <int CB, int RB>
+struct Cfg : PageCfg<CB, RB> {
+  using PageCfg<CB, RB>::STAGE;
+  static constexpr int PT = kStages * STAGE;          // (P s_g)^T k-blocks [group][k-step][k-block], bf16 (fp16: C8)
   static constexpr int QB = PT + 16 * kKBlock;         // [2][5 groups][t][4] floats: accumulator starts, q sums
   static constexpr int RED = QB + 2 * 5 * kHeads * 4;  // [head][warp] floats: tile maxima, row sums
   static constexpr int ROFF = RED + kHeads * 4 * 4;    // [group][head][warp] floats: offset sums
@@ -62,12 +62,19 @@ struct Cfg : PageCfg<CB> {
 __device__ __forceinline__ int head_of(int c, int t) { return 8 * (c >> 1) + 2 * t + (c & 1); }
 __host__ __device__ constexpr int acc_idx(int ri, int c) { return 4 * (c >> 1) + (c & 1) + 2 * ri; }
 
-template <int CB, bool CSYM, bool RSYM>
+template <int CB, int RB, bool CSYM, bool RSYM>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using C = Cfg<CB>;
+  using C = Cfg<CB, RB>;
   using M = MetaRows<CSYM, RSYM>;
   constexpr int F = C::F, NF = C::NF, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
+  constexpr int RF = C::RF, RPS = C::RPS, RCH = C::RCH;
+  // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128) with P s scaled by 2^-8
+  // (P <= 2^8 and s <= 65504, an fp16 scale: no overflow), undone on the fp32 accumulators at the end
+  constexpr bool kC8 = CB == 8;
+  constexpr float kPvDown = kC8 ? 1.f / 256.f : 1.f, kPvUp = kC8 ? 256.f : 1.f;
+  static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
+  static_assert(RB == 4 || RB == 8, "RoPE bits");
   extern __shared__ __align__(128) uint8_t smem[];
   float* qb = reinterpret_cast<float*>(smem + C::QB);     // [2][5][4 t][4 c]
   float* red = reinterpret_cast<float*>(smem + C::RED);   // [head][warp]
@@ -85,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int pg, int st) {
     const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
-    load_page<CB, kThreads>(smem_u32(smem + st * C::STAGE), page, p, M::ROWS);
+    load_page<CB, kThreads, RB>(smem_u32(smem + st * C::STAGE), page, p, M::ROWS);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -110,9 +117,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       bits = CB;
     } else {
       ch0 = kDc;
-      c = (kb - 32) >> 1;
-      pl = (kb - 32) & 1;
-      bits = 4;
+      c = (kb - 32) / RF;
+      pl = (kb - 32) % RF;
+      bits = RB;
     }
     const float pf = q_down / (float)(1 << (bits * pl));
     uint32_t w[4];
@@ -122,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int kk = 8 * kh + 2 * i + j;
-        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<32>(c, pl, kk));
+        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<RPS>(c, pl, kk));
         v[j] = __bfloat162float(qst[h * (kDc + kDr) + ch]) * pf;
       }
       w[i] = pack_f16(v[0], v[1]);  // exact: a power-of-two scaling of a bf16 value inside fp16's range
@@ -134,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // accumulator starts and q sums per (group, head), from the fp16 values as used
   if (tid < 5 * kHeads) {
     const int gr = tid / kHeads, h = tid % kHeads;
-    const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : 4, planes = gr < 4 ? F : 2;
+    const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : RB, planes = gr < 4 ? F : RF;
     float qm = 0.f, qs = 0.f;
     for (int i = 0; i < nkb; ++i) {
       const float up = (float)(1 << (bits * (i % planes)));
@@ -227,28 +234,35 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         wgmma_commit();
         wgmma_wait<1>();  // the batch before this one is done: its A registers are free
       }
-      uint32_t R[4];  // RoPE: chunk-major rows, token g / g+8 of chunk 0, then of chunk 1
-      ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::R_SM + (mi >> 1) * (kPage * 16) + tok * 16);
-      uint32_t a[2][2][4];
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        uint32_t f0[4], f1[4];
-        score_fields<4>(R[2 * c], f0);
-        score_fields<4>(R[2 * c + 1], f1);
+      for (int x = 0; x < RCH; x += 2) {
+        uint32_t R[4];  // RoPE: chunk-major rows, token g / g+8 of chunk x, then of chunk x + 1
+        ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::R_SM + (x + (mi >> 1)) * (kPage * 16) + tok * 16);
+        uint32_t a[2][RF][4];
 #pragma unroll
-        for (int pl = 0; pl < 2; ++pl) {
-          a[c][pl][0] = f0[pl];
-          a[c][pl][1] = f1[pl];
-          a[c][pl][2] = f0[2 + pl];
-          a[c][pl][3] = f1[2 + pl];
+        for (int hx = 0; hx < 2; ++hx) {
+          uint32_t f0[16 / RB], f1[16 / RB];
+          score_fields<RB>(R[2 * hx], f0);
+          score_fields<RB>(R[2 * hx + 1], f1);
+#pragma unroll
+          for (int pl = 0; pl < RF; ++pl) {
+            a[hx][pl][0] = f0[pl];
+            a[hx][pl][1] = f1[pl];
+            a[hx][pl][2] = f0[RF + pl];
+            a[hx][pl][3] = f1[RF + pl];
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int hx = 0; hx < 2; ++hx)
+#pragma unroll
+          for (int pl = 0; pl < RF; ++pl)
+            wgmma_f16_n16(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
+        if (x + 2 < RCH) {
+          wgmma_commit();
+          wgmma_wait<1>();
         }
       }
-      wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-#pragma unroll
-        for (int pl = 0; pl < 2; ++pl)
-          wgmma_f16_n16(sacc[4], a[c][pl], qdesc.at((32 + 2 * c + pl) * kKBlock), qdesc.hi);
     }
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
@@ -354,7 +368,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         for (int c = 0; c < 4; ++c) {
           po[gr][c] = fmaf(pv[ri][c], o, po[gr][c]);
           const int h = head_of(c, t);
-          *reinterpret_cast<__nv_bfloat16*>(tile + (h >> 3) * 256 + (h & 7) * 16) = __float2bfloat16_rn(pv[ri][c] * s);
+          uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
+          if constexpr (kC8)
+            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s * kPvDown));
+          else
+            *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * s);
         }
       }
     }
@@ -364,7 +382,39 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     // ---- (3) output product: O_(g,h)^T += codes^T (bf16, exact) x bf16(P s_g)^T, 4 k-steps of 16 tokens
 #pragma unroll
     for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
-    {
+    if constexpr (kC8) {
+      // 8 bits: a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, exact fp16 codes
+      const int mi = lane >> 3;
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) {
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp) {
+          uint32_t a[2][2][4];  // [k-step of the pair][half]
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks) {
+            const int tok = 16 * (2 * kp + ks) + 8 * (mi & 1) + (lane & 7);
+            const int chunk = gr * CPG + warp + 4 * (mi >> 1);
+            uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
+            ldsm_x4_t(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
+              a[ks][hh][0] = code_f16_byte(R[2 * hh], 0);
+              a[ks][hh][1] = code_f16_byte(R[2 * hh], 1);
+              a[ks][hh][2] = code_f16_byte(R[2 * hh + 1], 0);
+              a[ks][hh][3] = code_f16_byte(R[2 * hh + 1], 1);
+            }
+          }
+          wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              wgmma_f16_n16(oacc[2 * gr + hh], a[ks][hh], pdesc.at((gr * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          wgmma_commit();
+          wgmma_wait<1>();
+        }
+      }
+    } else {
       const int mi = lane >> 3;
 #pragma unroll
       for (int gr = 0; gr < 4; ++gr) {
@@ -394,11 +444,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             for (int hh = 0; hh < 2; ++hh)
               wgmma_bf16_n16(oacc[2 * gr + hh], a[ks][hh], pdesc.at((gr * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
           wgmma_commit();
-          wgmma_wait<1>();
+          wgmma_wait<1>();  // the batch before this one is done: its A registers are free
         }
       }
     }
-    wgmma_commit();
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -446,11 +495,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
-        const int ch = kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
+        const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
+                           : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int h = h0 + head_of(c, t);
-          if (h < p.H) p.po[(row0 + h) * kDc + ch] = (oacc[2 * gr + hh][acc_idx(ri, c)] + corr[gr][c]) * inv_l[c];
+          if (h < p.H)
+            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gr + hh][acc_idx(ri, c)], kPvUp, corr[gr][c]) * inv_l[c];
         }
       }
 #endif
@@ -459,10 +510,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 // The kernel family for mla_launch.cuh.
 struct WgmmaKernel {
   static constexpr int kThreads = sm90::kThreads;
-  template <int CB>
-  static int smem() { return Cfg<CB>::SMEM; }
-  template <int CB, bool CSYM, bool RSYM>
-  static KernelFn fn() { return decode_kernel_sm90<CB, CSYM, RSYM>; }
+  template <int CB, int RB>
+  static constexpr bool has = (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8));
+  template <int CB, int RB>
+  static int smem() { return Cfg<CB, RB>::SMEM; }
+  template <int CB, int RB, bool CSYM, bool RSYM>
+  static KernelFn fn() { return decode_kernel_sm90<CB, RB, CSYM, RSYM>; }
 };
 
 }  // namespace sm90

@@ -2,8 +2,9 @@
 // each instantiation, the launch (after checking that the page layout the host describes is the one compiled in),
 // the occupancy query, and the C entry points every library exports (QMLA_EXPORT_DECODE).
 //
-// A kernel family K provides: K::kThreads, template <int CB> static int smem() (dynamic shared memory bytes), and
-// template <int CB, bool CSYM, bool RSYM> static Fn fn() (the __global__ function of that instantiation).
+// A kernel family K provides: K::kThreads; template <int CB, int RB> static constexpr bool has (it is built for CB-bit
+// content and RB-bit RoPE codes); template <int CB, int RB> static int smem() (dynamic shared memory bytes); and
+// template <int CB, int RB, bool CSYM, bool RSYM> static KernelFn fn() (the __global__ function).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,52 +17,71 @@ namespace qmla {
 using KernelFn = void (*)(Params);
 
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
-template <typename K, int CB, bool CSYM, bool RSYM>
+template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 cudaError_t configure() {
   static cudaError_t status = [] {
-    const KernelFn k = K::template fn<CB, CSYM, RSYM>();
-    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, K::template smem<CB>());
+    const KernelFn k = K::template fn<CB, RB, CSYM, RSYM>();
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, K::template smem<CB, RB>());
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     return e;
   }();
   return status;
 }
 
-template <typename K, int CB, bool CSYM, bool RSYM>
+template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
   using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in
   if (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO))
     return (int)cudaErrorInvalidValue;
-  const cudaError_t e = configure<K, CB, CSYM, RSYM>();
+  const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>();
   if (e != cudaSuccess) return (int)e;
-  K::template fn<CB, CSYM, RSYM>()<<<grid, K::kThreads, K::template smem<CB>(), stream>>>(p);
+  K::template fn<CB, RB, CSYM, RSYM>()<<<grid, K::kThreads, K::template smem<CB, RB>(), stream>>>(p);
   return (int)cudaGetLastError();
 }
 
-template <typename K, int CB>
+template <typename K, int CB, int RB>
 int launch_sym(const Params& p, dim3 grid, cudaStream_t stream) {  // symmetric specs have no offset rows
-  const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
-  if (cs && rs) return launch<K, CB, true, true>(p, grid, stream);
-  if (cs) return launch<K, CB, true, false>(p, grid, stream);
-  if (rs) return launch<K, CB, false, true>(p, grid, stream);
-  return launch<K, CB, false, false>(p, grid, stream);
+  if constexpr (!K::template has<CB, RB>) {
+    return (int)cudaErrorInvalidValue;
+  } else {
+    const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
+    if (cs && rs) return launch<K, CB, RB, true, true>(p, grid, stream);
+    if (cs) return launch<K, CB, RB, true, false>(p, grid, stream);
+    if (rs) return launch<K, CB, RB, false, true>(p, grid, stream);
+    return launch<K, CB, RB, false, false>(p, grid, stream);
+  }
 }
 
 template <typename K>
-int launch_bits(const Params& p, int cbits, dim3 grid, cudaStream_t stream) {
-  if (cbits == 4) return launch_sym<K, 4>(p, grid, stream);
-  if (cbits == 2) return launch_sym<K, 2>(p, grid, stream);
+int launch_bits(const Params& p, int cbits, int rbits, dim3 grid, cudaStream_t stream) {
+  if (rbits == 4 && cbits == 4) return launch_sym<K, 4, 4>(p, grid, stream);
+  if (rbits == 4 && cbits == 2) return launch_sym<K, 2, 4>(p, grid, stream);
+  if (rbits == 8 && cbits == 8) return launch_sym<K, 8, 8>(p, grid, stream);
+  if (rbits == 8 && cbits == 4) return launch_sym<K, 4, 8>(p, grid, stream);
   return (int)cudaErrorInvalidValue;
 }
 
-template <typename K, int CB>
-int ctas_per_sm() {  // every instantiation of CB has the same registers bound and shared memory
-  int n = -1;
-  cudaError_t e = configure<K, CB, false, false>();
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::template fn<CB, false, false>(), K::kThreads,
-                                                      K::template smem<CB>());
-  return e == cudaSuccess ? n : -1;
+template <typename K, int CB, int RB>
+int ctas_per_sm() {  // every instantiation of (CB, RB) has the same registers bound and shared memory
+  if constexpr (!K::template has<CB, RB>) {
+    return -1;
+  } else {
+    int n = -1;
+    cudaError_t e = configure<K, CB, RB, false, false>();
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::template fn<CB, RB, false, false>(), K::kThreads,
+                                                        K::template smem<CB, RB>());
+    return e == cudaSuccess ? n : -1;
+  }
+}
+
+template <typename K>
+int ctas_per_sm_bits(int cbits, int rbits) {
+  if (rbits == 4 && cbits == 4) return ctas_per_sm<K, 4, 4>();
+  if (rbits == 4 && cbits == 2) return ctas_per_sm<K, 2, 4>();
+  if (rbits == 8 && cbits == 8) return ctas_per_sm<K, 8, 8>();
+  if (rbits == 8 && cbits == 4) return ctas_per_sm<K, 4, 8>();
+  return -1;
 }
 
 // Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
@@ -79,18 +99,18 @@ inline int launch_combine(const float* po, const float* pl, float* out, float* l
 
 // The C entry points of a kernel library (loaded with ctypes by quantmla/kernels/cuda_decode.py):
 //   qmla_params_size()            sizeof(Params), so the host side can check its ctypes mirror
-//   qmla_ctas_per_sm(cbits)       CTAs of the kernel that fit on one SM (occupancy calculator), -1 on error
-//   qmla_decode(p, cbits, grid, stream)   launch the packed-page kernel; a cudaError_t code (0 = success)
+//   qmla_ctas_per_sm(cbits, rbits)   CTAs of the kernel that fit on one SM (occupancy calculator), -1 on error or
+//                                    for a format the library is not built for
+//   qmla_decode(p, cbits, rbits, grid, stream)   launch the packed-page kernel; a cudaError_t code (0 = success)
 //   qmla_combine(po, pl, out, lse, B, ns, H, stream)   merge the splits
 //   qmla_error_string(code)
 #define QMLA_EXPORT_DECODE(K)                                                                                      \
   extern "C" {                                                                                                     \
   int qmla_params_size() { return (int)sizeof(qmla::Params); }                                                     \
-  int qmla_ctas_per_sm(int cbits) {                                                                                \
-    return cbits == 4 ? qmla::ctas_per_sm<K, 4>() : cbits == 2 ? qmla::ctas_per_sm<K, 2>() : -1;                   \
-  }                                                                                                                \
-  int qmla_decode(const qmla::Params* p, int cbits, int grid_x, int grid_y, int grid_z, void* stream) {           \
-    return qmla::launch_bits<K>(*p, cbits, dim3(grid_x, grid_y, grid_z), reinterpret_cast<cudaStream_t>(stream)); \
+  int qmla_ctas_per_sm(int cbits, int rbits) { return qmla::ctas_per_sm_bits<K>(cbits, rbits); }                  \
+  int qmla_decode(const qmla::Params* p, int cbits, int rbits, int grid_x, int grid_y, int grid_z, void* stream) { \
+    return qmla::launch_bits<K>(*p, cbits, rbits, dim3(grid_x, grid_y, grid_z),                                   \
+                                reinterpret_cast<cudaStream_t>(stream));                                           \
   }                                                                                                                \
   int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) { \
     return qmla::launch_combine(po, pl, out, lse, B, ns, H, reinterpret_cast<cudaStream_t>(stream));               \

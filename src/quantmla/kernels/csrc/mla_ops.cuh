@@ -93,6 +93,15 @@ __device__ __forceinline__ uint32_t code(uint32_t r, int j) {
   return y;
 }
 
+// byte b (0 or 1) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi), c in [0, 255]: the magic number
+// 1024 + c minus 1024 (one LOP3 + one fp16x2 FMA; bf16 cannot hold 128 + c for c >= 128: 8-bit output products)
+__device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
+  const uint32_t m = and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
+  uint32_t y;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3C003C00u), "r"(0xE400E400u));  // m * 1 - 1024
+  return y;
+}
+
 // score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
 // the field's plane: fields of the low byte of each half straight from r, those of the high byte from r >> 8
 // (one shift for all), each with one LOP3. Field j = plane j % F of half j / F (F = NF / 2 = 8 / B).

@@ -37,14 +37,16 @@ struct Params {
   int q_fp32;      // 1: q tensors are fp32, 0: bf16
 };
 
-template <int CB>  // bits of a content code (2 or 4); RoPE codes are 4 bits
+template <int CB, int RB = 4>  // bits of a content code (2, 4 or 8) and of a RoPE code (4 or 8)
 struct PageCfg {
   static constexpr int F = 8 / CB;                 // codes per byte (planes)
   static constexpr int NF = 16 / CB;               // codes per 16-bit element (fields)
   static constexpr int CBYTES = kDc * CB / 8;      // content bytes per token
   static constexpr int CPG = kGroup * CB / 8 / 16; // 16-byte chunks per group
   static constexpr int PS = kGroup / F;            // plane stride of the grouped planar packing
-  static constexpr int RBYTES = kDr * 4 / 8;       // RoPE bytes per token (4-bit)
+  static constexpr int RF = 8 / RB;                // RoPE codes per byte (planes of the plain planar packing)
+  static constexpr int RPS = kDr / RF;             // RoPE plane stride
+  static constexpr int RBYTES = kDr * RB / 8;      // RoPE bytes per token
   static constexpr int RCH = RBYTES / 16;          // RoPE chunks per token
   static constexpr int C_SM = 0;
   static constexpr int R_SM = kPage * CBYTES;
@@ -67,23 +69,39 @@ struct MetaRows {
 };
 
 // Copy one page into a shared-memory stage with cp.async (16 bytes per thread and round; the caller commits).
-template <int CB, int kThreads>
+template <int CB, int kThreads, int RB = 4>
 __device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {
-  using C = PageCfg<CB>;
+  using C = PageCfg<CB, RB>;
   const int tid = threadIdx.x;
   constexpr int CX = C::CBYTES / 16;      // chunks per token row
   constexpr int STEP = kThreads / CX;     // tokens per round of the block
-  static_assert(kThreads % CX == 0 && kPage % STEP == 0 && STEP % 8 == 0, "copy split");
-  const int n0 = tid / CX, x = tid % CX;  // (n0 + i * STEP) & 7 == n0 & 7: the swizzle is the same every round
-  const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
+  static_assert(kThreads % CX == 0 && kPage % STEP == 0, "copy split");
+  const int n0 = tid / CX, x = tid % CX;
   const uint8_t* src = page + p.c_off + n0 * C::CBYTES + 16 * x;
+  if constexpr (STEP % 8 == 0) {  // (n0 + i * STEP) & 7 == n0 & 7: the swizzle is the same every round
+    const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
 #pragma unroll
-  for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
-  constexpr int NR = kPage * C::RCH;
-  static_assert(NR <= kThreads, "copy split");
-  if (tid < NR) {
-    const int n = tid / C::RCH, xr = tid % C::RCH;
-    cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
+    for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPage / STEP; ++i) {
+      const int nn = n0 + i * STEP;
+      cp_async16(stage + C::C_SM + nn * C::CBYTES + 16 * (x ^ (nn & 7)), src + i * STEP * C::CBYTES);
+    }
+  }
+  constexpr int NR = kPage * C::RCH;  // RoPE chunks, stored chunk-major
+  if constexpr (NR <= kThreads) {
+    if (tid < NR) {
+      const int n = tid / C::RCH, xr = tid % C::RCH;
+      cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
+    }
+  } else {
+    static_assert(NR % kThreads == 0, "copy split");
+#pragma unroll
+    for (int r = tid; r < NR; r += kThreads) {
+      const int n = r / C::RCH, xr = r % C::RCH;
+      cp_async16(stage + C::R_SM + xr * (kPage * 16) + n * 16, page + p.r_off + n * C::RBYTES + 16 * xr);
+    }
   }
   if (tid < meta_rows * kPage * 2 / 16) cp_async16(stage + C::M_SM + 16 * tid, page + p.m_off + 16 * tid);
 }
