@@ -50,7 +50,8 @@ struct Cfg : PageCfg<CB, RB> {
   static constexpr int PT = kStages * STAGE;          // (P s_g)^T k-blocks [group][k-step][k-block], bf16 (fp16: C8)
   static constexpr int QB = PT + 16 * kKBlock;         // [2][5 groups][t][4] floats: accumulator starts, q sums
   static constexpr int RED = QB + 2 * 5 * kHeads * 4;  // [head][warp] floats: tile maxima, row sums
-  static constexpr int ROFF = RED + kHeads * 4 * 4;    // [group][head][warp] floats: offset sums
+  static constexpr int SMX = RED + kHeads * 4 * 4;     // [warp] floats: the tile's largest content scale (C8)
+  static constexpr int ROFF = SMX + 4 * 4;             // [group][head][warp] floats: offset sums
   static constexpr int QT = ROFF + 4 * kHeads * 4 * 4;  // q^T k-blocks (fp16) [36][k-block]
   static constexpr int SMEM = QT + kQkBlocks * kKBlock;
   static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
@@ -69,16 +70,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   using M = MetaRows<CSYM, RSYM>;
   constexpr int F = C::F, NF = C::NF, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
   constexpr int RF = C::RF, RPS = C::RPS, RCH = C::RCH;
-  // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128) with P s scaled by 2^-8
-  // (P <= 2^8 and s <= 65504, an fp16 scale: no overflow), undone on the fp32 accumulators at the end
+  // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128), so P s, whose range is
+  // the scales' (anything fp16 holds), is carried as P s 2^k: k from the largest content scale seen (the largest
+  // P s 2^k in [2^14, 2^15)), moved lazily (when a tile's scales would overflow, or have shrunk 2^8-fold) with an
+  // exact power-of-two rescaling of the fp32 accumulators, and undone in the epilogue
   constexpr bool kC8 = CB == 8;
-  constexpr float kPvDown = kC8 ? 1.f / 256.f : 1.f, kPvUp = kC8 ? 256.f : 1.f;
   static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
   static_assert(RB == 4 || RB == 8, "RoPE bits");
   extern __shared__ __align__(128) uint8_t smem[];
   float* qb = reinterpret_cast<float*>(smem + C::QB);     // [2][5][4 t][4 c]
   float* red = reinterpret_cast<float*>(smem + C::RED);   // [head][warp]
   float* roff = reinterpret_cast<float*>(smem + C::ROFF);  // [group][head][warp]
+  float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -168,6 +171,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
     for (int j = 0; j < 8; ++j) oacc[i][j] = 0.f;
   float m_run[4], l_run[4], po[4][4];  // per head column c; po: [group][c]
+  int k_run = 0;                        // C8: P s is carried as P s 2^k_run (CTA-uniform)
+  bool k_set = false;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     m_run[c] = -INFINITY;
@@ -317,7 +322,31 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
       for (int c = 0; c < 4; ++c) red[head_of(c, t) * 4 + warp] = mv[c];
     }
+    if constexpr (kC8) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
+      float sm = 0.f;
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr)
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
+      if (lane == 0) smx[warp] = sm;
+    }
     __syncthreads();
+    float k_scale = 1.f;  // C8: 2^(new k - old k) for the accumulators
+    if constexpr (kC8) {
+      const float sm = fmaxf(fmaxf(smx[0], smx[1]), fmaxf(smx[2], smx[3]));
+      if (sm > 0.f && sm <= 65504.f) {
+        const int k_want = 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127);  // 2^8 sm 2^k in [2^14, 2^15)
+        if (!k_set) {
+          k_run = k_want;
+          k_set = true;
+        } else if (k_want < k_run || k_want > k_run + 8) {
+          k_scale = exp2i(k_want - k_run);
+          k_run = k_want;
+        }
+      }
+    }
     float mt[4];
     bool need[4], any = false;
 #pragma unroll
@@ -327,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
       any |= need[c];
     }
-    if (__any_sync(0xffffffffu, any)) {
+    if (__any_sync(0xffffffffu, any) || k_scale != 1.f) {
       float alpha[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -343,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c];
+          for (int c = 0; c < 4; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c] * k_scale;
     }
     // P; bf16(P s_g)^T into the B tiles of the output product (k-step = warp, k-half = ri); sum_t P o_g per thread
     float pv[2][4];
@@ -356,6 +385,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         l_run[c] += pv[ri][c];
       }
     }
+    const float p_up = kC8 ? exp2i(k_run) : 1.f;  // C8: P s 2^k_run (exact scaling, then the fp16 rounding)
 #pragma unroll
     for (int gr = 0; gr < 4; ++gr) {
 #pragma unroll
@@ -370,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
           if constexpr (kC8)
-            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s * kPvDown));
+            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s * p_up));
           else
             *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * s);
         }
@@ -475,6 +505,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   }
   __syncthreads();
   float inv_l[4], corr[4][4];
+  const float o_down = kC8 ? exp2i(-k_run) : 1.f;
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -501,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         for (int c = 0; c < 4; ++c) {
           const int h = h0 + head_of(c, t);
           if (h < p.H)
-            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gr + hh][acc_idx(ri, c)], kPvUp, corr[gr][c]) * inv_l[c];
+            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gr + hh][acc_idx(ri, c)], o_down, corr[gr][c]) * inv_l[c];
         }
       }
 #endif
