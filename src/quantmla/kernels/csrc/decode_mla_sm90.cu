@@ -32,6 +32,7 @@
 #include "mla_launch.cuh"
 #include "mla_page.cuh"
 #include "mla_query.cuh"
+#include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
 namespace qmla {
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   using C = Cfg<CB, RB>;
   using M = MetaRows<CSYM, RSYM>;
   constexpr int F = C::F, NF = C::NF, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
-  constexpr int RF = C::RF, RPS = C::RPS, RCH = C::RCH;
+  constexpr int RF = C::RF, RCH = C::RCH;
   // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128), so P s, whose range is
   // the scales' (anything fp16 holds), is carried as P s 2^k: k from the largest content scale seen (the largest
   // P s 2^k in [2^14, 2^15)), moved lazily (when a tile's scales would overflow, or have shrunk 2^8-fold) with an
@@ -108,60 +109,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   const int e = stage_q<kHeads, kThreads>(qst, red, p, b, h0);
   const float q_down = exp2i(-e), two_e = exp2i(e);
 
-  // ---- q^T as the B operand of the score product: k-block kb, 16-byte row (head h, k-half kh) per step
+  // ---- q^T as the B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh)
   const uint32_t qt_u = smem_u32(smem + C::QT);
-  for (int r = tid; r < kQkBlocks * kHeads * 2; r += kThreads) {
-    const int kb = r / (2 * kHeads), h = (r >> 1) % kHeads, kh = r & 1;
-    int ch0, c, pl, bits;
-    if (kb < 32) {
-      ch0 = kGroup * (kb >> 3);
-      c = (kb & 7) / F;
-      pl = (kb & 7) % F;
-      bits = CB;
-    } else {
-      ch0 = kDc;
-      c = (kb - 32) / RF;
-      pl = (kb - 32) % RF;
-      bits = RB;
-    }
-    const float pf = q_down / (float)(1 << (bits * pl));
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int kk = 8 * kh + 2 * i + j;
-        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<RPS>(c, pl, kk));
-        v[j] = __bfloat162float(qst[h * (kDc + kDr) + ch]) * pf;
-      }
-      w[i] = pack_f16(v[0], v[1]);  // exact: a power-of-two scaling of a bf16 value inside fp16's range
-    }
-    *reinterpret_cast<uint4*>(smem + C::QT + kb * kKBlock + kblock_offset(8 * kh, h)) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  fence_proxy_async();
-  __syncthreads();
-  // accumulator starts and q sums per (group, head), from the fp16 values as used
-  if (tid < 5 * kHeads) {
-    const int gr = tid / kHeads, h = tid % kHeads;
-    const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : RB, planes = gr < 4 ? F : RF;
-    float qm = 0.f, qs = 0.f;
-    for (int i = 0; i < nkb; ++i) {
-      const float up = (float)(1 << (bits * (i % planes)));
-      for (int kk = 0; kk < 16; ++kk) {
-        const float x = __half2float(*reinterpret_cast<const __half*>(smem + C::QT + (kb0 + i) * kKBlock +
-                                                                       kblock_offset(kk, h)));
-        qm += x;
-        qs += x * up;
-      }
-    }
-    const bool sym = gr < 4 ? CSYM : RSYM;
-    const float init = -fmaf(1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
-    const int slot = (gr * 4 + ((h & 7) >> 1)) * 4 + 2 * (h >> 3) + (h & 1);  // [group][t][c]
-    qb[slot] = init;
-    qb[5 * kHeads + slot] = qs;
-  }
-  __syncthreads();
+  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads>(smem + C::QT, qst, q_down, qb);
 
   const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
 

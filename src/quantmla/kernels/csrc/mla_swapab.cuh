@@ -1,0 +1,81 @@
+// The q side of the swap-AB decode kernel (decode_mla_sm90.cu): q^T staged once per CTA as the B operand of the
+// score product, and the per-(group, head) accumulator starts and q sums its epilogue of the score needs.
+//
+// Score k-block kb (16 channels): kb < 32 is content group kb / 8, chunk (kb % 8) / F, plane (kb % 8) % F; kb >= 32
+// is RoPE chunk (kb - 32) / RF, plane (kb - 32) % RF; k-index kk of it is channel chan_k(chunk, plane, kk) (the
+// channel order of the A fragments the kernel unpacks). Values: fp16(bf16(q qk_scale) 2^-e 2^-(b p)), exact (a
+// power-of-two scaling of a bf16 value inside fp16's range), in the K-major core-matrix layout of mla_wgmma.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "mla_ops.cuh"
+#include "mla_page.cuh"
+#include "mla_wgmma.cuh"
+
+namespace qmla {
+
+// qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][576] (mla_query.cuh); qb: [2][5][4 t][HEADS / 4] floats
+// (accumulator starts -(1024 sum q + the symmetric offset), then q sums in 2^-e units), slot of head h =
+// (group * 4 + t(h)) * 4 + c(h) with t(h) = (h % 8) / 2, c(h) = 2 (h / 8) + h % 2. Ends with a CTA barrier.
+template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS>
+__device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, float q_down, float* qb) {
+  using C = PageCfg<CB, RB>;
+  constexpr int F = C::F, PS = C::PS, RF = C::RF, RPS = C::RPS, kKBlock = HEADS * 32;
+  static_assert(HEADS == 16, "the slot layout of qb is for 16 heads");
+  const int tid = threadIdx.x;
+  for (int r = tid; r < 36 * HEADS * 2; r += THREADS) {  // one 16-byte row (head h, k-half kh) of k-block kb
+    const int kb = r / (2 * HEADS), h = (r >> 1) % HEADS, kh = r & 1;
+    int ch0, c, pl, bits;
+    if (kb < 32) {
+      ch0 = kGroup * (kb >> 3);
+      c = (kb & 7) / F;
+      pl = (kb & 7) % F;
+      bits = CB;
+    } else {
+      ch0 = kDc;
+      c = (kb - 32) / RF;
+      pl = (kb - 32) % RF;
+      bits = RB;
+    }
+    const float pf = q_down / (float)(1 << (bits * pl));
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int kk = 8 * kh + 2 * i + j;
+        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<RPS>(c, pl, kk));
+        v[j] = __bfloat162float(qst[h * (kDc + kDr) + ch]) * pf;
+      }
+      w[i] = pack_f16(v[0], v[1]);
+    }
+    *reinterpret_cast<uint4*>(qt + kb * kKBlock + kblock_offset(8 * kh, h)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  if (tid < 5 * HEADS) {  // from the fp16 values as used
+    const int gr = tid / HEADS, h = tid % HEADS;
+    const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : RB, planes = gr < 4 ? F : RF;
+    float qm = 0.f, qs = 0.f;
+    for (int i = 0; i < nkb; ++i) {
+      const float up = (float)(1 << (bits * (i % planes)));
+      for (int kk = 0; kk < 16; ++kk) {
+        const float x = __half2float(*reinterpret_cast<const __half*>(qt + (kb0 + i) * kKBlock + kblock_offset(kk, h)));
+        qm += x;
+        qs += x * up;
+      }
+    }
+    const bool sym = gr < 4 ? CSYM : RSYM;
+    const float init = -fmaf(1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
+    const int slot = (gr * 4 + ((h & 7) >> 1)) * 4 + 2 * (h >> 3) + (h & 1);  // [group][t][c]
+    qb[slot] = init;
+    qb[5 * HEADS + slot] = qs;
+  }
+  __syncthreads();
+}
+
+}  // namespace qmla
