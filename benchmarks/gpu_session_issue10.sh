@@ -20,6 +20,8 @@
 #               converting SmolLM2 on first use (~45 s; needs the kit, below)                  ~3 min   (cap 220 s)
 #   generate    quantmla generate --device cuda, c4r4, 64 tokens (needs the kit)               ~20 s    (cap 90 s)
 #   smollm2     bench_generate smollm2-mla: decode 4K/32K, prefill 4K, budget (needs the kit)  ~1.5 min (cap 150 s)
+#   evalspeed   benchmarks/eval_speed.py: `quantmla eval` seconds per sample, BF16 vs C8R8/C4R4/C2R4
+#               (item 5: quantized <= 1.5x BF16; needs the kit)                                ~1.5 min (cap 150 s)
 # Every step runs under `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 540 s = 9 min, under
 # the device tool's 10-minute limit per command); a step that would get under 30 s is skipped and says so.
 # bench_generate writes the rows measured so far when its timeout stops it (marked partial).
@@ -29,7 +31,7 @@
 # of ~30 MiB: ~60 MiB a call) and prints the calls to make, one part each, each with GPU work of its own:
 #   call 1: carry .gpucarry_1, steps tests,v2lite,costs         (~6 min)
 #   call 2: carry .gpucarry_2, steps v2lite128k,costs           (~4 min)
-#   call 3: carry .gpucarry_3, steps devices,generate,smollm2   (~5 min; the kit is joined at its start)
+#   call 3: carry .gpucarry_3, steps devices,generate,smollm2,evalspeed (~6.5 min; the kit is joined at its start)
 # Issue them back to back on one warm machine (it is given back ~30 s after a call ends): the parts and the
 # results wait in /root (kept between the calls of one lease). Every call starts with `device_carry.sh collect`.
 # RESULTS_DIR should be under /root too (/root/issue10), so the costs step sees the rows of earlier calls.
@@ -55,8 +57,8 @@ if [[ ${1:-} == --prepare ]]; then  # here, not on the GPU machine: pip may down
   bash benchmarks/device_carry.sh prepare
   n=$(grep '^parts=' .gpucarry_1/MANIFEST | cut -d= -f2)
   case $n in
-    1 | 2 | 3) calls=("tests,v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2") ;;
-    4) calls=("tests,costs" "v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2") ;;
+    1 | 2 | 3) calls=("tests,v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2,evalspeed") ;;
+    4) calls=("tests,costs" "v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2,evalspeed") ;;
     *) echo "error: the kit needs $n parts (> 4 calls): shrink the working tree" >&2; exit 1 ;;
   esac
   declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=3 [generate]=0.5 [smollm2]=1.5)
@@ -88,7 +90,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 DRY=${QUANTMLA_GPU_DRYRUN:-}
 RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh [--dry-run] RESULTS_DIR [STEPS] (or --prepare)}
-STEPS=${2:-tests,v2lite,v2lite128k,costs,devices,generate,smollm2}
+STEPS=${2:-tests,v2lite,v2lite128k,costs,devices,generate,smollm2,evalspeed}
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-540}))
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
@@ -174,5 +176,6 @@ smol_step generate 90 $PY -c "import sys; from quantmla.cli import main; sys.exi
   --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
 smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
   --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
+smol_step evalspeed 150 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force
 echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
 bundle
