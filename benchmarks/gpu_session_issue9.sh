@@ -26,7 +26,7 @@ cd "$ROOT" || exit 1
 RES=${1:?usage: bash benchmarks/gpu_session_issue9.sh RESULTS_DIR [STEPS]}
 STEPS=${2:-micro,tests,bench,profile,base}
 FORMATS=${FORMATS:-bf16,c8r8,c4r8,c4r4,c2r4}
-WGMMA_FORMATS=${WGMMA_FORMATS:-c4r4,c2r4,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma}  # a separate process: a new kernel may hang or fault
+WGMMA_FORMATS=${WGMMA_FORMATS:-bf16,c4r4,c2r4,bf16@wgmma,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma}  # a separate process: a new kernel may hang or fault
 TAG=${TAG:-s9}
 FM=${FLASHMLA_DIR:-.flashmla}
 FMB=${FLASHMLA_BUILD:-/tmp/fmbuild}

@@ -73,5 +73,7 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
     assert cuda_unsupported_reason(cache("c4r8"), "wgmma") == ""
     why = cuda_unsupported_reason(cache("c8r8"), "mma")
     assert "mma" in why and "C4R4" in why and "C8R8" in why
-    assert "both paths" in cuda_unsupported_reason(cache("bf16"), "wgmma")
+    assert cuda_unsupported_reason(cache("bf16"), "wgmma") == ""  # BF16 pages: the wgmma kernel only
+    assert "no BF16 pages" in cuda_unsupported_reason(cache("bf16"), "mma")
+    assert "both paths" in cuda_unsupported_reason(cache("c4r16"), "wgmma")
     assert get_format("c8r8").content.bits == 8  # (the format the message names)

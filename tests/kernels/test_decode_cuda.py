@@ -87,11 +87,12 @@ def test_cuda_decode_edges(fmt):
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["c8r8", "c4r8"])
-def test_cuda_decode_8bit_formats(fmt, cuda_kernel):
-    """8-bit content (fp16 output product with P s scaled by 2^-8) and 8-bit RoPE: the wgmma kernel only."""
+@pytest.mark.parametrize("fmt", ["c8r8", "c4r8", "bf16"])
+def test_cuda_decode_formats_of_the_wgmma_kernel(fmt, cuda_kernel):
+    """8-bit content (fp16 output product, P s carried as P s 2^k), 8-bit RoPE and BF16 pages: the wgmma kernel
+    only."""
     if cuda_kernel != "wgmma":
-        pytest.skip("the mma kernel has no 8-bit path (Triton runs these formats)")
+        pytest.skip("the mma kernel has no 8-bit or BF16 path (Triton runs these formats)")
     lens = [0, 1, 4, 5, 63, 64, 65, 131, 132, 133, 196, 197, 4097]
     cache, q_lat, q_pe = make(fmt, lens, 16, seed=17)
     out, lse, _, _ = check(cache, q_lat, q_pe, splits=3)

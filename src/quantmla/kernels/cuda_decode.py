@@ -11,8 +11,8 @@ CUDA kernel merges the splits, so the result has the contract of
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
 fp16 scales (asymmetric or symmetric), any number of heads, q in bf16 or fp32 (others are converted); content /
-RoPE bits: C4R4 and C2R4 on both kernels, C8R8 and C4R8 on the wgmma kernel. :func:`cuda_unsupported_reason`
-says why a cache is not.
+RoPE bits: C4R4 and C2R4 on both kernels, C8R8, C4R8 and BF16 pages on the wgmma kernel.
+:func:`cuda_unsupported_reason` says why a cache is not.
 """
 
 from __future__ import annotations
@@ -54,23 +54,33 @@ class _Params(ctypes.Structure):
     ]  # fmt: skip
 
 
-BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8))}  # (content, RoPE) bits built
+BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
+# 16/16: BF16 pages (both paths unquantized)
+
+
+def _bits(fmt) -> tuple[int, int]:
+    """(content bits, RoPE bits) of a format; 16 for an unquantized path."""
+    return (16 if fmt.content is None else fmt.content.bits, 16 if fmt.rope is None else fmt.rope.bits)
 
 
 def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
     """Empty string when the CUDA kernel ``kernel`` handles this cache's format and shapes, else why not."""
     fmt, L = cache.fmt, cache.layout
     c, r = fmt.content, fmt.rope
-    if c is None or r is None:
-        return "the CUDA kernel needs both paths quantized (BF16 pages run the Triton kernel)"
+    if (c is None) != (r is None):
+        return "the CUDA kernels need both paths quantized or both BF16"
+    if c is None and (16, 16) not in BITS[kernel]:
+        return f"the {kernel} CUDA kernel has no BF16 pages (the Triton kernel runs them)"
     if L.kv_lora_rank != 512 or L.rope_dim != 64:
         return f"the CUDA kernel is built for latent 512 / RoPE 64, got {L.kv_lora_rank} / {L.rope_dim}"
     if L.page_size != 64:
         return f"the CUDA kernel needs pages of 64 tokens, got {L.page_size}"
+    if c is None:
+        return ""  # BF16 pages: no groups, scales or buffers
     if c.group_size != 128 or r.group_size != 64:
         return f"content groups must be 128 and RoPE one group of 64 (got {c.group_size} / {r.group_size})"
     if (c.bits, r.bits) not in BITS[kernel]:
-        built = ", ".join(f"C{a}R{b}" for a, b in BITS[kernel])
+        built = ", ".join("BF16" if a == 16 else f"C{a}R{b}" for a, b in BITS[kernel])
         return f"the {kernel} CUDA kernel is built for {built}, not C{c.bits}R{r.bits}"
     if c.scale_dtype != "fp16" or r.scale_dtype != "fp16":
         return "scales must be fp16"
@@ -178,8 +188,9 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     max_pages = max(1, math.ceil(max(lens, default=0) / L.page_size))
     hg = math.ceil(H / HEADS_PER_CTA)
     c, r = cache.fmt.content, cache.fmt.rope
+    cbits, rbits = _bits(cache.fmt)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    slots = _num_sms(dev) * _ctas_per_sm(dev_index, c.bits, r.bits, kernel)
+    slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel)
     ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
@@ -195,8 +206,8 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
         pool=cache.pool.data_ptr(), page_bytes=L.page_bytes,
         c_off=L.content_offset, r_off=L.rope_offset, m_off=L.meta_offset,
-        c_srow=L.content_scale_row, c_orow=-1 if c.symmetric else L.content_offset_row,
-        r_srow=L.rope_scale_row, r_orow=-1 if r.symmetric else L.rope_offset_row,
+        c_srow=L.content_scale_row, c_orow=-1 if c is None or c.symmetric else L.content_offset_row,
+        r_srow=L.rope_scale_row, r_orow=-1 if r is None or r.symmetric else L.rope_offset_row,
         block_table=cache.block_table.data_ptr(), bt_stride=cache.block_table.stride(0),
         lens=cache.seq_lens.data_ptr(), po=po.data_ptr(), pl=pl.data_ptr(),
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
@@ -210,7 +221,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev_index)
         side.wait_stream(cur)
-        err = lib.qmla_decode(ctypes.byref(p), c.bits, r.bits, hg, ns, B, ctypes.c_void_p(stream))
+        err = lib.qmla_decode(ctypes.byref(p), cbits, rbits, hg, ns, B, ctypes.c_void_p(stream))
         if err != 0:
             cur.wait_stream(side)
             raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")

@@ -32,6 +32,7 @@
 #include "mla_launch.cuh"
 #include "mla_page.cuh"
 #include "mla_query.cuh"
+#include "mla_sm90_bf16.cuh"
 #include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
@@ -489,14 +490,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 }
 
 // The kernel family for mla_launch.cuh.
-struct WgmmaKernel {
+struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (bits 16/16: mla_sm90_bf16.cuh)
   static constexpr int kThreads = sm90::kThreads;
   template <int CB, int RB>
-  static constexpr bool has = (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8));
+  static constexpr bool has =
+      (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8)) || (CB == 16 && RB == 16);
   template <int CB, int RB>
-  static int smem() { return Cfg<CB, RB>::SMEM; }
+  static int smem() {
+    if constexpr (CB == 16) return Bf16Cfg::SMEM;
+    else return Cfg<CB, RB>::SMEM;
+  }
   template <int CB, int RB, bool CSYM, bool RSYM>
-  static KernelFn fn() { return decode_kernel_sm90<CB, RB, CSYM, RSYM>; }
+  static KernelFn fn() {
+    if constexpr (CB == 16) return decode_kernel_sm90_bf16;
+    else return decode_kernel_sm90<CB, RB, CSYM, RSYM>;
+  }
 };
 
 }  // namespace sm90

@@ -30,8 +30,9 @@ cudaError_t configure() {
 
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in
-  if (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO))
+  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in (BF16: no meta)
+  if (CB != 16 && (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) ||
+                   p.r_orow != (RSYM ? -1 : M::RO)))
     return (int)cudaErrorInvalidValue;
   const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>();
   if (e != cudaSuccess) return (int)e;
@@ -58,6 +59,7 @@ int launch_bits(const Params& p, int cbits, int rbits, dim3 grid, cudaStream_t s
   if (rbits == 4 && cbits == 2) return launch_sym<K, 2, 4>(p, grid, stream);
   if (rbits == 8 && cbits == 8) return launch_sym<K, 8, 8>(p, grid, stream);
   if (rbits == 8 && cbits == 4) return launch_sym<K, 4, 8>(p, grid, stream);
+  if (rbits == 16 && cbits == 16) return launch_sym<K, 16, 16>(p, grid, stream);  // BF16 pages
   return (int)cudaErrorInvalidValue;
 }
 
@@ -81,6 +83,7 @@ int ctas_per_sm_bits(int cbits, int rbits) {
   if (rbits == 4 && cbits == 2) return ctas_per_sm<K, 2, 4>();
   if (rbits == 8 && cbits == 8) return ctas_per_sm<K, 8, 8>();
   if (rbits == 8 && cbits == 4) return ctas_per_sm<K, 4, 8>();
+  if (rbits == 16 && cbits == 16) return ctas_per_sm<K, 16, 16>();
   return -1;
 }
 
