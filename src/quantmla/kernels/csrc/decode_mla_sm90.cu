@@ -61,10 +61,6 @@ struct Cfg : PageCfg<CB, RB> {
   static_assert(QT % 16 == 0 && PT % 16 == 0, "operand tiles are 16-byte aligned");
 };
 
-// the 4 heads of this thread's accumulator columns: c -> 8 (c / 2) + 2t + c % 2; element of d for (row half ri, c)
-__device__ __forceinline__ int head_of(int c, int t) { return 8 * (c >> 1) + 2 * t + (c & 1); }
-__host__ __device__ constexpr int acc_idx(int ri, int c) { return 4 * (c >> 1) + (c & 1) + 2 * ri; }
-
 template <int CB, int RB, bool CSYM, bool RSYM>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
@@ -261,18 +257,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
       }
     }
-    // tile maximum per head: over g (lanes), then over the four warps
-    float mv[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      mv[c] = fmaxf(sc[0][c], sc[1][c]);
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) mv[c] = fmaxf(mv[c], __shfl_xor_sync(0xffffffffu, mv[c], o));
-    }
-    if (g == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) red[head_of(c, t) * 4 + warp] = mv[c];
-    }
+    heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps
     if constexpr (kC8) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
       float sm = 0.f;
 #pragma unroll
@@ -302,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     bool need[4], any = false;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float4 m4 = *reinterpret_cast<const float4*>(red + head_of(c, t) * 4);
+      const float4 m4 = head_row(red, c, t);
       mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
       need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
       any |= need[c];
@@ -436,24 +421,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
   // ---- epilogue: row sums and offset sums over g and the four warps; normalized partial output, log2-sum-exp
   __syncthreads();
+  heads_sum_to(red, l_run, warp, g, t);
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-#pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) {
-      l_run[c] += __shfl_xor_sync(0xffffffffu, l_run[c], o);
-#pragma unroll
-      for (int gr = 0; gr < 4; ++gr) po[gr][c] += __shfl_xor_sync(0xffffffffu, po[gr][c], o);
-    }
-  }
-  if (g == 0) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int h = head_of(c, t);
-      red[h * 4 + warp] = l_run[c];
-#pragma unroll
-      for (int gr = 0; gr < 4; ++gr) roff[(gr * kHeads + h) * 4 + warp] = po[gr][c];
-    }
-  }
+  for (int gr = 0; gr < 4; ++gr) heads_sum_to(roff + gr * kHeads * 4, po[gr], warp, g, t);
   __syncthreads();
   float inv_l[4], corr[4][4];
   const float o_down = kC8 ? exp2i(-k_run) : 1.f;
@@ -461,12 +431,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = head_of(c, t);
-    const float4 l4 = *reinterpret_cast<const float4*>(red + h * 4);
+    const float4 l4 = head_row(red, c, t);
     const float l = (l4.x + l4.y) + (l4.z + l4.w);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int gr = 0; gr < 4; ++gr) {
-      const float4 o4 = *reinterpret_cast<const float4*>(roff + (gr * kHeads + h) * 4);
+      const float4 o4 = head_row(roff + gr * kHeads * 4, c, t);
       corr[gr][c] = (o4.x + o4.y) + (o4.z + o4.w);
     }
     if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;

@@ -17,6 +17,7 @@
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
 #include "mla_query.cuh"
+#include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
 namespace qmla {
@@ -133,25 +134,15 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
       const int tau = 16 * warp + g + 8 * ri;
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) sc[ri][c] = tok_ok[ri] ? sacc[4 * (c >> 1) + (c & 1) + 2 * ri] : -INFINITY;
+      for (int c = 0; c < 4; ++c) sc[ri][c] = tok_ok[ri] ? sacc[acc_idx(ri, c)] : -INFINITY;
     }
-    float mv[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      mv[c] = fmaxf(sc[0][c], sc[1][c]);
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) mv[c] = fmaxf(mv[c], __shfl_xor_sync(0xffffffffu, mv[c], o));
-    }
-    if (g == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) red[(8 * (c >> 1) + 2 * t + (c & 1)) * 4 + warp] = mv[c];
-    }
+    heads_max_to(red, sc, warp, g, t);
     __syncthreads();
     float mt[4];
     bool need[4], any = false;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float4 m4 = *reinterpret_cast<const float4*>(red + (8 * (c >> 1) + 2 * t + (c & 1)) * 4);
+      const float4 m4 = head_row(red, c, t);
       mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w));
       need[c] = mt[c] > m_run[c] + kLazy;
       any |= need[c];
@@ -168,13 +159,15 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
 #pragma unroll
       for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) oacc[i][j] *= alpha[2 * (j >> 2) + (j & 1)];
+        for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c];
     }
     uint8_t* tile = smem + C::PT + warp * kKBlock + g * 2;  // k-step = warp, k-half = ri, token % 8 = g
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float ms = m_run[c] == -INFINITY ? 0.f : m_run[c];
-      const int h = 8 * (c >> 1) + 2 * t + (c & 1);
+      const int h = head_of(c, t);
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         const float pv = ex2(sc[ri][c] - ms);
@@ -211,22 +204,14 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
 
   // ---- epilogue: row sums over g and the four warps; normalized partial output, log2-sum-exp
   __syncthreads();
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-#pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) l_run[c] += __shfl_xor_sync(0xffffffffu, l_run[c], o);
-  }
-  if (g == 0) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) red[(8 * (c >> 1) + 2 * t + (c & 1)) * 4 + warp] = l_run[c];
-  }
+  heads_sum_to(red, l_run, warp, g, t);
   __syncthreads();
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
   float inv_l[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const int h = 8 * (c >> 1) + 2 * t + (c & 1);
-    const float4 l4 = *reinterpret_cast<const float4*>(red + h * 4);
+    const int h = head_of(c, t);
+    const float4 l4 = head_row(red, c, t);
     const float l = (l4.x + l4.y) + (l4.z + l4.w);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
     if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
@@ -238,8 +223,8 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
       const int ch = 64 * mb + 16 * warp + g + 8 * ri;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int h = h0 + 8 * (c >> 1) + 2 * t + (c & 1);
-        if (h < p.H) p.po[(row0 + h) * kDc + ch] = oacc[mb][4 * (c >> 1) + (c & 1) + 2 * ri] * inv_l[c];
+        const int h = h0 + head_of(c, t);
+        if (h < p.H) p.po[(row0 + h) * kDc + ch] = oacc[mb][acc_idx(ri, c)] * inv_l[c];
       }
     }
 #endif

@@ -1,5 +1,6 @@
-// The q side of the swap-AB decode kernel (decode_mla_sm90.cu): q^T staged once per CTA as the B operand of the
-// score product, and the per-(group, head) accumulator starts and q sums its epilogue of the score needs.
+// Pieces of the swap-AB decode kernels (decode_mla_sm90.cu, mla_sm90_bf16.cuh): the S^T fragment's head columns, the
+// per-head exchanges of the softmax across the warpgroup, and (packed pages) q^T staged once per CTA as the B
+// operand of the score product with the per-(group, head) accumulator starts and q sums.
 //
 // Score k-block kb (16 channels): kb < 32 is content group kb / 8, chunk (kb % 8) / F, plane (kb % 8) % F; kb >= 32
 // is RoPE chunk (kb - 32) / RF, plane (kb - 32) % RF; k-index kk of it is channel chan_k(chunk, plane, kk) (the
@@ -16,6 +17,38 @@
 #include "mla_wgmma.cuh"
 
 namespace qmla {
+
+// A thread's 4 head columns c of an m64n16 accumulator: head 8 (c / 2) + 2t + c % 2; element of d for (row half
+// ri = token 16w + g + 8 ri, column c)
+__device__ __forceinline__ int head_of(int c, int t) { return 8 * (c >> 1) + 2 * t + (c & 1); }
+__host__ __device__ constexpr int acc_idx(int ri, int c) { return 4 * (c >> 1) + (c & 1) + 2 * ri; }
+
+// Per head: the maximum of v[2][4] over the thread's two rows and the warp's 8 row pairs, into red[head][warp]
+// (a barrier must follow before head_sum4 / the reads).
+__device__ __forceinline__ void heads_max_to(float* red, const float (&v)[2][4], int warp, int g, int t) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float m = fmaxf(v[0][c], v[1][c]);
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (g == 0) red[head_of(c, t) * 4 + warp] = m;
+  }
+}
+
+// Per head: the sum of x[4] over the warp's 8 row pairs, into red[head][warp] (a barrier must follow).
+__device__ __forceinline__ void heads_sum_to(float* red, const float (&x)[4], int warp, int g, int t) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float s = x[c];
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (g == 0) red[head_of(c, t) * 4 + warp] = s;
+  }
+}
+
+__device__ __forceinline__ float4 head_row(const float* red, int c, int t) {  // red[head_of(c, t)][0..3]
+  return *reinterpret_cast<const float4*>(red + head_of(c, t) * 4);
+}
 
 // qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][576] (mla_query.cuh); qb: [2][5][4 t][HEADS / 4] floats
 // (accumulator starts -(1024 sum q + the symmetric offset), then q sums in 2^-e units), slot of head h =
