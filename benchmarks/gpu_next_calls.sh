@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The device calls planned after the 2026-12-01 session (which had no device time), each one command, most
+# important first. Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S
+# (default 560 s, under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every
+# part (the device tool returns at most 8 files, and a killed command still returns what was done) plus
+# $OUT/<call>_summary.txt.
+#
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check     # ~5 min, carry nothing
+#       micro (wgmma conventions), GPU tests of both CUDA decode kernels (wgmma in a process of its own), issue 11's
+#       `pytest -m gpu tests/serve`, issue 10's bench_prefill.py (split vs sdpa prefill at V2-Lite shapes)
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench     # ~6 min, carry .flashmla (+ .fmbuild)
+#       bench_decode beside FlashMLA: every format on today's default kernels, then C4R4/C2R4/C8R8/C4R8/BF16 on the
+#       wgmma kernel with the mma kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation  # ~4 min: the wgmma kernel's tests can fail
+#
+# Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
+# benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
+# full_budget.py).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|bench|mutation}
+R=${RES_ROOT:-/root}/$CALL
+OUTD=${OUT:-/tmp/gpu_next_calls_out}
+mkdir -p "$R" "$OUTD"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QUANTMLA_CACHE=${QUANTMLA_CACHE:-/root/qcache}
+DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-560}))
+S="$R/summary.txt"
+: >"$S"
+bundle() {
+  tar czf "$OUTD/$CALL.tgz" -C "$(dirname "$R")" "$(basename "$R")" 2>/dev/null
+  cp "$S" "$OUTD/${CALL}_summary.txt"
+}
+part() {  # part NAME CAP_SECONDS COMMAND...
+  local name=$1 cap=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS - 15))
+  ((cap > left)) && cap=$left
+  if ((cap < 20)); then
+    echo "$name: SKIPPED (${left}s left)" | tee -a "$S"
+    return 0
+  fi
+  local t0=$SECONDS
+  timeout -k 10 "$cap" "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $((SECONDS - t0))s (cap ${cap}s): $(tail -n 3 "$R/$name.log" | tr '\n' ' ' | cut -c1-400)" |
+    tee -a "$S"
+  bundle
+}
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader >>"$S" 2>&1
+case $CALL in
+  check)
+    part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
+      -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
+    part tests_mma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
+      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
+    part tests_wgmma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q -rf --tb=short \
+      -p no:cacheprovider
+    part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
+    part prefill 200 python benchmarks/bench_prefill.py --out "$R" --tag h200 --force
+    ;;
+  bench)
+    part bench 560 env TAG=s10 bash benchmarks/gpu_session_issue9.sh "$R/r9" bench
+    ;;
+  mutation)
+    part mutation 560 env MUTATE_KERNEL=wgmma bash benchmarks/gpu_session_issue9.sh "$R/r9" mutation
+    ;;
+  *)
+    echo "unknown call $CALL: check, bench or mutation" >&2
+    exit 2
+    ;;
+esac
+echo "== done after ${SECONDS}s" | tee -a "$S"
+bundle
