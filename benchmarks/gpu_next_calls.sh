@@ -7,7 +7,8 @@
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check     # ~5 min, carry nothing
 #       micro (wgmma conventions), GPU tests of both CUDA decode kernels (wgmma in a process of its own), issue 11's
-#       `pytest -m gpu tests/serve`, issue 10's bench_prefill.py (split vs sdpa prefill at V2-Lite shapes)
+#       `pytest -m gpu tests/serve`, issue 10's bench_prefill.py (split vs sdpa prefill at V2-Lite shapes) and the
+#       GPU tests of the cache and the prefill paths
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench     # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then C4R4/C2R4/C8R8/C4R8/BF16 on the
 #       wgmma kernel with the mma kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
@@ -52,12 +53,14 @@ case $CALL in
   check)
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
-    part tests_mma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
-      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
     part tests_wgmma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q -rf --tb=short \
       -p no:cacheprovider
+    part tests_mma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
+      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
     part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
-    part prefill 200 python benchmarks/bench_prefill.py --out "$R" --tag h200 --force
+    part prefill 150 python benchmarks/bench_prefill.py --out "$R" --tag h200 --force
+    part tests_cache 150 python -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rf --tb=line \
+      -p no:cacheprovider
     ;;
   bench)
     part bench 560 env TAG=s10 bash benchmarks/gpu_session_issue9.sh "$R/r9" bench
