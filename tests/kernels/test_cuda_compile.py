@@ -12,7 +12,19 @@ import pytest
 from quantmla.kernels.cuda_build import CSRC, find_nvcc
 
 NVCC = find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc (pip install nvidia-cuda-nvcc-cu12 to run this)")
+
+
+def _nvcc_major() -> int:
+    if NVCC is None:
+        return 0
+    out = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=False).stdout
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else 0
+
+
+pytestmark = pytest.mark.skipif(
+    _nvcc_major() < 12, reason="needs nvcc >= 12 (sm_90a, wgmma): pip install nvidia-cuda-nvcc-cu12"
+)
 
 
 @pytest.mark.parametrize("name,arch", [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a")])
