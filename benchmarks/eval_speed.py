@@ -16,25 +16,17 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
+
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
-
-
-def commit() -> str:
-    c = os.environ.get("QUANTMLA_COMMIT", "")
-    if not c:
-        try:
-            c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-        except OSError:
-            c = ""
-    return c.strip() or "unknown"
 
 
 def run(model, tok, fmt: str, args, lengths, samples: int, ppl_tokens: int) -> dict:
@@ -103,7 +95,7 @@ def main() -> int:
     for r in rows:
         r["x_bf16"] = round(r["s_per_unit"] / base["s_per_unit"], 3) if base else None
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "commit": commit(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "commit": commit_id(),
             "command": " ".join(sys.argv), "model": args.model, "dtype": dtype, "tasks": args.tasks,
             "lengths": lengths, "samples_per_cell": args.samples, "ppl_tokens": args.ppl_tokens,
             "ppl_context": args.ppl_context, "target": "quantized <= 1.5x BF16 per sample"}  # fmt: skip

@@ -53,6 +53,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return o.reshape(H, t, v.shape[-1])
 
 
+def _sequence_copies(cache, b: int, n: int, k_new: int, recent, dev, dtype):
+    """The copies prefill reads for sequence ``b`` (``n`` cached tokens, the ``k_new`` newest being queried): the
+    packed copies of all ``n`` tokens dequantized into a transient workspace ``[n, D]``, the sorted positions ``[F]``
+    that also have a BF16 copy (sink, local ring, ``recent``) and those copies ``[F, D]`` (none for a BF16 cache)."""
+    if k_new > n:
+        raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
+    packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)
+    if not cache.fmt.is_quantized:
+        return packed, torch.zeros(0, dtype=torch.long, device=dev), packed[:0]
+    full, held = full_precision_rows(cache, b, n, k_new, recent)
+    return packed, held.nonzero()[:, 0].to(dev), full[held].to(device=dev, dtype=dtype)
+
+
 def prefill_attention_sdpa(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -79,14 +92,8 @@ def prefill_attention_sdpa(
         k_new = n_new[b]
         if k_new == 0:
             continue
-        if k_new > n:
-            raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-        packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, Dc + Dr] workspace
+        packed, fpos, full = _sequence_copies(cache, b, n, k_new, recent, dev, dtype)  # [n, D], [F], [F, D]
         kpos = torch.arange(n, device=dev)
-        if quant:
-            full, held = full_precision_rows(cache, b, n, k_new, recent)
-            fpos = held.nonzero()[:, 0].to(dev)  # [F] positions with a BF16 copy
-            full = full[held].to(device=dev, dtype=dtype)  # [F, Dc + Dr]
         step = block or max(1, min(k_new, (64 << 20) // max(1, 2 * n * H)))  # mask [H * step, <= 2n] <= 64 MB
         for t0 in range(0, k_new, step):
             t1 = min(k_new, t0 + step)
@@ -198,15 +205,7 @@ def prefill_attention_split(
         k_new = n_new[b]
         if k_new == 0:
             continue
-        if k_new > n:
-            raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-        packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)  # [n, D] workspace
-        if quant:
-            full, held = full_precision_rows(cache, b, n, k_new, recent)
-            fpos_t = held.nonzero()[:, 0].to(dev)  # [F] sorted positions with a BF16 copy
-            full = full[held].to(device=dev, dtype=dtype)  # [F, D]
-        else:
-            fpos_t, full = torch.zeros(0, dtype=torch.long, device=dev), packed[:0]
+        packed, fpos_t, full = _sequence_copies(cache, b, n, k_new, recent, dev, dtype)  # [n, D], [F], [F, D]
         fpos = fpos_t.tolist()
         n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
         for t0 in range(0, k_new, step):

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using C = Cfg<CB, RB>;
   using M = MetaRows<CSYM, RSYM>;
-  constexpr int F = C::F, NF = C::NF, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
+  constexpr int F = C::F, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
   constexpr int RF = C::RF, RCH = C::RCH;
   // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128), so P s, whose range is
   // the scales' (anything fp16 holds), is carried as P s 2^k: k from the largest content scale seen (the largest
@@ -162,19 +162,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         uint32_t R[4];  // token g / g+8 of chunk x, then of chunk x + 1
         ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * ((x + (mi >> 1)) ^ (lane & 7)));
         uint32_t a[2][F][4];
-#pragma unroll
-        for (int hx = 0; hx < 2; ++hx) {
-          uint32_t f0[NF], f1[NF];
-          score_fields<CB>(R[2 * hx], f0);
-          score_fields<CB>(R[2 * hx + 1], f1);
-#pragma unroll
-          for (int pl = 0; pl < F; ++pl) {
-            a[hx][pl][0] = f0[pl];
-            a[hx][pl][1] = f1[pl];
-            a[hx][pl][2] = f0[F + pl];
-            a[hx][pl][3] = f1[F + pl];
-          }
-        }
+        score_frags<CB>(R, a);
         wgmma_fence();
 #pragma unroll
         for (int hx = 0; hx < 2; ++hx) {
@@ -191,19 +179,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         uint32_t R[4];  // RoPE: chunk-major rows, token g / g+8 of chunk x, then of chunk x + 1
         ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::R_SM + (x + (mi >> 1)) * (kPage * 16) + tok * 16);
         uint32_t a[2][RF][4];
-#pragma unroll
-        for (int hx = 0; hx < 2; ++hx) {
-          uint32_t f0[16 / RB], f1[16 / RB];
-          score_fields<RB>(R[2 * hx], f0);
-          score_fields<RB>(R[2 * hx + 1], f1);
-#pragma unroll
-          for (int pl = 0; pl < RF; ++pl) {
-            a[hx][pl][0] = f0[pl];
-            a[hx][pl][1] = f1[pl];
-            a[hx][pl][2] = f0[RF + pl];
-            a[hx][pl][3] = f1[RF + pl];
-          }
-        }
+        score_frags<RB>(R, a);
         wgmma_fence();
 #pragma unroll
         for (int hx = 0; hx < 2; ++hx)
@@ -431,14 +407,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = head_of(c, t);
-    const float4 l4 = head_row(red, c, t);
-    const float l = (l4.x + l4.y) + (l4.z + l4.w);
+    const float l = head_total(red, c, t);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-    for (int gr = 0; gr < 4; ++gr) {
-      const float4 o4 = head_row(roff + gr * kHeads * 4, c, t);
-      corr[gr][c] = (o4.x + o4.y) + (o4.z + o4.w);
-    }
+    for (int gr = 0; gr < 4; ++gr) corr[gr][c] = head_total(roff + gr * kHeads * 4, c, t);
     if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
 #pragma unroll

@@ -211,8 +211,7 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = head_of(c, t);
-    const float4 l4 = head_row(red, c, t);
-    const float l = (l4.x + l4.y) + (l4.z + l4.w);
+    const float l = head_total(red, c, t);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
     if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }

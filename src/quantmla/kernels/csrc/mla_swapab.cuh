@@ -50,6 +50,32 @@ __device__ __forceinline__ float4 head_row(const float* red, int c, int t) {  //
   return *reinterpret_cast<const float4*>(red + head_of(c, t) * 4);
 }
 
+// The sum of red[head_of(c, t)][0..3] (a quantity summed per warp by heads_sum_to).
+__device__ __forceinline__ float head_total(const float* red, int c, int t) {
+  const float4 v = head_row(red, c, t);
+  return (v.x + v.y) + (v.z + v.w);
+}
+
+// Score-product A fragments of two B-bit chunks from one ldmatrix.x4 (R: token g / g+8 of chunk x, then of chunk
+// x + 1): a[hx][p] = rows g / g+8, plane p of chunk x + hx, as fp16 magic numbers (mla_ops.cuh score_fields).
+template <int B>
+__device__ __forceinline__ void score_frags(const uint32_t (&R)[4], uint32_t (&a)[2][8 / B][4]) {
+  constexpr int F = 8 / B;
+#pragma unroll
+  for (int hx = 0; hx < 2; ++hx) {
+    uint32_t f0[16 / B], f1[16 / B];
+    score_fields<B>(R[2 * hx], f0);
+    score_fields<B>(R[2 * hx + 1], f1);
+#pragma unroll
+    for (int pl = 0; pl < F; ++pl) {
+      a[hx][pl][0] = f0[pl];
+      a[hx][pl][1] = f1[pl];
+      a[hx][pl][2] = f0[F + pl];
+      a[hx][pl][3] = f1[F + pl];
+    }
+  }
+}
+
 // qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][576] (mla_query.cuh); qb: [2][5][4 t][HEADS / 4] floats
 // (accumulator starts -(1024 sum q + the symmetric offset), then q sums in 2^-e units), slot of head h =
 // (group * 4 + t(h)) * 4 + c(h) with t(h) = (h % 8) / 2, c(h) = 2 (h / 8) + h % 2. Ends with a CTA barrier.
