@@ -92,17 +92,16 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 def cuda_kernel_choice(device, kernel: str | None = None) -> str:
     """``"mma"`` or ``"wgmma"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``, else the
     default; ``"auto"`` is wgmma on sm_90 and mma elsewhere. Asking for wgmma off sm_90 is an error."""
-    import torch
-
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
                          f"got {choice!r}")  # fmt: skip
-    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
+    if choice == "mma":
+        return choice
+    cap = torch.cuda.get_device_capability(device)
     if choice == "auto":
-        return "wgmma" if sm90 else "mma"
-    if choice == "wgmma" and not sm90:
-        cap = torch.cuda.get_device_capability(device)
+        return "wgmma" if cap == (9, 0) else "mma"
+    if cap != (9, 0):
         raise RuntimeError(f"the wgmma decode kernel is built for sm_90a (H100/H200); this GPU is sm_{cap[0]}{cap[1]}: "
                            f"use kernel='mma'")  # fmt: skip
     return choice
