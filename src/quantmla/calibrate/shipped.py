@@ -190,8 +190,8 @@ def recipe_text(cal: dict | None) -> str:
     if any(k not in cal for k in keys):
         return "recipe incomplete"
     paper = CalibrationConfig()
-    c = cal
-    mine = f"{c['steps_content']}+{c['steps_rope']} steps per layer on {c['train_seqs']} x {c['seq_len']} tokens"
+    mine = (f"{cal['steps_content']}+{cal['steps_rope']} steps per layer on {cal['train_seqs']} x {cal['seq_len']} "
+            "tokens")
     if all(cal[k] >= getattr(paper, k) for k in keys):
         return mine + " (the paper's budget)"
     return (f"{mine}; reduced budget (paper: {paper.steps_content}+{paper.steps_rope} on {paper.train_seqs} x "
