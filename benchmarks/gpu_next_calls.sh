@@ -13,6 +13,8 @@
 #       bench_decode beside FlashMLA: every format on today's default kernels, then C4R4/C2R4/C8R8/C4R8/BF16 on the
 #       wgmma kernel with the mma kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation  # ~4 min: the wgmma kernel's tests can fail
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh followup  # ~7 min, carry .flashmla, .fmbuild: the wgmma
+#       tests again, the mutation check, and heads 16/64/128 on both kernels beside FlashMLA
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
@@ -68,8 +70,17 @@ case $CALL in
   mutation)
     part mutation 560 env MUTATE_KERNEL=wgmma bash benchmarks/gpu_session_issue9.sh "$R/r9" mutation
     ;;
+  followup)  # after the first H200 run of the wgmma kernel: its tests again (BF16 fix), mutation, heads 16-128
+    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q -rf --tb=short \
+      -p no:cacheprovider
+    part mutation 240 python benchmarks/mutation_check.py --kernel wgmma
+    if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
+    part heads 200 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
+      --tag h200_s10_heads --heads 16,64,128 --formats c4r4,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma \
+      --shapes 1x131072,8x32768,32x4096,32x32768
+    ;;
   *)
-    echo "unknown call $CALL: check, bench or mutation" >&2
+    echo "unknown call $CALL: check, bench, mutation or followup" >&2
     exit 2
     ;;
 esac

@@ -98,6 +98,16 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
     const uint32_t st_u = smem_u32(smem + (it & 1) * C::STAGE);
     const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
     const bool edge = tok_lo > 0 || tok_hi < kPage;
+    if (edge) {  // tokens outside [tok_lo, tok_hi) hold whatever the pool holds (NaN too): their P is 0, but
+      // 0 * NaN is NaN in the output product, so their content chunks are zeroed (uniform branch, edge tiles only)
+      for (int i = tid; i < kPage * C::CX; i += kThreads) {
+        const int tok = i / C::CX;
+        if (tok < tok_lo || tok >= tok_hi)
+          *reinterpret_cast<uint4*>(smem + (it & 1) * C::STAGE + tok * C::ROW + 16 * (i % C::CX)) =
+              make_uint4(0, 0, 0, 0);
+      }
+      __syncthreads();
+    }
 
     // ---- (1) scores S^T [64 tokens x 16 heads] in log2 units: 36 k-blocks, 4 per batch
     float sacc[8];
