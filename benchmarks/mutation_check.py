@@ -4,8 +4,8 @@
 Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
 score product's magic-number term off by 1/1024, the output product's code bias off by one; for the wgmma kernel
-also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output). Prints one line per
-mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma``: sm_90)::
+also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output). Prints
+one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma``: sm_90)::
 
     PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma]
 """
