@@ -61,7 +61,7 @@ if [[ ${1:-} == --prepare ]]; then  # here, not on the GPU machine: pip may down
     4) calls=("tests,costs" "v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2,evalspeed") ;;
     *) echo "error: the kit needs $n parts (> 4 calls): shrink the working tree" >&2; exit 1 ;;
   esac
-  declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=3 [generate]=0.5 [smollm2]=1.5)
+  declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=3 [generate]=0.5 [smollm2]=1.5 [evalspeed]=1.5)
   tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   sha=$(git rev-parse --short HEAD)
   git diff --quiet HEAD -- src tests benchmarks || sha="$sha+changes"

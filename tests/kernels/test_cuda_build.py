@@ -9,6 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from quantmla.kernels.cuda_build import CSRC, source_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +41,6 @@ def test_package_data_ships_every_kernel_source():
 
 
 def test_cuda_kernel_choice_rejects_an_unknown_kernel_before_touching_cuda(monkeypatch):
-    import pytest
 
     from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_kernel_choice
 
@@ -77,3 +78,32 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
     assert "no BF16 pages" in cuda_unsupported_reason(cache("bf16"), "mma")
     assert "both paths" in cuda_unsupported_reason(cache("c4r16"), "wgmma")
     assert get_format("c8r8").content.bits == 8  # (the format the message names)
+
+
+def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
+    """``auto``: mma off sm_90; on sm_90 wgmma for the formats only it builds, and for C4R4/C2R4 wgmma while
+    sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above (no GPU: the capability
+    query is replaced)."""
+    import torch
+
+    from quantmla.kernels import cuda_decode as cd
+    from quantmla.kernels.paged import PagedMLACache
+
+    def cache(name, lens):
+        c = PagedMLACache(name, len(lens), max(lens), num_pages=64)
+        c.write_reference(torch.zeros(len(lens), max(lens), 512), torch.zeros(len(lens), max(lens), 64), lens)
+        return c
+
+    monkeypatch.delenv(cd.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(cd, "WGMMA_MAX_WORK", 256)
+    dev = torch.device("cuda", 0)
+    small = cache("c4r4", [100, 128])  # work 2 x 1 x 128 = 256 at 16 heads, 512 at 17
+    for cap, expect in (((8, 0), ("mma", "mma", "mma")), ((9, 0), ("wgmma", "mma", "wgmma"))):
+        monkeypatch.setattr(cd, "_device_capability", lambda index, cap=cap: cap)
+        got = (cd.cuda_kernel_choice(dev, cache=small, heads=16), cd.cuda_kernel_choice(dev, cache=small, heads=17),
+               cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=128))  # fmt: skip
+        assert got == expect, (cap, got)
+        assert cd.cuda_kernel_choice(dev, "mma", cache=cache("c2r4", [5]), heads=1) == "mma"  # asked for: kept
+    with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):
+        monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
+        cd.cuda_kernel_choice(dev, "wgmma")

@@ -3,8 +3,8 @@
 Two kernels with one contract, launch grid and partial-output layout (one CTA per 16-head group x split x
 sequence; see each source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, sm_80+) and
 ``"wgmma"`` (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, built for sm_90a, so H100 /
-H200 only). ``$QUANTMLA_CUDA_KERNEL`` (``mma``, ``wgmma`` or ``auto`` = wgmma on sm_90) or the ``kernel``
-argument chooses; the default stays ``mma`` until the wgmma kernel has been checked and timed on the H200. The
+H200 only). ``$QUANTMLA_CUDA_KERNEL`` (``mma``, ``wgmma`` or ``auto``) or the ``kernel`` argument chooses; the
+default ``auto`` is the measured choice of :func:`cuda_kernel_choice` (mma off sm_90). The
 BF16 sink/local buffers run the Triton kernel of :mod:`quantmla.kernels.triton_decode` on a side stream and a
 CUDA kernel merges the splits, so the result has the contract of
 :func:`quantmla.kernels.reference.decode_attention_torch`.
@@ -30,7 +30,10 @@ CTAS_PER_SM = {"mma": 3, "wgmma": 2}  # fallbacks if the occupancy query fails: 
 # memory per CTA; wgmma 198-230 registers, 52-68 KB
 KERNELS = ("mma", "wgmma")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
-DEFAULT_KERNEL = "mma"  # until the wgmma kernel is checked and timed on the H200 (issue 9)
+DEFAULT_KERNEL = "auto"
+WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
+# units of work, mma above (H200, benchmarks/results/decode_vs_flashmla_h200_s10_*.md: wgmma 1.10-1.30x FlashMLA
+# vs mma's 1.01-1.07x at B1x128K / B8x32K, 16 heads; mma 1.36-1.43x vs 1.23-1.31x at B32x32K / B32x128K)
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a")}  # source, build architecture
 
 
@@ -89,28 +92,56 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
     return ""
 
 
-def cuda_kernel_choice(device, kernel: str | None = None) -> str:
+def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
     """``"mma"`` or ``"wgmma"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``, else the
-    default; ``"auto"`` is wgmma on sm_90 and mma elsewhere. Asking for wgmma off sm_90 is an error."""
+    default ``"auto"``. Asking for wgmma off sm_90 is an error. ``auto`` is mma off sm_90; on sm_90 it is wgmma for
+    the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query
+    heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at most
+    :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
                          f"got {choice!r}")  # fmt: skip
     if choice == "mma":
         return choice
-    cap = torch.cuda.get_device_capability(device)
+    cap = _capability(torch.device(device))
     if choice == "auto":
-        return "wgmma" if cap == (9, 0) else "mma"
+        if cap != (9, 0):
+            return "mma"
+        if cache is None:
+            return "wgmma"
+        if _bits(cache.fmt) not in BITS["mma"]:
+            return "wgmma"
+        lens = cache.lengths()
+        work = len(lens) * math.ceil(max(1, heads) / HEADS_PER_CTA) * max(lens, default=0)
+        return "wgmma" if work <= WGMMA_MAX_WORK else "mma"
     if cap != (9, 0):
         raise RuntimeError(f"the wgmma decode kernel is built for sm_90a (H100/H200); this GPU is sm_{cap[0]}{cap[1]}: "
                            f"use kernel='mma'")  # fmt: skip
     return choice
 
 
+@functools.lru_cache(maxsize=16)
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (asked once per device)."""
+    if device.type != "cuda":
+        raise RuntimeError(f"the CUDA decode kernels need a CUDA device, got {device}")
+    return _device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def kernel_source(kernel: str) -> tuple[str, str | None]:
+    """(source name, build architecture or None for the device's own) of a CUDA decode kernel."""
+    return _SOURCES[kernel]
+
+
 def _lib(device, kernel: str = "mma"):
     from quantmla.kernels.cuda_build import CudaBuildError, load
 
-    name, arch = _SOURCES[kernel]
+    name, arch = kernel_source(kernel)
     lib = load(name, device, arch)
     if not getattr(lib, "_qmla_checked", False):
         lib.qmla_params_size.restype = ctypes.c_int
@@ -168,7 +199,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     _check_q(q_lat, q_pe, cache, 3)
     if not (q_lat.is_cuda and q_pe.is_cuda and cache.pool.is_cuda):
         raise RuntimeError("impl='cuda' needs q and the cache on a CUDA device")
-    kernel = cuda_kernel_choice(q_lat.device, kernel)
+    kernel = cuda_kernel_choice(q_lat.device, kernel, cache=cache, heads=q_lat.shape[1])
     reason = cuda_unsupported_reason(cache, kernel)
     if reason:
         raise ValueError(f"impl='cuda' cannot run format {cache.fmt.name!r}: {reason}")

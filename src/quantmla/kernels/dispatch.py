@@ -89,21 +89,23 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
 _CUDA_OK: dict[str, bool] = {}
 
 
-def cuda_kernel_available(device: torch.device) -> bool:
-    """True when the CUDA decode kernel can run on ``device`` (sm_80+, and it builds); a build failure is
-    reported once as a warning and remembered."""
+def cuda_kernel_available(device: torch.device, kernel: str = "mma") -> bool:
+    """True when the CUDA decode kernel ``kernel`` (``"mma"`` or ``"wgmma"``) can run on ``device`` (sm_80+, and
+    it builds); a build failure is reported once as a warning and remembered."""
     if device.type != "cuda":
         return False
-    key = str(device)
+    key = f"{device}/{kernel}"
     if key not in _CUDA_OK:
         from quantmla.kernels.cuda_build import CudaBuildError, load
+        from quantmla.kernels.cuda_decode import kernel_source
 
         ok = torch.cuda.get_device_capability(device)[0] >= 8
         if ok:
             try:
-                load("decode_mla", device)
+                name, arch = kernel_source(kernel)
+                load(name, device, arch)
             except CudaBuildError as e:
-                warnings.warn(f"quantmla: CUDA decode kernel unavailable, using Triton ({e})", stacklevel=3)
+                warnings.warn(f"quantmla: CUDA decode kernel {kernel!r} unavailable, using Triton ({e})", stacklevel=3)
                 ok = False
         _CUDA_OK[key] = ok
     return _CUDA_OK[key]
@@ -130,7 +132,8 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
             raise ValueError(f"impl='cuda' exists for decode attention only, not for {kernel}")
         from quantmla.kernels.cuda_decode import cuda_kernel_choice, cuda_unsupported_reason
 
-        why = cuda_unsupported_reason(cache, cuda_kernel_choice(x.device) if x.is_cuda else "mma")
+        kern = cuda_kernel_choice(x.device, cache=cache, heads=x.shape[1]) if x.is_cuda else "mma"
+        why = cuda_unsupported_reason(cache, kern)
         if why:
             raise ValueError(f"impl='cuda' cannot run decode for format {fmt.name!r}: {why}")
         if not x.is_cuda:
@@ -140,7 +143,11 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
         if x.is_cuda and kernel == "decode" and cache is not None and triton_available():
             from quantmla.kernels.cuda_decode import cuda_kernel_choice, cuda_unsupported_reason
 
-            if not cuda_unsupported_reason(cache, cuda_kernel_choice(x.device)) and cuda_kernel_available(x.device):
+            # BF16 pages stay on Triton unless asked for: it was 0.81-1.03x FlashMLA, the wgmma kernel 0.71-1.01x
+            # (H200, decode_vs_flashmla_h200_s10_wgmma.md)
+            kern = cuda_kernel_choice(x.device, cache=cache, heads=x.shape[1])
+            bf16 = cache.fmt.content is None and cache.fmt.rope is None
+            if not bf16 and not cuda_unsupported_reason(cache, kern) and cuda_kernel_available(x.device, kern):
                 return "cuda"
         return "triton" if x.is_cuda and not reason and triton_available() else "torch"
     if impl == "triton":
