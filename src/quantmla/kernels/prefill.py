@@ -120,21 +120,21 @@ _MM_OUT_DTYPE: dict[str, bool] = {}  # per device: whether torch.mm takes out_dt
 def _mm_out_dtype(device: torch.device) -> bool:
     key = str(device)
     if key not in _MM_OUT_DTYPE:
-        x = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+        x = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
         try:
-            _MM_OUT_DTYPE[key] = torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+            _MM_OUT_DTYPE[key] = torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
         except (TypeError, RuntimeError, NotImplementedError):
             _MM_OUT_DTYPE[key] = False
     return _MM_OUT_DTYPE[key]
 
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [M, K] @ b [K, N]`` -> fp32 ``[M, N]``: exact products, fp32 sums, no rounding of the result to ``a``'s
-    dtype (cuBLAS with an fp32 output where torch offers it; the same numbers from fp32 inputs elsewhere)."""
+    """``a [G, M, K] @ b [G, K, N]`` -> fp32 ``[G, M, N]``: exact products, fp32 sums, no rounding of the result to
+    ``a``'s dtype (cuBLAS with an fp32 output where torch offers it; the same numbers from fp32 inputs elsewhere)."""
     if a.dtype == torch.float32:
         return a @ b
     if a.is_cuda and _mm_out_dtype(a.device):
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.bmm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
@@ -143,23 +143,25 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
 
 
 class _Softmax:
-    """Online softmax of ``M`` query rows over key tiles: running max ``m [M, 1]`` (scaled logits), sum ``l [M,
-    1]`` and unnormalized output ``acc [M, Dv]``, all fp32."""
+    """Online softmax of ``G x M`` query rows over key tiles: running max ``m [G, M, 1]`` (scaled logits), sum ``l
+    [G, M, 1]`` and unnormalized output ``acc [G, M, Dv]``, all fp32. ``G = 1, M = H t`` in latent space (every
+    head reads the same keys), ``G = H, M = t`` per head."""
 
     def __init__(self, scale: float, heads: int) -> None:
         self.scale, self.heads = scale, heads
         self.m = self.l = self.acc = None
 
     def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
-        """``q [M = H * t, D]``, ``k [S, D]``, ``v [S, Dv]``; ``allowed`` bool ``[t, S]`` (the same for every head)."""
-        s = _mm32(q, k.T)  # [M, S] raw logits
+        """``q [G, M, D]``, ``k [G, S, D]``, ``v [G, S, Dv]``; ``allowed`` bool ``[t, S]`` (the same for every
+        head)."""
+        s = _mm32(q, k.transpose(1, 2))  # [G, M, S] raw logits
         if allowed is not None:
-            s.view(self.heads, -1, s.shape[1]).masked_fill_(~allowed, float("-inf"))
-        m = s.amax(dim=-1, keepdim=True) * self.scale  # [M, 1]; -inf where a row admits nothing here
+            s.view(self.heads, -1, s.shape[-1]).masked_fill_(~allowed, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True) * self.scale  # [G, M, 1]; -inf where a row admits nothing here
         torch.add(-_finite(m), s, alpha=self.scale, out=s)  # scale * s - m, in place (that row: p = 0, l = 0)
         p = s.exp_() if q.dtype == torch.float32 else torch.exp(s, out=torch.empty_like(s, dtype=q.dtype))
-        l = p.sum(dim=-1, keepdim=True, dtype=torch.float32)  # [M, 1] of the probabilities the product uses
-        o = _mm32(p, v)  # [M, Dv]
+        l = p.sum(dim=-1, keepdim=True, dtype=torch.float32)  # [G, M, 1] of the probabilities the product uses
+        o = _mm32(p, v)  # [G, M, Dv]
         if self.m is None:
             self.m, self.l, self.acc = m, l, o
             return
@@ -169,7 +171,67 @@ class _Softmax:
         self.acc = self.acc.mul_(a).add_(o * c)
 
     def result(self) -> torch.Tensor:
-        return self.acc / self.l  # [M, Dv]
+        return self.acc / self.l  # [G, M, Dv]
+
+
+class _Latent:
+    """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
+
+    def __init__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, dtype: torch.dtype) -> None:
+        self.q_lat, self.q_pe, self.dtype, self.dv = q_lat, q_pe, dtype, q_lat.shape[-1]
+
+    def query(self, b: int, t0: int, t1: int) -> torch.Tensor:  # [1, H t, Dc + Dr]
+        return torch.cat([self.q_lat[b, :, t0:t1], self.q_pe[b, :, t0:t1]], dim=-1).to(self.dtype).flatten(0, 1)[None]
+
+    def sequence(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+
+    def far(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(self.packed[k0:k1])
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Dc + Dr] -> keys, values
+        return x[None], x[None, :, : self.dv]
+
+
+def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: int, dev, *, block, key_block,
+           dtype) -> torch.Tensor:  # fmt: skip
+    """The split path's loop over sequences, query blocks and key tiles with the operands of ``ops`` (:class:`_Latent`
+    or :class:`_PerHead`) -> ``[B, H, T, ops.dv]`` fp32 (rows past ``n_new[b]`` are 0)."""
+    o = torch.zeros(B, H, T, ops.dv, dtype=torch.float32, device=dev)
+    quant = cache.fmt.is_quantized
+    # a BF16 cache has one copy of each token: the policy with no sink and no window reads it everywhere
+    policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local) if quant else replace(
+        cache.policy, sink=0, local=0)  # fmt: skip
+    step = block or max(1, ROWS // H)
+    for b, n in enumerate(cache.lengths()):
+        k_new = n_new[b]
+        if k_new == 0:
+            continue
+        packed, fpos_t, full = _sequence_copies(cache, b, n, k_new, recent, dev, dtype)  # [n, D], [F], [F, D]
+        ops.sequence(packed)
+        fpos = fpos_t.tolist()
+        n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
+        for t0 in range(0, k_new, step):
+            t1 = min(k_new, t0 + step)
+            q0, q1 = n - k_new + t0, n - k_new + t1  # absolute positions of the block
+            q = ops.query(b, t0, t1)  # [G, M, D]
+            sm = _Softmax(softmax_scale, H)
+            kb = key_block or max(1, SCORES // (q.shape[0] * q.shape[1]))
+            far = policy.packed_for_all(q0)
+            for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
+                sm.add(q, *ops.far(k0, min(far.stop, k0 + kb)))
+            f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
+            near = range(far.stop, max(far.stop, q1))  # packed copies the policy may read for some query here
+            kpos = torch.cat([torch.arange(near.start, near.stop, device=dev), fpos_t[:n_sink], fpos_t[f0:f1]])  # [S]
+            is_full = torch.arange(len(kpos), device=dev) >= len(near)  # [S] which copies are BF16
+            k, v = ops.rows(torch.cat([packed[near.start : near.stop], full[:n_sink], full[f0:f1]]))  # [G, S, .]
+            qpos = torch.arange(q0, q1, device=dev)  # [t]
+            allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
+            for k0 in range(0, len(kpos), kb):  # near: the band where the copy read depends on the query
+                sl = slice(k0, k0 + kb)
+                sm.add(q, k[:, sl], v[:, sl], allowed[:, sl])
+            o[b, :, t0:t1] = sm.result().view(H, t1 - t0, ops.dv)
+    return o
 
 
 def prefill_attention_split(
@@ -192,41 +254,6 @@ def prefill_attention_split(
     _check_q(q_lat, q_pe, cache, 4)
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    B, H, T, Dc = q_lat.shape
-    n_new = _n_new_list(n_new, B, T)
-    dev = q_lat.device
-    o = torch.zeros(B, H, T, Dc, dtype=torch.float32, device=dev)
-    quant = cache.fmt.is_quantized
-    # a BF16 cache has one copy of each token: the policy with no sink and no window reads it everywhere
-    policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local) if quant else replace(
-        cache.policy, sink=0, local=0)  # fmt: skip
-    step = block or max(1, ROWS // H)
-    for b, n in enumerate(cache.lengths()):
-        k_new = n_new[b]
-        if k_new == 0:
-            continue
-        packed, fpos_t, full = _sequence_copies(cache, b, n, k_new, recent, dev, dtype)  # [n, D], [F], [F, D]
-        fpos = fpos_t.tolist()
-        n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
-        for t0 in range(0, k_new, step):
-            t1 = min(k_new, t0 + step)
-            q0, q1 = n - k_new + t0, n - k_new + t1  # absolute positions of the block
-            q = torch.cat([q_lat[b, :, t0:t1], q_pe[b, :, t0:t1]], dim=-1).to(dtype).reshape(H * (t1 - t0), -1)
-            sm = _Softmax(softmax_scale, H)
-            kb = key_block or max(1, SCORES // q.shape[0])
-            far = policy.packed_for_all(q0)
-            for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
-                keys = packed[k0 : min(far.stop, k0 + kb)]  # [S, D]
-                sm.add(q, keys, keys[:, :Dc])
-            f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
-            near = range(far.stop, max(far.stop, q1))  # packed copies the policy may read for some query here
-            kpos = torch.cat([torch.arange(near.start, near.stop, device=dev), fpos_t[:n_sink], fpos_t[f0:f1]])  # [S]
-            is_full = torch.arange(len(kpos), device=dev) >= len(near)  # [S] which copies are BF16
-            keys = torch.cat([packed[near.start : near.stop], full[:n_sink], full[f0:f1]])  # [S, D]
-            qpos = torch.arange(q0, q1, device=dev)  # [t]
-            allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
-            for k0 in range(0, len(kpos), kb):  # near: the band where the copy read depends on the query
-                sl = slice(k0, k0 + kb)
-                sm.add(q, keys[sl], keys[sl, :Dc], allowed[:, sl])
-            o[b, :, t0:t1] = sm.result().view(H, t1 - t0, Dc)
-    return o
+    B, H, T, _ = q_lat.shape
+    return _split(_Latent(q_lat, q_pe, dtype), cache, softmax_scale, _n_new_list(n_new, B, T), recent, B, H, T,
+                  q_lat.device, block=block, key_block=key_block, dtype=dtype)  # fmt: skip
