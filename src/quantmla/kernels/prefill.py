@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from quantmla.kernels.reference import _check_q, _n_new_list, full_precision_rows
+from quantmla.kernels.reference import _check_q, _check_up, _n_new_list, full_precision_rows
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -113,6 +113,7 @@ def prefill_attention_sdpa(
 
 
 ROWS = 8192  # query rows (heads x positions) per block of the split path
+PER_HEAD_KEYS = 1 << 30  # bytes: a sequence's up-projected keys and values are made once when they fit, else per tile
 SCORES = 1 << 26  # scores per tile: [rows, keys] fp32 + BF16 = 384 MB
 _MM_OUT_DTYPE: dict[str, bool] = {}  # per device: whether torch.mm takes out_dtype there (torch >= 2.8 on CUDA)
 
@@ -257,3 +258,65 @@ def prefill_attention_split(
     B, H, T, _ = q_lat.shape
     return _split(_Latent(q_lat, q_pe, dtype), cache, softmax_scale, _n_new_list(n_new, B, T), recent, B, H, T,
                   q_lat.device, block=block, key_block=key_block, dtype=dtype)  # fmt: skip
+
+
+class _PerHead:
+    """Operands of the split path per head ("MHA form", as prefill runs in vLLM and SGLang): keys ``[W_UK c, k_pe]``
+    (``Dn + Dr`` wide) and values ``W_UV c`` (``Dv``) up-projected from the workspace rows, queries ``[q_nope,
+    q_pe]``; ``(Dn + Dr + Dv) / (Dc + Dr + Dc)`` of the latent form's products (320 / 1088 at DeepSeek widths) plus
+    the up-projection, once per sequence (or per key tile past :data:`PER_HEAD_KEYS` bytes)."""
+
+    def __init__(self, q_nope, q_pe, w_uk, w_uv, dtype: torch.dtype) -> None:
+        self.q_nope, self.q_pe, self.dtype = q_nope, q_pe, dtype
+        self.w_uk, self.w_uv = w_uk.to(dtype), w_uv.to(dtype)  # [H, Dn, Dc], [H, Dv, Dc]
+        self.dc, self.dv = w_uk.shape[2], w_uv.shape[1]
+
+    def query(self, b: int, t0: int, t1: int) -> torch.Tensor:  # [H, t, Dn + Dr]
+        return torch.cat([self.q_nope[b, :, t0:t1], self.q_pe[b, :, t0:t1]], dim=-1).to(self.dtype)
+
+    def sequence(self, packed: torch.Tensor) -> None:
+        H, n = self.w_uk.shape[0], packed.shape[0]
+        width = self.w_uk.shape[1] + packed.shape[1] - self.dc + self.dv
+        self.packed, self.kv = packed, None
+        if H * n * width * packed.element_size() <= PER_HEAD_KEYS:
+            self.kv = self.rows(packed)
+
+    def far(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv is not None:
+            return self.kv[0][:, k0:k1], self.kv[1][:, k0:k1]
+        return self.rows(self.packed[k0:k1])
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Dc + Dr] -> [H, S, Dn + Dr], [H, S, Dv]
+        c, r = x[:, : self.dc].T, x[:, self.dc :]
+        k_nope = (self.w_uk @ c).transpose(1, 2)  # [H, S, Dn]
+        k = torch.cat([k_nope, r[None].expand(k_nope.shape[0], -1, -1)], dim=-1)
+        return k, (self.w_uv @ c).transpose(1, 2)
+
+
+def prefill_attention_heads(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    softmax_scale: float,
+    n_new=None,
+    *,
+    recent: torch.Tensor | None = None,
+    block: int | None = None,
+    key_block: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The split path per head: ``q_nope [B, H, T, Dn]``, ``q_pe [B, H, T, Dr]``, ``W_UK [H, Dn, Dc]``, ``W_UV [H,
+    Dv, Dc]`` -> ``o [B, H, T, Dv]`` fp32 (rows past ``n_new[b]`` are 0; contract:
+    :func:`quantmla.kernels.reference.prefill_attention_heads_torch`). The same keys, copies and policy as
+    :func:`prefill_attention_split` (scores ``q_nope . W_UK c = (q_nope W_UK) . c``, output ``W_UV sum p c``), with
+    about 3.4x fewer multiply-adds in the attention products at DeepSeek widths. ``block``, ``key_block``,
+    ``dtype``: as there (keys and values are up-projected in ``dtype``)."""
+    _check_up(q_nope, q_pe, cache, w_uk, w_uv)
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    B, H, T, _ = q_nope.shape
+    ops = _PerHead(q_nope, q_pe, w_uk, w_uv, dtype)
+    return _split(ops, cache, softmax_scale, _n_new_list(n_new, B, T), recent, B, H, T, q_nope.device, block=block,
+                  key_block=key_block, dtype=dtype)  # fmt: skip

@@ -154,3 +154,24 @@ def prefill_attention_torch(
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> 0
             o[b, :, t0:t1] = p @ keys[:, :Dc]
     return o
+
+
+def _check_up(q_nope: torch.Tensor, q_pe: torch.Tensor, cache, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
+    """Shapes of the per-head prefill: ``q_nope [B, H, T, Dn]``, ``W_UK [H, Dn, Dc]``, ``W_UV [H, Dv, Dc]``."""
+    H, Dc = q_nope.shape[1], cache.layout.kv_lora_rank
+    if q_nope.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_nope.shape[:3]:
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be [B, H, T, D] alike")
+    if w_uk.dim() != 3 or tuple(w_uk.shape) != (H, q_nope.shape[-1], Dc):
+        raise ValueError(f"W_UK must be [H={H}, Dn={q_nope.shape[-1]}, Dc={Dc}], got {tuple(w_uk.shape)}")
+    if w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != Dc:
+        raise ValueError(f"W_UV must be [H={H}, Dv, Dc={Dc}], got {tuple(w_uv.shape)}")
+
+
+def prefill_attention_heads_torch(q_nope, q_pe, cache, w_uk, w_uv, softmax_scale: float, n_new=None, **kw):
+    """Prefill with the per-head outputs as the result: ``q_nope [B, H, T, Dn]``, ``q_pe [B, H, T, Dr]``, ``W_UK
+    [H, Dn, Dc]``, ``W_UV [H, Dv, Dc]`` -> ``o [B, H, T, Dv]`` fp32 = ``W_UV o_lat`` with ``o_lat`` from
+    :func:`prefill_attention_torch` of the absorbed query ``q_nope W_UK`` (the contract of the per-head paths)."""
+    _check_up(q_nope, q_pe, cache, w_uk, w_uv)
+    q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope.float(), w_uk.float())
+    o_lat = prefill_attention_torch(q_lat, q_pe.float(), cache, softmax_scale, n_new, **kw)
+    return torch.einsum("bhtc,hvc->bhtv", o_lat, w_uv.float())
