@@ -337,7 +337,7 @@ def test_per_head_split_fp32_matches_reference_around_boundaries(name, sink, loc
             got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, block=block,
                                           key_block=key_block, **run)  # fmt: skip
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, b=block, k=key_block: f"{budget} {b}/{k}: {m}")  # fmt: skip
+                                       msg=lambda m, b=block, k=key_block, u=budget: f"{u} {b}/{k}: {m}")  # fmt: skip
     assert torch.all(got[7] == 0) and torch.all(got[1, :, 1:] == 0)  # rows past n_new are zero
 
 
