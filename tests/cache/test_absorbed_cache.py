@@ -80,3 +80,30 @@ def test_left_padded_batch_equals_each_prompt_alone(fmt):
             alone = model.generate(p[None], **kw, **with_cache(QuantMLACache(model.config, fmt, pol)))
             assert torch.equal(batch[b, T:], alone[0, len(p) :]), f"row {b}"
     disable_absorbed_attention(model)
+
+
+@pytest.mark.parametrize("fmt", ["c4r4", "bf16"])
+def test_per_head_prefill_through_the_model_matches_the_latent_path(fmt, monkeypatch):
+    """Chunks of several tokens ask the cache for per-head outputs (on the GPU; here forced on the CPU, where the
+    cache answers with its fp32 reference): a left-padded batch's prefill and decode logits agree with the latent
+    path's up to fp32 rounding, and greedy tokens are equal."""
+    import quantmla.mla.attention as attention
+
+    model = tiny_model("deepseek_v3", first_k_dense_replace=99)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(2, model.config.vocab_size, (2, 12), generator=g)
+    att = torch.ones_like(ids)
+    att[1, :4] = 0
+    pol = CachePolicy(sink=2, local=3)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)  # fmt: skip
+    enable_absorbed_attention(model)
+    calls = []
+    with torch.no_grad():
+        latent = model.generate(ids, attention_mask=att, **kw, **with_cache(QuantMLACache(model.config, fmt, pol)))
+        monkeypatch.setattr(attention, "per_head_prefill", lambda q: calls.append(q.shape[2]) or q.shape[2] > 1)
+        heads = model.generate(ids, attention_mask=att, **kw, **with_cache(QuantMLACache(model.config, fmt, pol)))
+    disable_absorbed_attention(model)
+    assert 12 in calls  # the prompt went through the per-head path
+    assert torch.equal(latent.sequences, heads.sequences)
+    torch.testing.assert_close(torch.stack(heads.logits), torch.stack(latent.logits), rtol=1e-4, atol=1e-4)

@@ -172,3 +172,25 @@ def test_write_on_another_device_is_refused():
     lay.flush()
     with pytest.raises(ValueError, match="lives on cpu"):
         lay.write(c.cuda(), r.cuda())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "c4r4", "c2r4"])
+@pytest.mark.parametrize("chunks", [[23], [9, 1, 1, 12], [20, 1]])
+def test_per_head_attend_is_w_uv_times_the_policy(fmt, chunks):
+    """attend(..., heads=(q_nope, W_UK, W_UV)) returns W_UV o_lat for the absorbed query q_nope W_UK (prefill
+    chunks run per head, a single token expands the decode output), against the float64 policy construction."""
+    pol = CachePolicy(4, 8, 16)
+    c, r = _data(2, sum(chunks), seed=len(chunks))
+    lay = layer(fmt, pol)
+    _write_chunks(lay, c, r, chunks[:-1])
+    t = chunks[-1]
+    lay.write(c[:, -t:], r[:, -t:])
+    g = torch.Generator().manual_seed(9)
+    q_nope, q_pe = torch.randn(2, 3, t, 16, generator=g), torch.randn(2, 3, t, DR, generator=g)
+    w_uk, w_uv = torch.randn(3, 16, DC, generator=g) / DC**0.5, torch.randn(3, 24, DC, generator=g) / DC**0.5
+    q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)
+    got = lay.attend(q_lat, q_pe, 0.07, heads=(q_nope, w_uk, w_uv))
+    ref = torch.einsum("bhtc,hvc->bhtv", _expected_attention(c, r, q_lat, q_pe, 0.07, get_format(fmt), pol),
+                       w_uv.double())  # fmt: skip
+    assert got.shape == (2, 3, t, 24)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)

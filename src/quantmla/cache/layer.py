@@ -178,14 +178,25 @@ class PagedCacheLayer:
         causal = not bool(((m != want[:, None]) & real[:, None]).any())
         return skip, causal
 
+    attends_per_head = True  # attend(..., heads=...) is understood (quantmla.mla.attention asks)
+
     def attend(
-        self, q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        scale: float,
+        mask: torch.Tensor | None = None,
+        *,
+        heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Absorbed attention of the T newest tokens' queries over the cache, per-query policy.
 
         q_lat [B, H, T, Dc], q_pe [B, H, T, Dr]; mask None (causal) or bool broadcastable to [B, H, T, S] over the
-        caller's key axis. Returns o_lat [B, H, T, Dc] fp32 (0 for padding queries)."""
-        from quantmla.kernels.dispatch import decode_attention, prefill_attention
+        caller's key axis. Returns o_lat [B, H, T, Dc] fp32 (0 for padding queries). With ``heads = (q_nope [B, H,
+        T, Dn], W_UK [H, Dn, Dc], W_UV [H, Dv, Dc])`` it returns the per-head outputs ``W_UV o_lat`` [B, H, T, Dv]
+        instead, and a causal chunk of several tokens runs per head
+        (:func:`quantmla.kernels.dispatch.prefill_attention_heads`, ~3.4x fewer multiply-adds on the GPU)."""
+        from quantmla.kernels.dispatch import decode_attention, prefill_attention, prefill_attention_heads
         from quantmla.kernels.reference import prefill_attention_torch
 
         if q_lat.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_lat.shape[:3]:
@@ -209,10 +220,17 @@ class PagedCacheLayer:
             o = decode_attention(ql[:, :, 0], qp[:, :, 0], view, scale)[:, :, None]  # [B, H, 1, Dc]
             if not all(n_new):  # a sequence without a new token (padding only) gets 0
                 o = o * torch.tensor([k > 0 for k in n_new], device=o.device)[:, None, None, None]
+        elif causal and heads is not None:
+            q_nope, w_uk, w_uv = heads
+            qn = _shift(q_nope, skip, 2, left=True)
+            o = prefill_attention_heads(qn, qp, view, w_uk, w_uv, scale, n_new, recent=recent)  # [B, H, T, Dv]
+            return _shift(o, skip, 2, left=False)
         elif causal:
             o = prefill_attention(ql, qp, view, scale, n_new, recent=recent)
         else:
             o = prefill_attention_torch(ql, qp, view, scale, n_new, recent=recent, mask=self._cache_mask(mask, skip))
+        if heads is not None:
+            o = torch.einsum("bhtc,hvc->bhtv", o, heads[2].to(o.dtype))  # [B, H, T, Dv]
         return _shift(o, skip, 2, left=False)
 
     def _cache_mask(self, mask: torch.Tensor, skip: list[int]) -> torch.Tensor:
