@@ -1,4 +1,5 @@
-"""Chunked prefill attention over the paged cache: the split path against the previous masked-SDPA path.
+"""Chunked prefill attention over the paged cache: the split path (latent and per-head) against the previous
+masked-SDPA path.
 
 DeepSeek-V2-Lite shapes (16 heads, latent 512, RoPE 64, pages of 64 tokens, sink 4 / local 128), batch 1. For each
 context ``n`` and format, one layer's cache holds ``n`` random tokens written by the fused writer in chunks of
@@ -11,7 +12,10 @@ the packed copies into the BF16 workspace, timed alone as ``workspace``). ``mha`
 work: torch's SDPA on the shapes transformers' own DeepSeek-V2 attention runs per layer for the same chunk (per-head
 q/k 192, v 128, BF16, causal lower right, no quantized cache), as in ``generate_*`` results' ``hf`` rows.
 
-TFLOP/s count the useful causal work of absorbed attention: ``H * sum_p (p + 1) * (576 + 512) * 2``.
+``heads`` is the split path per head (``prefill_attention_heads``: keys and values up-projected with random ``W_UK``,
+``W_UV`` of V2-Lite's widths, 128 and 128; checked against its own fp32 reference, ``W_UV`` times the latent one), the
+path the model takes on CUDA for chunks of several tokens. TFLOP/s count the useful causal work of absorbed
+attention, ``H * sum_p (p + 1) * (576 + 512) * 2``, for every path (the per-head path does ~3.4x less).
 
 Writes ``prefill_<tag>.{json,md}`` to ``--out`` (refuses to overwrite without ``--force``) and prints one JSON line
 last. Usage::
@@ -34,14 +38,15 @@ import time
 import torch
 
 import quantmla.kernels.prefill as prefill_module
-from quantmla.kernels.dispatch import prefill_attention
+from quantmla.kernels.dispatch import prefill_attention, prefill_attention_heads
 from quantmla.kernels.paged import PagedMLACache
 from quantmla.quant.formats import CachePolicy
 
 REL_TOL = 1e-2  # BF16 workspace and queries: ~3e-3 expected
 LAYERS = 27  # DeepSeek-V2-Lite, for the per-chunk whole-model estimate
-FULL = dict(dc=512, dr=64, heads=16, policy=CachePolicy(sink=4, local=128, page_size=64), scale=192**-0.5)
-TINY = dict(dc=64, dr=16, heads=2, policy=CachePolicy(sink=4, local=8, page_size=16), scale=0.125)
+FULL = dict(dc=512, dr=64, dn=128, dv=128, heads=16, policy=CachePolicy(sink=4, local=128, page_size=64),
+            scale=192**-0.5)  # fmt: skip
+TINY = dict(dc=64, dr=16, dn=16, dv=16, heads=2, policy=CachePolicy(sink=4, local=8, page_size=16), scale=0.125)
 
 
 def log(*a) -> None:
@@ -124,6 +129,23 @@ def bench_one(fmt: str, n: int, args, shape: dict, device: str) -> list[dict]:
             row.update(ms=s * 1e3, tflops=flops / s / 1e12, model_s=s * LAYERS)
         rows.append(row)
         log(f"{fmt} n={n} {impl}: rel err {err:.2e}" + (f", {row['ms']:.2f} ms" if ok else " CHECK FAIL"))
+    if "heads" in args.impls.split(","):
+        g = torch.Generator().manual_seed(n + 1)
+        dn, dv, dc = shape["dn"], shape["dv"], shape["dc"]
+        q_nope = torch.randn(1, H, T, dn, generator=g).to(device, torch.bfloat16)
+        w_uk = (torch.randn(H, dn, dc, generator=g) / dc**0.5).to(device, torch.bfloat16)
+        w_uv = (torch.randn(H, dv, dc, generator=g) / dc**0.5).to(device, torch.bfloat16)
+        ref_h = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, scale, recent=recent, impl="torch")
+        call = lambda: prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, scale, recent=recent,  # noqa: E731
+                                               impl="split")  # fmt: skip
+        err = rel_err(call(), ref_h)
+        ok = err <= REL_TOL
+        row = dict(base, impl="heads", rel_err=err, ok=ok)
+        if ok:
+            s = timed(call, args.reps, device)
+            row.update(ms=s * 1e3, tflops=flops / s / 1e12, model_s=s * LAYERS)
+        rows.append(row)
+        log(f"{fmt} n={n} heads: rel err {err:.2e}" + (f", {row['ms']:.2f} ms" if ok else " CHECK FAIL"))
     if "split" in outs and "sdpa" in outs:
         rows.append(dict(base, impl="split_vs_sdpa", rel_err=rel_err(outs["split"], outs["sdpa"]), ok=True))
     ws = timed(lambda: cache.read_packed(0, torch.arange(n)).to(device=device, dtype=torch.bfloat16), args.reps, device)
@@ -136,7 +158,7 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], force: b
     if not force and any(os.path.exists(stem + x) for x in (".json", ".md")):
         raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite or choose another --tag")
     os.makedirs(out_dir, exist_ok=True)
-    impls = [i for i in ("split", "sdpa", "mha", "workspace") if any(r["impl"] == i for r in rows)]
+    impls = [i for i in ("split", "heads", "sdpa", "mha", "workspace") if any(r["impl"] == i for r in rows)]
     lines = [f"# Chunked prefill attention, one layer, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; torch {meta['torch']}; last chunk of a prompt of `context` tokens (chunk "
              f"{meta['chunk']}), {meta['heads']} heads; median of {meta['reps']} ({meta['timer']}). Cells: ms per "
@@ -186,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--formats", default="bf16,c4r4")
-    ap.add_argument("--impls", default="split,sdpa,mha", help="of split, sdpa, mha (default %(default)s)")
+    ap.add_argument("--impls", default="split,heads,sdpa,mha", help="of split, heads, sdpa, mha (default %(default)s)")
     ap.add_argument("--sdpa-max", type=int, default=32768, help="largest context for the slow sdpa path")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke run of this script)")
