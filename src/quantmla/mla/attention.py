@@ -9,8 +9,8 @@ Cache handling, per call:
 
 * ``quantmla.cache.protocol.get_mla_layer(cache, layer_idx)`` returns a layer: ``layer.write(c_kv, k_pe)`` then
   ``o_lat = layer.attend(q_lat, q_pe, scale, mask)`` -- the cache decides storage and attention; on CUDA a chunk of
-  several tokens asks a layer that ``attends_per_head`` for ``W_UV o_lat`` directly (``heads=(q_nope, W_UK,
-  W_UV)``: prefill in MHA form, :func:`per_head_prefill`);
+  several tokens can ask a layer that ``attends_per_head`` for ``W_UV o_lat`` directly (``heads=(q_nope, W_UK,
+  W_UV)``: prefill in MHA form, :func:`per_head_prefill`, off by default);
 * a plain transformers cache (``DynamicCache`` ...): ``cache.update`` with the model's own 4-D tensors
   ([B, 1, T, Dc], [B, 1, T, Dr]) exactly as the model does, then the fp32 reference over what it returns;
 * no cache: attention over the current tokens.
@@ -24,6 +24,7 @@ The RoPE angles are the ``position_embeddings`` the model passes (complex ``freq
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from typing import Any
 
@@ -132,10 +133,16 @@ def _update_plain_cache(cache, cache_style: str, layer_idx: int, c_kv, k_pe, kwa
     return c4[:, 0], p4[:, 0]
 
 
+PER_HEAD_PREFILL = os.environ.get("QUANTMLA_PREFILL_PER_HEAD", "0") == "1"  # off: measured no faster yet (below)
+
+
 def per_head_prefill(q_nope: torch.Tensor) -> bool:
     """Whether a chunk of several tokens asks the cache for per-head outputs (prefill in MHA form: ~3.4x fewer
-    multiply-adds at DeepSeek widths). On CUDA only: on the CPU the latent path stays, so CPU results do not move."""
-    return q_nope.is_cuda and q_nope.shape[2] > 1
+    multiply-adds at DeepSeek widths). CUDA only, and off unless ``QUANTMLA_PREFILL_PER_HEAD=1``: on the H200
+    (benchmarks/results/prefill_h200_heads.md) it was 1.1-1.2x faster at 32K and 0.90-0.95x at 128K, because both
+    forms materialize the same [heads x queries, keys] score tiles, whose softmax passes cost more than the
+    products; a fused far part (attention with its log-sum-exp) is what would make it pay."""
+    return PER_HEAD_PREFILL and q_nope.is_cuda and q_nope.shape[2] > 1
 
 
 def _attend(attn, cache, cache_style, q_nope, q_pe, c_kv, k_pe, attention_mask, scale, kwargs) -> torch.Tensor:
