@@ -4,8 +4,9 @@
 Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
 score product's magic-number term off by 1/1024, the output product's code bias off by one; for the wgmma kernel
-also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output). Prints
-one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma``: sm_90)::
+also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output) and, with
+32 heads per CTA pair, the second CTA's content groups. Prints one line per mutation and exits non-zero if any
+mutation survives. GPU only (``--kernel wgmma``: sm_90)::
 
     PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma]
 """
@@ -40,8 +41,10 @@ MUTATIONS = {
         "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))"),
         "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
         "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
-        "offset term dropped": ("for (int gr = 0; gr < 4; ++gr) corr[gr][c] = head_total(",
-                                "for (int gr = 0; gr < 4; ++gr) corr[gr][c] = 0.f * head_total("),
+        "offset term dropped": ("for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
+                                "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total("),
+        "32 heads: both CTAs of a pair take groups 0-1": ("const int gbase = NH == 32 ? 2 * (blockIdx.x & 1)",
+                                                          "const int gbase = NH == 32 ? 0 * (blockIdx.x & 1)"),
         "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
         "output code bias 128 -> 127": BIAS,
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)",

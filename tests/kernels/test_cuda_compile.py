@@ -58,7 +58,7 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     lib.qmla_params_size.restype = ctypes.c_int
     assert lib.qmla_params_size() == ctypes.sizeof(_Params)
     lib.qmla_error_string.restype = ctypes.c_char_p
-    for f in ("qmla_ctas_per_sm", "qmla_decode"):
+    for f in ("qmla_ctas_per_sm", "qmla_decode", "qmla_head_ctas"):
         getattr(lib, f).restype = ctypes.c_int
     try:
         import torch
@@ -67,11 +67,19 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     except ImportError:
         has_gpu = False
     if not has_gpu:
-        assert lib.qmla_ctas_per_sm(4, 4) == -1
+        assert lib.qmla_ctas_per_sm(4, 4, 16) == -1
         p = _Params()
         err = lib.qmla_decode(ctypes.byref(p), 4, 4, 1, 1, 1, None)
         assert err != 0 and lib.qmla_error_string(err)
-    assert lib.qmla_ctas_per_sm(3, 4) == -1  # no 3-bit kernel
+    assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
+    # CTAs per split and sequence: 16 heads each; the wgmma kernel's packed pages past 16 heads take 32 heads per
+    # pair of CTAs (each pair splits the content groups of the output), BF16 pages stay at 16
+    per_16 = {h: -(-h // 16) for h in (1, 16, 17, 32, 33, 64, 128)}
+    pairs = {1: 1, 16: 1, 17: 2, 32: 2, 33: 4, 64: 4, 128: 8}
+    for h in per_16:
+        assert lib.qmla_head_ctas(h, 16) == per_16[h]
+        assert lib.qmla_head_ctas(h, 4) == (pairs[h] if kernel == "wgmma" else per_16[h])
+        assert lib.qmla_head_ctas(h, 2) == (pairs[h] if kernel == "wgmma" else per_16[h])
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
     if kernel == "mma":
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path

@@ -147,6 +147,10 @@ def _lib(device, kernel: str = "mma"):
         lib.qmla_params_size.restype = ctypes.c_int
         lib.qmla_decode.restype = ctypes.c_int
         lib.qmla_decode.argtypes = [ctypes.POINTER(_Params)] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+        lib.qmla_head_ctas.restype = ctypes.c_int
+        lib.qmla_head_ctas.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.qmla_ctas_per_sm.restype = ctypes.c_int
+        lib.qmla_ctas_per_sm.argtypes = [ctypes.c_int] * 3
         lib.qmla_combine.restype = ctypes.c_int
         lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.qmla_error_string.restype = ctypes.c_char_p
@@ -159,12 +163,11 @@ def _lib(device, kernel: str = "mma"):
     return lib
 
 
-@functools.lru_cache(maxsize=16)
-def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma") -> int:
-    """Resident CTAs per SM (the CUDA occupancy calculator on the built kernel; CTAS_PER_SM if it fails)."""
-    lib = _lib(torch.device("cuda", device_index), kernel)
-    lib.qmla_ctas_per_sm.restype = ctypes.c_int
-    n = lib.qmla_ctas_per_sm(cbits, rbits)
+@functools.lru_cache(maxsize=64)
+def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma", heads: int = HEADS_PER_CTA) -> int:
+    """Resident CTAs per SM (the CUDA occupancy calculator on the kernel built for ``heads`` query heads;
+    CTAS_PER_SM if it fails)."""
+    n = _lib(torch.device("cuda", device_index), kernel).qmla_ctas_per_sm(cbits, rbits, heads)
     return n if n > 0 else CTAS_PER_SM[kernel]
 
 
@@ -216,11 +219,12 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         q_pe = q_pe.contiguous()
     lens = cache.lengths()
     max_pages = max(1, math.ceil(max(lens, default=0) / L.page_size))
-    hg = math.ceil(H / HEADS_PER_CTA)
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
+    lib = _lib(dev, kernel)
+    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence (the wgmma kernel: a pair per 32 heads, H > 16)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel)
+    slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel, H)
     ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
@@ -243,7 +247,6 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
     )  # fmt: skip
-    lib = _lib(dev, kernel)
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
         # the BF16 sink/local buffers (Triton, a few CTAs) run beside the page kernel on a side stream: they

@@ -459,10 +459,12 @@ struct MmaKernel {
   static constexpr int kThreads = qmla::kThreads;
   template <int CB, int RB>
   static constexpr bool has = RB == 4 && (CB == 2 || CB == 4);
+  static int heads_per_cta(int, int) { return kHeads; }
+  static int head_ctas(int H, int) { return (H + kHeads - 1) / kHeads; }
   template <int CB, int RB>
-  static int smem() { return Cfg<CB>::SMEM; }
+  static int smem(int) { return Cfg<CB>::SMEM; }
   template <int CB, int RB, bool CSYM, bool RSYM>
-  static KernelFn fn() { return decode_kernel<CB, CSYM, RSYM>; }
+  static KernelFn fn(int) { return decode_kernel<CB, CSYM, RSYM>; }
 };
 
 }  // namespace qmla

@@ -40,31 +40,37 @@ namespace qmla {
 namespace sm90 {
 
 constexpr int kThreads = 128;  // one warpgroup
-constexpr int kHeads = 16;     // N of every wgmma
 constexpr int kStages = 2;
 constexpr int kMinCtas = 2;    // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
-constexpr int kKBlock = kHeads * 32;  // bytes of one 16 x 16 B operand k-block (16-bit elements)
 
-template <int CB, int RB>
+// NH heads on N of every wgmma: 16, or 32 for H > 16 (packed pages). With 32 a pair of CTAs shares the head group:
+// both run the score product and the softmax (identically), each runs the output product of two content groups.
+template <int CB, int RB, int NH>
 struct Cfg : PageCfg<CB, RB> {
   using PageCfg<CB, RB>::STAGE;
-  static constexpr int PT = kStages * STAGE;          // (P s_g)^T k-blocks [group][k-step][k-block], bf16 (fp16: C8)
-  static constexpr int QB = PT + 16 * kKBlock;         // [2][5 groups][t][4] floats: accumulator starts, q sums
-  static constexpr int RED = QB + 2 * 5 * kHeads * 4;  // [head][warp] floats: tile maxima, row sums
-  static constexpr int SMX = RED + kHeads * 4 * 4;     // [warp] floats: the tile's largest content scale (C8)
+  static_assert(NH == 16 || NH == 32, "16 or 32 heads per CTA");
+  static constexpr int KB = NH * 32;                  // bytes of one 16 x NH operand k-block (16-bit elements)
+  static constexpr int NG = NH == 32 ? 2 : 4;         // content groups of this CTA's output product
+  static constexpr int QSTAGE = NH * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
+  static constexpr int PTB = NG * 4 * KB;             // (P s_g)^T k-blocks [group][k-step][k-block]
+  static constexpr int PTR = (QSTAGE - STAGE > PTB ? QSTAGE - STAGE + 127 : PTB) / 128 * 128;  // (q staging too)
+  static constexpr int PT = kStages * STAGE;          // bf16 P tiles (fp16: C8)
+  static constexpr int QB = PT + PTR;                  // [2][5 groups][t][NH / 4] floats: accumulator starts, q sums
+  static constexpr int RED = QB + 2 * 5 * NH * 4;      // [head][warp] floats: tile maxima, row sums
+  static constexpr int SMX = RED + NH * 4 * 4;         // [warp] floats: the tile's largest content scale (C8)
   static constexpr int ROFF = SMX + 4 * 4;             // [group][head][warp] floats: offset sums
-  static constexpr int QT = ROFF + 4 * kHeads * 4 * 4;  // q^T k-blocks (fp16) [36][k-block]
-  static constexpr int SMEM = QT + kQkBlocks * kKBlock;
-  static constexpr int QSTAGE = kHeads * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
-  static_assert(kStages == 2 && QSTAGE <= STAGE + 16 * kKBlock, "q staging fits in stage 1 and the P tiles");
-  static_assert(QT % 16 == 0 && PT % 16 == 0, "operand tiles are 16-byte aligned");
+  static constexpr int QT = ROFF + NG * NH * 4 * 4;    // q^T k-blocks (fp16) [36][k-block]
+  static constexpr int SMEM = QT + kQkBlocks * KB;
+  static_assert(kStages == 2 && QSTAGE <= STAGE + PTR, "q staging fits in stage 1 and the P tiles");
+  static_assert(QT % 16 == 0 && PT % 16 == 0 && QB % 16 == 0, "operand tiles are 16-byte aligned");
 };
 
-template <int CB, int RB, bool CSYM, bool RSYM>
+template <int CB, int RB, bool CSYM, bool RSYM, int NH>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using C = Cfg<CB, RB>;
+  using C = Cfg<CB, RB, NH>;
+  constexpr int NC = NH / 4, NG = C::NG, kKBlock = C::KB, kHeads = NH;  // NC: a thread's head columns
   using M = MetaRows<CSYM, RSYM>;
   constexpr int F = C::F, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
   constexpr int RF = C::RF, RCH = C::RCH;
@@ -76,12 +82,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
   static_assert(RB == 4 || RB == 8, "RoPE bits");
   extern __shared__ __align__(128) uint8_t smem[];
-  float* qb = reinterpret_cast<float*>(smem + C::QB);     // [2][5][4 t][4 c]
+  float* qb = reinterpret_cast<float*>(smem + C::QB);     // [2][5][4 t][NC]
   float* red = reinterpret_cast<float*>(smem + C::RED);   // [head][warp]
   float* roff = reinterpret_cast<float*>(smem + C::ROFF);  // [group][head][warp]
   float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
-  const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+  const int hg = NH == 32 ? blockIdx.x >> 1 : blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+  const int gbase = NH == 32 ? 2 * (blockIdx.x & 1) : 0;  // the first content group of this CTA's output
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;
   const int n = p.lens[b];
@@ -112,20 +119,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
   const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
 
-  float oacc[8][8];  // [2 group + half][d]: O^T of this thread's rows / heads
+  float oacc[2 * NG][NH / 2];  // [2 (group - gbase) + half][d]: O^T of this thread's rows / heads
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < 2 * NG; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) oacc[i][j] = 0.f;
-  float m_run[4], l_run[4], po[4][4];  // per head column c; po: [group][c]
+    for (int j = 0; j < NH / 2; ++j) oacc[i][j] = 0.f;
+  float m_run[NC], l_run[NC], po[NG][NC];  // per head column c; po: [group - gbase][c]
   int k_run = 0;                        // C8: P s is carried as P s 2^k_run (CTA-uniform)
   bool k_set = false;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     m_run[c] = -INFINITY;
     l_run[c] = 0.f;
 #pragma unroll
-    for (int gr = 0; gr < 4; ++gr) po[gr][c] = 0.f;
+    for (int gi = 0; gi < NG; ++gi) po[gi][c] = 0.f;
   }
   const int vshift = CB * 2 * (warp / CPG);  // the two planes this warp's output rows take from each byte
 
@@ -143,15 +150,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const bool edge = tok_lo > 0 || tok_hi < kPage;
 
     // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE
-    float sacc[5][8];
+    float sacc[5][NH / 2];
 #pragma unroll
     for (int gr = 0; gr < 5; ++gr) {
-      const float4 i4 = *reinterpret_cast<const float4*>(qb + (gr * 4 + t) * 4);
-      const float iv[4] = {i4.x, i4.y, i4.z, i4.w};
+      float iv[NC];
+      load_row<NC>(iv, qb + gr * NH + t * NC);
 #pragma unroll
-      for (int ri = 0; ri < 2; ++ri)
+      for (int c = 0; c < NC; ++c)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sacc[gr][acc_idx(ri, c)] = iv[c];
+        for (int ri = 0; ri < 2; ++ri) sacc[gr][acc_idx(ri, c)] = iv[c];
       fence_operands(sacc[gr]);
     }
     {
@@ -161,18 +168,33 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int x = 0; x < CX; x += 2) {
         uint32_t R[4];  // token g / g+8 of chunk x, then of chunk x + 1
         ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * ((x + (mi >> 1)) ^ (lane & 7)));
-        uint32_t a[2][F][4];
-        score_frags<CB>(R, a);
-        wgmma_fence();
+        if constexpr (NH == 32 && CB == 2) {  // 4 planes x 32 heads: one chunk per batch (registers)
 #pragma unroll
-        for (int hx = 0; hx < 2; ++hx) {
-          const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
+          for (int hx = 0; hx < 2; ++hx) {
+            const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
+            uint32_t a[F][4];
+            score_frag<CB>(R, hx, a);
+            wgmma_fence();
 #pragma unroll
-          for (int pl = 0; pl < F; ++pl)
-            wgmma_f16_n16(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+            for (int pl = 0; pl < F; ++pl)
+              wgmma_f16<NH>(sacc[gr], a[pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+            wgmma_commit();
+            wgmma_wait<1>();
+          }
+        } else {
+          uint32_t a[2][F][4];
+          score_frags<CB>(R, a);
+          wgmma_fence();
+#pragma unroll
+          for (int hx = 0; hx < 2; ++hx) {
+            const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
+#pragma unroll
+            for (int pl = 0; pl < F; ++pl)
+              wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // the batch before this one is done: its A registers are free
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the batch before this one is done: its A registers are free
       }
 #pragma unroll
       for (int x = 0; x < RCH; x += 2) {
@@ -185,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         for (int hx = 0; hx < 2; ++hx)
 #pragma unroll
           for (int pl = 0; pl < RF; ++pl)
-            wgmma_f16_n16(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
+            wgmma_f16<NH>(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
         if (x + 2 < RCH) {
           wgmma_commit();
           wgmma_wait<1>();
@@ -197,11 +219,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
     for (int gr = 0; gr < 5; ++gr) fence_operands(sacc[gr]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+    for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
 
     // ---- (2) scores of this thread's tokens 16w + g + 8 ri and head columns c
     float sv[4][2], ov[4][2];  // content scales / offsets [group][ri]
-    float sc[2][4];
+    float sc[2][NC];
     bool tok_ok[2] = {true, true};
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
@@ -214,17 +236,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         sv[gr][ri] = __half2float(meta[(M::CS + gr) * kPage + tau]);
         ov[gr][ri] = CSYM ? 0.f : __half2float(meta[(M::CO + gr) * kPage + tau]);
       }
-      float qsv[5][4];
+      float qsv[5][NC];
 #pragma unroll
-      for (int gr = 0; gr < 5; ++gr) {
-        const float4 q4 = *reinterpret_cast<const float4*>(qb + 5 * kHeads + (gr * 4 + t) * 4);
-        qsv[gr][0] = q4.x;
-        qsv[gr][1] = q4.y;
-        qsv[gr][2] = q4.z;
-        qsv[gr][3] = q4.w;
-      }
+      for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < NC; ++c) {
         float s = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4][c]);
 #pragma unroll
         for (int gr = 0; gr < 4; ++gr)
@@ -259,37 +275,37 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     }
-    float mt[4];
-    bool need[4], any = false;
+    float mt[NC];
+    bool need[NC], any = false;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NC; ++c) {
       const float4 m4 = head_row(red, c, t);
       mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
       need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
       any |= need[c];
     }
     if (__any_sync(0xffffffffu, any) || k_scale != 1.f) {
-      float alpha[4];
+      float alpha[NC];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < NC; ++c) {
         const float m_new = need[c] ? mt[c] : m_run[c];
         alpha[c] = need[c] ? ex2(m_run[c] - m_new) : 1.f;  // 0 from -inf
         m_run[c] = m_new;
         l_run[c] *= alpha[c];
 #pragma unroll
-        for (int gr = 0; gr < 4; ++gr) po[gr][c] *= alpha[c];
+        for (int gi = 0; gi < NG; ++gi) po[gi][c] *= alpha[c];
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < 2 * NG; ++i)
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c] * k_scale;
+          for (int c = 0; c < NC; ++c) oacc[i][acc_idx(ri, c)] *= alpha[c] * k_scale;
     }
     // P; bf16(P s_g)^T into the B tiles of the output product (k-step = warp, k-half = ri); sum_t P o_g per thread
-    float pv[2][4];
+    float pv[2][NC];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NC; ++c) {
       const float ms = m_run[c] == -INFINITY ? 0.f : m_run[c];
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
@@ -299,16 +315,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     }
     const float p_up = kC8 ? exp2i(k_run) : 1.f;  // C8: P s 2^k_run (exact scaling, then the fp16 rounding)
 #pragma unroll
-    for (int gr = 0; gr < 4; ++gr) {
+    for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
+        // this CTA's group gbase + gi, selected between constant indices (a runtime index would put sv on the stack)
+        const float svg = gbase == 0 ? sv[gi][ri] : sv[(gi + 2) & 3][ri];
+        const float ovg = gbase == 0 ? ov[gi][ri] : ov[(gi + 2) & 3][ri];
         // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
-        const float s = tok_ok[ri] ? sv[gr][ri] : 0.f;
-        const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * sv[gr][ri] : ov[gr][ri]) : 0.f;
-        uint8_t* tile = smem + C::PT + (gr * 4 + warp) * kKBlock + ri * 128 + g * 2;
+        const float s = tok_ok[ri] ? svg : 0.f;
+        const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
+        uint8_t* tile = smem + C::PT + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          po[gr][c] = fmaf(pv[ri][c], o, po[gr][c]);
+        for (int c = 0; c < NC; ++c) {
+          po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
           if constexpr (kC8)
@@ -323,12 +342,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
     // ---- (3) output product: O_(g,h)^T += codes^T (bf16, exact) x bf16(P s_g)^T, 4 k-steps of 16 tokens
 #pragma unroll
-    for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+    for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
     if constexpr (kC8) {
       // 8 bits: a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, exact fp16 codes
       const int mi = lane >> 3;
 #pragma unroll
-      for (int gr = 0; gr < 4; ++gr) {
+      for (int gi = 0; gi < NG; ++gi) {
+        const int gr = gbase + gi;
 #pragma unroll
         for (int kp = 0; kp < 2; ++kp) {
           uint32_t a[2][2][4];  // [k-step of the pair][half]
@@ -351,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-              wgmma_f16_n16(oacc[2 * gr + hh], a[ks][hh], pdesc.at((gr * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+              wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
           wgmma_commit();
           wgmma_wait<1>();
         }
@@ -359,8 +379,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     } else {
       const int mi = lane >> 3;
 #pragma unroll
-      for (int gr = 0; gr < 4; ++gr) {
-        const int chunk = gr * CPG + (warp % CPG);
+      for (int gi = 0; gi < NG; ++gi) {
+        const int gr = gbase + gi, chunk = gr * CPG + (warp % CPG);
 #pragma unroll
         for (int kp = 0; kp < 2; ++kp) {
           const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
@@ -384,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-              wgmma_bf16_n16(oacc[2 * gr + hh], a[ks][hh], pdesc.at((gr * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+              wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
           wgmma_commit();
           wgmma_wait<1>();  // the batch before this one is done: its A registers are free
         }
@@ -393,39 +413,41 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < 8; ++i) fence_operands(oacc[i]);
+  for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
 
   // ---- epilogue: row sums and offset sums over g and the four warps; normalized partial output, log2-sum-exp
   __syncthreads();
   heads_sum_to(red, l_run, warp, g, t);
 #pragma unroll
-  for (int gr = 0; gr < 4; ++gr) heads_sum_to(roff + gr * kHeads * 4, po[gr], warp, g, t);
+  for (int gi = 0; gi < NG; ++gi) heads_sum_to(roff + gi * kHeads * 4, po[gi], warp, g, t);
   __syncthreads();
-  float inv_l[4], corr[4][4];
+  float inv_l[NC], corr[NG][NC];
   const float o_down = kC8 ? exp2i(-k_run) : 1.f;
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     const int h = head_of(c, t);
     const float l = head_total(red, c, t);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-    for (int gr = 0; gr < 4; ++gr) corr[gr][c] = head_total(roff + gr * kHeads * 4, c, t);
-    if (warp == 0 && g == 0 && h0 + h < p.H) p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
+    for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(roff + gi * kHeads * 4, c, t);
+    if (gbase == 0 && warp == 0 && g == 0 && h0 + h < p.H)  // (with 32 heads: the pair's first CTA)
+      p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
 #pragma unroll
-  for (int gr = 0; gr < 4; ++gr)
+  for (int gi = 0; gi < NG; ++gi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
+        const int gr = gbase + gi;
         const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
                            : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < NC; ++c) {
           const int h = h0 + head_of(c, t);
           if (h < p.H)
-            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gr + hh][acc_idx(ri, c)], o_down, corr[gr][c]) * inv_l[c];
+            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
         }
       }
 #endif
@@ -437,20 +459,24 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
   template <int CB, int RB>
   static constexpr bool has =
       (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8)) || (CB == 16 && RB == 16);
+  static int heads_per_cta(int H, int CB) { return CB != 16 && H > 16 ? 32 : 16; }  // BF16 pages: 16
+  static int head_ctas(int H, int CB) {  // 32 heads: a pair of CTAs per head group (two content groups each)
+    return heads_per_cta(H, CB) == 32 ? 2 * ((H + 31) / 32) : (H + 15) / 16;
+  }
   template <int CB, int RB>
-  static int smem() {
+  static int smem(int nh) {
     if constexpr (CB == 16) return Bf16Cfg::SMEM;
-    else return Cfg<CB, RB>::SMEM;
+    else return nh == 32 ? Cfg<CB, RB, 32>::SMEM : Cfg<CB, RB, 16>::SMEM;
   }
   template <int CB, int RB, bool CSYM, bool RSYM>
-  static KernelFn fn() {
+  static KernelFn fn(int nh) {
     if constexpr (CB == 16) return decode_kernel_sm90_bf16;
-    else return decode_kernel_sm90<CB, RB, CSYM, RSYM>;
+    else return nh == 32 ? decode_kernel_sm90<CB, RB, CSYM, RSYM, 32> : decode_kernel_sm90<CB, RB, CSYM, RSYM, 16>;
   }
 };
 
 }  // namespace sm90
 }  // namespace qmla
 
-// The same C entry points as decode_mla.cu (a separate library); grid (ceil(H / 16), splits, B).
+// The same C entry points as decode_mla.cu (a separate library); grid (head_ctas(H), splits, B).
 QMLA_EXPORT_DECODE(qmla::sm90::WgmmaKernel)

@@ -3,8 +3,10 @@
 // the occupancy query, and the C entry points every library exports (QMLA_EXPORT_DECODE).
 //
 // A kernel family K provides: K::kThreads; template <int CB, int RB> static constexpr bool has (it is built for CB-bit
-// content and RB-bit RoPE codes); template <int CB, int RB> static int smem() (dynamic shared memory bytes); and
-// template <int CB, int RB, bool CSYM, bool RSYM> static KernelFn fn() (the __global__ function).
+// content and RB-bit RoPE codes); static int heads_per_cta(int H, int CB) (N of the products for H query heads) and
+// static int head_ctas(int H, int CB) (CTAs per split and sequence: the grid's x); template <int CB, int RB> static
+// int smem(int nh) (dynamic shared memory bytes); and template <int CB, int RB, bool CSYM, bool RSYM> static KernelFn
+// fn(int nh) (the __global__ function), for nh = heads_per_cta.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,14 +20,16 @@ using KernelFn = void (*)(Params);
 
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
-cudaError_t configure() {
-  static cudaError_t status = [] {
-    const KernelFn k = K::template fn<CB, RB, CSYM, RSYM>();
-    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, K::template smem<CB, RB>());
+cudaError_t configure(int nh) {
+  static cudaError_t status[2] = {cudaErrorNotReady, cudaErrorNotReady};  // [nh > 16]
+  cudaError_t& st = status[nh > 16];
+  if (st == cudaErrorNotReady) {
+    const KernelFn k = K::template fn<CB, RB, CSYM, RSYM>(nh);
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, K::template smem<CB, RB>(nh));
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    return e;
-  }();
-  return status;
+    st = e;
+  }
+  return st;
 }
 
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
@@ -34,9 +38,11 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
   if (CB != 16 && (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) ||
                    p.r_orow != (RSYM ? -1 : M::RO)))
     return (int)cudaErrorInvalidValue;
-  const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>();
+  if ((int)grid.x != K::head_ctas(p.H, CB)) return (int)cudaErrorInvalidConfiguration;  // the host's grid is stale
+  const int nh = K::heads_per_cta(p.H, CB);
+  const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>(nh);
   if (e != cudaSuccess) return (int)e;
-  K::template fn<CB, RB, CSYM, RSYM>()<<<grid, K::kThreads, K::template smem<CB, RB>(), stream>>>(p);
+  K::template fn<CB, RB, CSYM, RSYM>(nh)<<<grid, K::kThreads, K::template smem<CB, RB>(nh), stream>>>(p);
   return (int)cudaGetLastError();
 }
 
@@ -64,26 +70,27 @@ int launch_bits(const Params& p, int cbits, int rbits, dim3 grid, cudaStream_t s
 }
 
 template <typename K, int CB, int RB>
-int ctas_per_sm() {  // every instantiation of (CB, RB) has the same registers bound and shared memory
+int ctas_per_sm(int H) {  // every instantiation of (CB, RB, N) has the same registers bound and shared memory
   if constexpr (!K::template has<CB, RB>) {
     return -1;
   } else {
     int n = -1;
-    cudaError_t e = configure<K, CB, RB, false, false>();
+    const int nh = K::heads_per_cta(H, CB);
+    cudaError_t e = configure<K, CB, RB, false, false>(nh);
     if (e == cudaSuccess)
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::template fn<CB, RB, false, false>(), K::kThreads,
-                                                        K::template smem<CB, RB>());
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K::template fn<CB, RB, false, false>(nh), K::kThreads,
+                                                        K::template smem<CB, RB>(nh));
     return e == cudaSuccess ? n : -1;
   }
 }
 
 template <typename K>
-int ctas_per_sm_bits(int cbits, int rbits) {
-  if (rbits == 4 && cbits == 4) return ctas_per_sm<K, 4, 4>();
-  if (rbits == 4 && cbits == 2) return ctas_per_sm<K, 2, 4>();
-  if (rbits == 8 && cbits == 8) return ctas_per_sm<K, 8, 8>();
-  if (rbits == 8 && cbits == 4) return ctas_per_sm<K, 4, 8>();
-  if (rbits == 16 && cbits == 16) return ctas_per_sm<K, 16, 16>();
+int ctas_per_sm_bits(int cbits, int rbits, int H) {
+  if (rbits == 4 && cbits == 4) return ctas_per_sm<K, 4, 4>(H);
+  if (rbits == 4 && cbits == 2) return ctas_per_sm<K, 2, 4>(H);
+  if (rbits == 8 && cbits == 8) return ctas_per_sm<K, 8, 8>(H);
+  if (rbits == 8 && cbits == 4) return ctas_per_sm<K, 4, 8>(H);
+  if (rbits == 16 && cbits == 16) return ctas_per_sm<K, 16, 16>(H);
   return -1;
 }
 
@@ -102,15 +109,18 @@ inline int launch_combine(const float* po, const float* pl, float* out, float* l
 
 // The C entry points of a kernel library (loaded with ctypes by quantmla/kernels/cuda_decode.py):
 //   qmla_params_size()            sizeof(Params), so the host side can check its ctypes mirror
-//   qmla_ctas_per_sm(cbits, rbits)   CTAs of the kernel that fit on one SM (occupancy calculator), -1 on error or
-//                                    for a format the library is not built for
-//   qmla_decode(p, cbits, rbits, grid, stream)   launch the packed-page kernel; a cudaError_t code (0 = success)
+//   qmla_head_ctas(H, cbits)      CTAs per split and sequence for H query heads: the grid's x
+//   qmla_ctas_per_sm(cbits, rbits, H)   CTAs of the kernel that fit on one SM (occupancy calculator), -1 on error
+//                                    or for a format the library is not built for
+//   qmla_decode(p, cbits, rbits, grid, stream)   launch the packed-page kernel; a cudaError_t code (0 = success;
+//                                    cudaErrorInvalidConfiguration when grid x is not qmla_head_ctas(p.H, cbits))
 //   qmla_combine(po, pl, out, lse, B, ns, H, stream)   merge the splits
 //   qmla_error_string(code)
 #define QMLA_EXPORT_DECODE(K)                                                                                      \
   extern "C" {                                                                                                     \
   int qmla_params_size() { return (int)sizeof(qmla::Params); }                                                     \
-  int qmla_ctas_per_sm(int cbits, int rbits) { return qmla::ctas_per_sm_bits<K>(cbits, rbits); }                  \
+  int qmla_head_ctas(int H, int cbits) { return K::head_ctas(H, cbits); }                                          \
+  int qmla_ctas_per_sm(int cbits, int rbits, int H) { return qmla::ctas_per_sm_bits<K>(cbits, rbits, H); }         \
   int qmla_decode(const qmla::Params* p, int cbits, int rbits, int grid_x, int grid_y, int grid_z, void* stream) { \
     return qmla::launch_bits<K>(*p, cbits, rbits, dim3(grid_x, grid_y, grid_z),                                   \
                                 reinterpret_cast<cudaStream_t>(stream));                                           \

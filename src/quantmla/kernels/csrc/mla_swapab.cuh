@@ -18,16 +18,17 @@
 
 namespace qmla {
 
-// A thread's 4 head columns c of an m64n16 accumulator: head 8 (c / 2) + 2t + c % 2; element of d for (row half
-// ri = token 16w + g + 8 ri, column c)
+// A thread's NC = N / 4 head columns c of an m64nN accumulator (N = 16: 4, N = 32: 8): head 8 (c / 2) + 2t + c % 2;
+// element of d for (row half ri = token 16w + g + 8 ri, column c)
 __device__ __forceinline__ int head_of(int c, int t) { return 8 * (c >> 1) + 2 * t + (c & 1); }
 __host__ __device__ constexpr int acc_idx(int ri, int c) { return 4 * (c >> 1) + (c & 1) + 2 * ri; }
 
-// Per head: the maximum of v[2][4] over the thread's two rows and the warp's 8 row pairs, into red[head][warp]
-// (a barrier must follow before head_sum4 / the reads).
-__device__ __forceinline__ void heads_max_to(float* red, const float (&v)[2][4], int warp, int g, int t) {
+// Per head: the maximum of v[2][NC] over the thread's two rows and the warp's 8 row pairs, into red[head][warp]
+// (a barrier must follow before the reads).
+template <int NC>
+__device__ __forceinline__ void heads_max_to(float* red, const float (&v)[2][NC], int warp, int g, int t) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     float m = fmaxf(v[0][c], v[1][c]);
 #pragma unroll
     for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -35,10 +36,11 @@ __device__ __forceinline__ void heads_max_to(float* red, const float (&v)[2][4],
   }
 }
 
-// Per head: the sum of x[4] over the warp's 8 row pairs, into red[head][warp] (a barrier must follow).
-__device__ __forceinline__ void heads_sum_to(float* red, const float (&x)[4], int warp, int g, int t) {
+// Per head: the sum of x[NC] over the warp's 8 row pairs, into red[head][warp] (a barrier must follow).
+template <int NC>
+__device__ __forceinline__ void heads_sum_to(float* red, const float (&x)[NC], int warp, int g, int t) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     float s = x[c];
 #pragma unroll
     for (int o = 4; o <= 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -56,34 +58,55 @@ __device__ __forceinline__ float head_total(const float* red, int c, int t) {
   return (v.x + v.y) + (v.z + v.w);
 }
 
-// Score-product A fragments of two B-bit chunks from one ldmatrix.x4 (R: token g / g+8 of chunk x, then of chunk
-// x + 1): a[hx][p] = rows g / g+8, plane p of chunk x + hx, as fp16 magic numbers (mla_ops.cuh score_fields).
+// x[0..NC) = row[0..NC) from shared memory, 16 bytes at a time (row 16-byte aligned)
+template <int NC>
+__device__ __forceinline__ void load_row(float (&x)[NC], const float* row) {
+#pragma unroll
+  for (int i = 0; i < NC; i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(row + i);
+    x[i] = v.x;
+    x[i + 1] = v.y;
+    x[i + 2] = v.z;
+    x[i + 3] = v.w;
+  }
+}
+
+// Slot of head h in a [.. ][4 t][NC] table of per-(thread, column) values: t(h) = (h % 8) / 2, c(h) = 2 (h / 8) + h % 2
+template <int NC>
+__device__ __forceinline__ int head_slot(int h) { return ((h & 7) >> 1) * NC + 2 * (h >> 3) + (h & 1); }
+
+// Score-product A fragments of one B-bit chunk (hx) of an ldmatrix.x4 (R: token g / g+8 of chunk x, then of chunk
+// x + 1): a[p] = rows g / g+8, plane p of chunk x + hx, as fp16 magic numbers (mla_ops.cuh score_fields).
+template <int B>
+__device__ __forceinline__ void score_frag(const uint32_t (&R)[4], int hx, uint32_t (&a)[8 / B][4]) {
+  constexpr int F = 8 / B;
+  uint32_t f0[16 / B], f1[16 / B];
+  score_fields<B>(R[2 * hx], f0);
+  score_fields<B>(R[2 * hx + 1], f1);
+#pragma unroll
+  for (int pl = 0; pl < F; ++pl) {
+    a[pl][0] = f0[pl];
+    a[pl][1] = f1[pl];
+    a[pl][2] = f0[F + pl];
+    a[pl][3] = f1[F + pl];
+  }
+}
+
+// Both chunks: a[hx][p] as score_frag.
 template <int B>
 __device__ __forceinline__ void score_frags(const uint32_t (&R)[4], uint32_t (&a)[2][8 / B][4]) {
-  constexpr int F = 8 / B;
-#pragma unroll
-  for (int hx = 0; hx < 2; ++hx) {
-    uint32_t f0[16 / B], f1[16 / B];
-    score_fields<B>(R[2 * hx], f0);
-    score_fields<B>(R[2 * hx + 1], f1);
-#pragma unroll
-    for (int pl = 0; pl < F; ++pl) {
-      a[hx][pl][0] = f0[pl];
-      a[hx][pl][1] = f1[pl];
-      a[hx][pl][2] = f0[F + pl];
-      a[hx][pl][3] = f1[F + pl];
-    }
-  }
+  score_frag<B>(R, 0, a[0]);
+  score_frag<B>(R, 1, a[1]);
 }
 
 // qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][576] (mla_query.cuh); qb: [2][5][4 t][HEADS / 4] floats
 // (accumulator starts -(1024 sum q + the symmetric offset), then q sums in 2^-e units), slot of head h =
-// (group * 4 + t(h)) * 4 + c(h) with t(h) = (h % 8) / 2, c(h) = 2 (h / 8) + h % 2. Ends with a CTA barrier.
+// group * HEADS + head_slot(h). Ends with a CTA barrier.
 template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS>
 __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, float q_down, float* qb) {
   using C = PageCfg<CB, RB>;
   constexpr int F = C::F, PS = C::PS, RF = C::RF, RPS = C::RPS, kKBlock = HEADS * 32;
-  static_assert(HEADS == 16, "the slot layout of qb is for 16 heads");
+  static_assert(HEADS == 16 || HEADS == 32, "16 or 32 heads (N of the products)");
   const int tid = threadIdx.x;
   for (int r = tid; r < 36 * HEADS * 2; r += THREADS) {  // one 16-byte row (head h, k-half kh) of k-block kb
     const int kb = r / (2 * HEADS), h = (r >> 1) % HEADS, kh = r & 1;
@@ -116,8 +139,8 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
   }
   fence_proxy_async();
   __syncthreads();
-  if (tid < 5 * HEADS) {  // from the fp16 values as used
-    const int gr = tid / HEADS, h = tid % HEADS;
+  for (int r = tid; r < 5 * HEADS; r += THREADS) {  // from the fp16 values as used
+    const int gr = r / HEADS, h = r % HEADS;
     const int nkb = gr < 4 ? 8 : 4, kb0 = gr < 4 ? 8 * gr : 32, bits = gr < 4 ? CB : RB, planes = gr < 4 ? F : RF;
     float qm = 0.f, qs = 0.f;
     for (int i = 0; i < nkb; ++i) {
@@ -130,7 +153,7 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
     }
     const bool sym = gr < 4 ? CSYM : RSYM;
     const float init = -fmaf(1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
-    const int slot = (gr * 4 + ((h & 7) >> 1)) * 4 + 2 * (h >> 3) + (h & 1);  // [group][t][c]
+    const int slot = gr * HEADS + head_slot<HEADS / 4>(h);  // [group][t][c]
     qb[slot] = init;
     qb[5 * HEADS + slot] = qs;
   }
