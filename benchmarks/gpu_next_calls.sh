@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The device calls planned after the 2026-12-01 session (which had no device time), each one command, most
-# important first. Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 02:19), most important
+# first: `followup` (the wgmma kernel's new 32-heads-per-CTA-pair path: its tests, the mutation check, heads
+# 16-128 beside FlashMLA and the mma kernel), then `check` (bench_prefill now has the per-head `heads` column). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S
 # (default 560 s, under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every
 # part (the device tool returns at most 8 files, and a killed command still returns what was done) plus
 # $OUT/<call>_summary.txt.
@@ -14,7 +15,7 @@
 #       wgmma kernel with the mma kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation  # ~4 min: the wgmma kernel's tests can fail
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh followup  # ~7 min, carry .flashmla, .fmbuild: the wgmma
-#       tests again, the mutation check, and heads 16/64/128 on both kernels beside FlashMLA
+#       tests, the mutation check, and heads 16/32/64/128 on both kernels beside FlashMLA
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
@@ -76,7 +77,7 @@ case $CALL in
     part mutation 240 python benchmarks/mutation_check.py --kernel wgmma
     if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
     part heads 200 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
-      --tag h200_s10_heads --heads 16,64,128 --formats c4r4,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma \
+      --tag h200_heads32 --heads 16,32,64,128 --formats c4r4,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma \
       --shapes 1x131072,8x32768,32x4096,32x32768
     ;;
   *)
