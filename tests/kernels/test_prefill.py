@@ -376,3 +376,57 @@ def test_per_head_prefill_refuses_bad_weights_and_impl():
         prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv[:1], SCALE, recent=recent, impl="torch")
     with pytest.raises(ValueError, match="per-head prefill impl"):
         prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, recent=recent, impl="sdpa")
+
+
+@pytest.mark.parametrize("name", ["bf16", "c4r4"])
+def test_per_head_split_merges_a_fused_far_part(name, monkeypatch):
+    """Where a fused attention with its log-sum-exp runs the far keys (CUDA), its normalized output merges with the
+    near band's tiles exactly: the fp32 per-head path with a float64 stand-in for the fused kernel equals the
+    oracle on the boundary case, and the stand-in was used."""
+    from quantmla.kernels import prefill as prefill_mod
+    from quantmla.kernels.dispatch import prefill_attention_heads
+
+    calls = []
+
+    def fused(q, k, v, scale):  # what the fused kernel returns: (o [G, M, Dv], lse [G, M, 1])
+        calls.append(k.shape[1])
+        s = (q.double() @ k.double().transpose(1, 2)) * scale
+        return (torch.softmax(s, -1) @ v.double()).float(), torch.logsumexp(s, -1, keepdim=True).float()
+
+    monkeypatch.setattr(prefill_mod, "_fused_attention", fused)
+    policy = CachePolicy(sink=4, local=8, page_size=16)
+    cache, _, recent = _appended(name, BOUNDARY_LENS, BOUNDARY_NEW, T=16, policy=policy)
+    q_nope, q_pe = _q(8, 2, 16, 24, 32)
+    w_uk, w_uv = _up(2, 24, 20, 128)
+    ref = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
+    for block in (None, 3):
+        got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent,
+                                      impl="split", dtype=torch.float32, block=block)  # fmt: skip
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert calls and max(calls) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["c4r4", "c2r4", "bf16"])
+def test_gpu_per_head_prefill_with_the_fused_far_part(name):
+    """On CUDA the per-head path runs the far keys through torch's fused attention with its log-sum-exp: in fp32 it
+    equals the oracle to fp32 rounding (a wrong log-sum-exp convention -- log2, unscaled, unsliced padding --
+    would be off by far more), the fused kernel was used, and in BF16 it is as close as the latent path's."""
+    from quantmla.kernels import prefill as prefill_mod
+    from quantmla.kernels.dispatch import prefill_attention_heads
+
+    cache, raw, recent, n_new, (q_lat, q_pe) = _gpu_case(name)
+    q_nope = q_lat[..., :128].cuda()
+    w_uk, w_uv = (w.cuda() for w in _up(16, 128, 128, 512))
+    ref = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent, impl="torch")
+    exact = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
+                                    impl="split", dtype=torch.float32)  # fmt: skip
+    assert prefill_mod._FUSED.get(str(q_nope.device)) is True
+    torch.testing.assert_close(exact, ref, rtol=2e-4, atol=2e-5)
+    fast = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
+                                   impl="split")  # fmt: skip
+    lat = prefill_attention(torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_pe.cuda(), cache, SCALE, n_new,
+                            recent=recent, impl="split")  # fmt: skip
+    lat = torch.einsum("bhtc,hvc->bhtv", lat, w_uv)
+    assert (fast - ref).norm() <= 3 * (lat - ref).norm()

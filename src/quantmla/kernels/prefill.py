@@ -162,7 +162,14 @@ class _Softmax:
         torch.add(-_finite(m), s, alpha=self.scale, out=s)  # scale * s - m, in place (that row: p = 0, l = 0)
         p = s.exp_() if q.dtype == torch.float32 else torch.exp(s, out=torch.empty_like(s, dtype=q.dtype))
         l = p.sum(dim=-1, keepdim=True, dtype=torch.float32)  # [G, M, 1] of the probabilities the product uses
-        o = _mm32(p, v)  # [G, M, Dv]
+        self._merge(m, l, _mm32(p, v))  # [G, M, Dv]
+
+    def add_normalized(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """A part attended elsewhere: its normalized output ``o [G, M, Dv]`` and log-sum-exp ``lse [G, M, 1]`` (of
+        the scaled logits) are the state ``m = lse, l = 1, acc = o``."""
+        self._merge(lse, torch.ones_like(lse), o)
+
+    def _merge(self, m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> None:
         if self.m is None:
             self.m, self.l, self.acc = m, l, o
             return
@@ -175,9 +182,33 @@ class _Softmax:
         return self.acc / self.l  # [G, M, Dv]
 
 
+_FUSED: dict[str, bool] = {}  # per device: whether the fused attention with its log-sum-exp ran there
+
+
+def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Unmasked attention of ``q [G, M, D]`` over ``k [G, S, D]``, ``v [G, S, Dv]`` in one fused kernel (torch's
+    memory-efficient SDPA, which returns the log-sum-exp; no score tile is materialized) -> ``(o [G, M, Dv] fp32,
+    lse [G, M, 1])``, or None where there is none (the CPU; a torch without it: warned once, then the tiles)."""
+    key = str(q.device)
+    if not q.is_cuda or _FUSED.get(key) is False:
+        return None
+    try:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q[None], k[None], v[None], None, True, 0.0,
+                                                                        False, scale=scale)[:2]  # fmt: skip
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
+        import warnings
+
+        warnings.warn(f"quantmla: fused prefill attention unavailable, using score tiles ({e})", stacklevel=2)
+        _FUSED[key] = False
+        return None
+    _FUSED[key] = True
+    return o[0].float(), lse[0, :, : q.shape[1], None].float()
+
+
 class _Latent:
     """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
 
+    fused = False  # 576 / 512 wide: the score tiles
     def __init__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, dtype: torch.dtype) -> None:
         self.q_lat, self.q_pe, self.dtype, self.dv = q_lat, q_pe, dtype, q_lat.shape[-1]
 
@@ -219,8 +250,12 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
             sm = _Softmax(softmax_scale, H)
             kb = key_block or max(1, SCORES // (q.shape[0] * q.shape[1]))
             far = policy.packed_for_all(q0)
-            for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
-                sm.add(q, *ops.far(k0, min(far.stop, k0 + kb)))
+            fused = _fused_attention(q, *ops.far(far.start, far.stop), softmax_scale) if ops.fused and far else None
+            if fused is not None:  # far in one fused kernel (per head on CUDA)
+                sm.add_normalized(*fused)
+            else:
+                for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
+                    sm.add(q, *ops.far(k0, min(far.stop, k0 + kb)))
             f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
             near = range(far.stop, max(far.stop, q1))  # packed copies the policy may read for some query here
             kpos = torch.cat([torch.arange(near.start, near.stop, device=dev), fpos_t[:n_sink], fpos_t[f0:f1]])  # [S]
@@ -264,8 +299,9 @@ class _PerHead:
     """Operands of the split path per head ("MHA form", as prefill runs in vLLM and SGLang): keys ``[W_UK c, k_pe]``
     (``Dn + Dr`` wide) and values ``W_UV c`` (``Dv``) up-projected from the workspace rows, queries ``[q_nope,
     q_pe]``; ``(Dn + Dr + Dv) / (Dc + Dr + Dc)`` of the latent form's products (320 / 1088 at DeepSeek widths) plus
-    the up-projection, once per sequence (or per key tile past :data:`PER_HEAD_KEYS` bytes)."""
-
+    the up-projection, once per sequence (or per key tile past :data:`PER_HEAD_KEYS` bytes). On CUDA the far keys
+    go through one fused attention (:func:`_fused_attention`) instead of score tiles, when they were up-projected
+    whole."""
     def __init__(self, q_nope, q_pe, w_uk, w_uv, dtype: torch.dtype) -> None:
         self.q_nope, self.q_pe, self.dtype = q_nope, q_pe, dtype
         self.w_uk, self.w_uv = w_uk.to(dtype), w_uv.to(dtype)  # [H, Dn, Dc], [H, Dv, Dc]
@@ -280,6 +316,7 @@ class _PerHead:
         self.packed, self.kv = packed, None
         if H * n * width * packed.element_size() <= PER_HEAD_KEYS:
             self.kv = self.rows(packed)
+        self.fused = self.kv is not None
 
     def far(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv is not None:
