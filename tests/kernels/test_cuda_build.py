@@ -101,9 +101,15 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
     for cap, expect in (((8, 0), ("mma", "mma", "mma")), ((9, 0), ("wgmma", "mma", "wgmma"))):
         monkeypatch.setattr(cd, "_device_capability", lambda index, cap=cap: cap)
         got = (cd.cuda_kernel_choice(dev, cache=small, heads=16), cd.cuda_kernel_choice(dev, cache=small, heads=17),
-               cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=128))  # fmt: skip
+               cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=16))  # fmt: skip
         assert got == expect, (cap, got)
         assert cd.cuda_kernel_choice(dev, "mma", cache=cache("c2r4", [5]), heads=1) == "mma"  # asked for: kept
+        # past WGMMA_AUTO_MAX_HEADS (the unmeasured 32-heads path) auto takes mma, which has no C8R8 (-> Triton)
+        tiny = cache("c4r4", [3])
+        assert cd.cuda_kernel_choice(dev, cache=tiny, heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
+        assert cd.cuda_kernel_choice(dev, cache=cache("c8r8", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
+        if cap == (9, 0):
+            assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs
     with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):
         monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
         cd.cuda_kernel_choice(dev, "wgmma")

@@ -34,6 +34,8 @@ DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
 # units of work, mma above (H200, benchmarks/results/decode_vs_flashmla_h200_s10_*.md: wgmma 1.10-1.30x FlashMLA
 # vs mma's 1.01-1.07x at B1x128K / B8x32K, 16 heads; mma 1.36-1.43x vs 1.23-1.31x at B32x32K / B32x128K)
+WGMMA_AUTO_MAX_HEADS = 16  # auto leaves the wgmma kernel's 32-heads-per-CTA-pair path (H > 16) alone until it has
+# run on the H200 (written 2026-12-01): past 16 heads auto takes mma (C8R8 / C4R8: Triton); kernel="wgmma" asks
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a")}  # source, build architecture
 
 
@@ -97,7 +99,8 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
     default ``"auto"``. Asking for wgmma off sm_90 is an error. ``auto`` is mma off sm_90; on sm_90 it is wgmma for
     the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query
     heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at most
-    :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma."""
+    :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma; past
+    :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for C8R8 / C4R8 is that it has none: Triton runs them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -110,6 +113,8 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
             return "mma"
         if cache is None:
             return "wgmma"
+        if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
+            return "mma"
         if _bits(cache.fmt) not in BITS["mma"]:
             return "wgmma"
         lens = cache.lengths()
