@@ -195,14 +195,14 @@ def model_sensitivities(
     """Every attention layer's :class:`LayerSensitivity` on calibration ``tokens`` [N, S] (the model is not
     modified): the output Fisher of every layer first (one backward pass per sample), then block by block the
     distortions. ``sink``/``local``: the cache policy the plan will be served with."""
-    from quantmla.calibrate.trainer import (
-        _attention_by_block,
-        _decoder_blocks,
-        _device_of,
-        _first_block_inputs,
-        _progress,
-        _run_block,
+    from quantmla.calibrate.blocks import (
+        attention_by_block,
+        decoder_blocks,
+        device_of,
+        first_block_inputs,
+        progress_over,
         resolve_device,
+        run_block,
     )
     from quantmla.mla.rope import cos_sin_from_position_embeddings
     from quantmla.mla.spec import MLASpec
@@ -216,19 +216,19 @@ def model_sensitivities(
             f"quantized), got {tuple(tokens.shape)}"
         )
     model.eval()
-    home = _device_of(model)
+    home = device_of(model)
     fisher = output_fisher(model, tokens, batch_size, fisher_samples, dev, seed)
     if home is not None:
         model.to(home)
-    _, blocks = _decoder_blocks(model)
-    attns = _attention_by_block(model, blocks)
-    h, kwargs = _first_block_inputs(model, tokens, batch_size, dev)
+    _, blocks = decoder_blocks(model)
+    attns = attention_by_block(model, blocks)
+    h, kwargs = first_block_inputs(model, tokens, batch_size, dev)
     out = []
-    for b, block in enumerate(_progress(blocks, "layers", progress)):
-        home = _device_of(block)
+    for b, block in enumerate(progress_over(blocks, "layers", progress)):
+        home = device_of(block)
         block.to(dev)
         try:
-            h_next, inputs, pe = _run_block(block, attns[b], h, kwargs, batch_size, dev)
+            h_next, inputs, pe = run_block(block, attns[b], h, kwargs, batch_size, dev)
         finally:
             if home is not None:
                 block.to(home)

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantmla.calibrate.blocks import iter_attention_inputs, resolve_device
 from quantmla.calibrate.objectives import attention_output, layer_inputs, sample_queries
-from quantmla.calibrate.trainer import iter_attention_inputs, resolve_device
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.weights import extract_layer_weights
 from quantmla.quant.formats import CacheFormat, get_format

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from quantmla.analysis.error_model import _path_error, _scale_to
+from quantmla.calibrate.blocks import iter_attention_inputs, resolve_device
 from quantmla.calibrate.objectives import LayerInputs, attention_output, layer_inputs, sample_queries
-from quantmla.calibrate.trainer import iter_attention_inputs, resolve_device
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.weights import MLALayerWeights, extract_layer_weights
 from quantmla.quant.formats import CacheFormat, get_format

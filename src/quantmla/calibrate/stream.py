@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantmla.calibrate.blocks import attention_by_block, decoder_blocks, first_block_inputs, resolve_device, run_block
 from quantmla.calibrate.checkpoint import (
     CheckpointReader,
     base_key,
@@ -52,17 +53,7 @@ from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
 from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
-from quantmla.calibrate.trainer import (
-    LayerBanks,
-    _attention_by_block,
-    _check_policy_coverage,
-    _decoder_blocks,
-    _first_block_inputs,
-    _run_block,
-    _token_bank,
-    calibrate_attention,
-    resolve_device,
-)
+from quantmla.calibrate.trainer import LayerBanks, _check_policy_coverage, _token_bank, calibrate_attention
 from quantmla.mla.rope import cos_sin_from_position_embeddings
 from quantmla.mla.spec import MLASpec
 from quantmla.quant.formats import CacheFormat, get_format
@@ -190,15 +181,15 @@ def calibrate_streamed(
 
     t_start = time.time()
     model = meta_model(hf_config, dtype)
-    base, blocks = _decoder_blocks(model)
+    base, blocks = decoder_blocks(model)
     prefix = next(name + "." for name, m in model.named_modules() if m is base) if base is not model else ""
     rebuild_nonpersistent_buffers(base, hf_config)
     for name, child in base.named_children():
         if name != "layers" and any(p.is_meta for p in child.parameters()):
             load_module_tensors(child, f"{prefix}{name}.", reader)
     reader.close()
-    attn_of_block = _attention_by_block(model, blocks)
-    h, block_kwargs = _first_block_inputs(model, tokens, config.batch_size, device)
+    attn_of_block = attention_by_block(model, blocks)
+    h, block_kwargs = first_block_inputs(model, tokens, config.batch_size, device)
     for name, child in base.named_children():
         if name != "layers":
             child.to("meta")  # the embedding is needed for block 0's inputs only
@@ -217,7 +208,7 @@ def calibrate_streamed(
         report.block_bytes_max = max(report.block_bytes_max, block_bytes)
         stats.update(load_s=time.time() - t0, block_bytes=block_bytes)
         t1 = time.time()
-        h_next, attn_inputs, pe = _run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
+        h_next, attn_inputs, pe = run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
         cos, sin = cos_sin_from_position_embeddings(pe)
         cos, sin = cos[:1].float(), sin[:1].float()
         stats["forward_s"] = time.time() - t1
@@ -287,7 +278,7 @@ def _replay_finished(start, blocks, attn_of_block, work, reader, prefix, spec, h
         load_module_tensors(block, f"{prefix}layers.{b}.", reader, device)
         reader.close()
         if not have_bank:
-            h, attn_inputs, _ = _run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
+            h, attn_inputs, _ = run_block(block, attn_of_block[b], h, block_kwargs, config.batch_size, device)
             del attn_inputs
         if b in thin:  # fold the block's stored transforms into its base weights, keep the changed tensors
             tf, meta = _part(work, b)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantmla.calibrate import baselines
+from quantmla.calibrate.blocks import iter_attention_inputs, progress_over, resolve_device
 from quantmla.calibrate.config import CalibrationConfig
 from quantmla.calibrate.fuse import fold_transforms, latent_norm_gain
 from quantmla.calibrate.objectives import (
@@ -33,9 +34,8 @@ from quantmla.calibrate.objectives import (
     sample_queries,
 )
 from quantmla.calibrate.transforms import ContentTransform, RopeTransform
-from quantmla.mla.rope import cos_sin_from_position_embeddings
-from quantmla.mla.spec import MLASpec, UnsupportedModelError
-from quantmla.mla.weights import MLALayerWeights, extract_layer_weights, iter_mla_attention
+from quantmla.mla.spec import MLASpec
+from quantmla.mla.weights import MLALayerWeights, extract_layer_weights
 from quantmla.quant.formats import CacheFormat, get_format
 
 TRAIN_CACHE_BYTES = 1 << 30  # project the training bank once when its fp32 inputs (all queries) fit in this
@@ -82,16 +82,6 @@ class CalibrationReport:
 # ---- devices, banks, capture ---------------------------------------------------------------------------------
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU (checked only when called, never at import)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return dev
-
-
 def _token_bank(calib_token_batches: Any, config: CalibrationConfig) -> torch.Tensor:
     if isinstance(calib_token_batches, torch.Tensor):
         tokens = calib_token_batches
@@ -109,124 +99,6 @@ def _token_bank(calib_token_batches: Any, config: CalibrationConfig) -> torch.Te
             f"got {tokens.shape[0]}; provide more text or lower train_seqs/val_seqs"
         )
     return tokens[:need, : config.seq_len].long()
-
-
-def _decoder_blocks(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UnsupportedModelError(f"{type(model).__name__}: cannot find the decoder blocks (model.model.layers)")
-    return base, layers
-
-
-class _Stop(Exception):
-    pass
-
-
-def _first_block_inputs(
-    model: nn.Module, tokens: torch.Tensor, batch: int, device: torch.device
-) -> tuple[torch.Tensor, dict]:
-    """Hidden states entering block 0 for every sequence ([N, T, D] on the CPU) and the block's other kwargs."""
-    base, layers = _decoder_blocks(model)
-    store: dict[str, Any] = {}
-
-    def hook(_mod, args, kwargs):
-        store["h"] = args[0] if args else kwargs["hidden_states"]
-        store["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    others = [m for name, m in base.named_children() if name != "layers"]
-    homes = [_device_of(m) for m in others]
-    for m in others:
-        m.to(device)
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    hs, kwargs = [], None
-    try:
-        for i in range(0, tokens.shape[0], batch):
-            try:
-                with torch.no_grad():
-                    base(input_ids=tokens[i : i + batch].to(device), use_cache=False)
-            except _Stop:
-                pass
-            hs.append(store["h"].detach().cpu())
-            if kwargs is None:
-                kwargs = store["kw"]
-    finally:
-        handle.remove()
-        for m, home in zip(others, homes, strict=True):
-            if home is not None:
-                m.to(home)
-    kwargs = dict(kwargs or {})
-    for k in ("cache", "past_key_values", "past_key_value"):
-        if k in kwargs:
-            kwargs[k] = None
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return torch.cat(hs), kwargs
-
-
-def _device_of(m: nn.Module) -> torch.device | None:
-    for p in m.parameters():
-        return p.device
-    for b in m.buffers():
-        return b.device
-    return None
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, tuple):
-        return tuple(_to(v, device) for v in x)
-    if isinstance(x, list):
-        return [_to(v, device) for v in x]
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
-
-
-def _slice_batch(x: Any, i: int, j: int, n: int) -> Any:
-    """Slice tensors whose leading dim is the batch (``n``) to ``[i:j]``; leave broadcast (size-1) ones."""
-    if isinstance(x, torch.Tensor):
-        return x[i:j] if x.dim() > 0 and x.shape[0] == n and n > 1 else x
-    if isinstance(x, tuple):
-        return tuple(_slice_batch(v, i, j, n) for v in x)
-    if isinstance(x, dict):
-        return {k: _slice_batch(v, i, j, n) for k, v in x.items()}
-    return x
-
-
-@torch.no_grad()
-def _run_block(
-    block: nn.Module, attns: list[nn.Module], h: torch.Tensor, kwargs: dict, batch: int, device: torch.device
-) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
-    """Run ``h`` [N, T, D] through ``block``; return its outputs and each attention module's inputs (CPU)."""
-    captured: list[list[torch.Tensor]] = [[] for _ in attns]
-    pos: dict[str, Any] = {}
-
-    def make_hook(k):
-        def hook(_mod, args, kw):
-            x = args[0] if args else kw["hidden_states"]
-            captured[k].append(x.detach().cpu())
-            if "pe" not in pos and kw.get("position_embeddings") is not None:
-                pos["pe"] = _to(kw["position_embeddings"], torch.device("cpu"))
-
-        return hook
-
-    handles = [a.register_forward_pre_hook(make_hook(k), with_kwargs=True) for k, a in enumerate(attns)]
-    outs = []
-    kw_dev = _to(kwargs, device)
-    try:
-        for i in range(0, h.shape[0], batch):
-            out = block(h[i : i + batch].to(device), **kw_dev)
-            out = out[0] if isinstance(out, tuple) else out
-            outs.append(out.detach().cpu())
-    finally:
-        for hd in handles:
-            hd.remove()
-    if "pe" not in pos:
-        raise UnsupportedModelError("the attention modules did not receive position_embeddings; unsupported model")
-    return torch.cat(outs), [torch.cat(c) for c in captured], pos["pe"]
 
 
 # ---- per-layer learning --------------------------------------------------------------------------------------
@@ -320,7 +192,7 @@ class LayerProblem:
         gen = torch.Generator().manual_seed(self.seed + (0 if path == "content" else 7919))
         n, seq = self.banks.train.shape[:2]
         losses = []
-        bar = _progress(range(steps), desc, cfg.progress)
+        bar = progress_over(range(steps), desc, cfg.progress)
         for _ in bar:
             idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
             qidx = sample_queries(seq, cfg.query_tokens, gen)
@@ -337,14 +209,6 @@ class LayerProblem:
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(nmse=f"{losses[-1]:.3e}")
         return losses
-
-
-def _progress(it: Iterable, desc: str, enabled: bool):
-    if not enabled:
-        return it
-    from quantmla.progress import progress  # tqdm on a terminal, a compact line with the time left otherwise
-
-    return progress(it, desc)
 
 
 def calibrate_attention(
@@ -491,42 +355,6 @@ def _check_policy_coverage(seq: int, config: CalibrationConfig) -> None:
             f"quantized; seq_len >= {4 * config.local} is recommended",
             stacklevel=3,
         )
-
-
-def iter_attention_inputs(
-    model: nn.Module, tokens: torch.Tensor, batch_size: int, device: torch.device, progress: bool = False
-):
-    """Yield ``(attention_module, inputs [N, T, D] on the CPU, cos [1, T, Dr/2], sin)`` for every MLA attention
-    module in order, running the sequences ``tokens`` [N, T] block by block with only the current block on
-    ``device``. The consumer may modify the module (e.g. fold transforms) before asking for the next one, as long
-    as the block's full-precision function is unchanged: the next block's inputs are computed beforehand."""
-    _, blocks = _decoder_blocks(model)
-    attn_of_block = _attention_by_block(model, blocks)
-    h, block_kwargs = _first_block_inputs(model, tokens, batch_size, device)
-    for b, block in enumerate(_progress(blocks, "layers", progress)):
-        home = _device_of(block)
-        block.to(device)
-        try:
-            h_next, attn_inputs, pe = _run_block(block, attn_of_block[b], h, block_kwargs, batch_size, device)
-            cos, sin = cos_sin_from_position_embeddings(pe)
-            cos, sin = cos[:1].float(), sin[:1].float()  # same positions for every sequence
-            for attn, x in zip(attn_of_block[b], attn_inputs, strict=True):
-                yield attn, x, cos, sin
-            h = h_next
-        finally:
-            if home is not None:
-                block.to(home)
-
-
-def _attention_by_block(model: nn.Module, blocks: nn.ModuleList) -> list[list[nn.Module]]:
-    attns = [a for _, a in iter_mla_attention(model)]
-    out = []
-    for block in blocks:
-        members = {id(m) for m in block.modules()}
-        out.append([a for a in attns if id(a) in members])
-    if sum(len(a) for a in out) != len(attns):
-        raise UnsupportedModelError("some MLA attention modules are outside model.model.layers")
-    return out
 
 
 __all__ = [
