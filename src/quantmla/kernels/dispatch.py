@@ -191,6 +191,15 @@ def decode_attention(
     )
 
 
+def _prefill_impl(impl: str, x: torch.Tensor) -> str:
+    """``impl`` of a prefill call with ``"auto"`` resolved: ``split`` on CUDA unless :func:`force_impl` or the
+    environment ask for ``torch``."""
+    if impl != "auto":
+        return impl
+    forced = _forced[-1] if _forced else (os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+    return "split" if x.is_cuda and forced != "torch" else "torch"
+
+
 def prefill_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -209,9 +218,7 @@ def prefill_attention(
     merged by log-sum-exp; the GPU path), ``"sdpa"`` (:func:`quantmla.kernels.prefill.prefill_attention_sdpa`: the
     previous GPU path, torch's fused attention with the policy as one mask; kept for comparison) or ``"auto"``
     (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``)."""
-    if impl == "auto":
-        forced = _forced[-1] if _forced else (os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
-        impl = "split" if q_lat.is_cuda and forced != "torch" else "torch"
+    impl = _prefill_impl(impl, q_lat)
     if impl == "torch":
         from quantmla.kernels.reference import prefill_attention_torch
 
@@ -246,9 +253,7 @@ def prefill_attention_heads(
     ``impl``: ``"torch"`` (the fp32 reference), ``"split"`` (:func:`quantmla.kernels.prefill.prefill_attention_heads`:
     keys and values up-projected per head, ~3.4x fewer multiply-adds than the latent form; the GPU path) or
     ``"auto"`` (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``)."""
-    if impl == "auto":
-        forced = _forced[-1] if _forced else (os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
-        impl = "split" if q_nope.is_cuda and forced != "torch" else "torch"
+    impl = _prefill_impl(impl, q_nope)
     if impl == "torch":
         from quantmla.kernels.reference import prefill_attention_heads_torch
 

@@ -209,6 +209,7 @@ class _Latent:
     """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
 
     fused = False  # 576 / 512 wide: the score tiles
+
     def __init__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, dtype: torch.dtype) -> None:
         self.q_lat, self.q_pe, self.dtype, self.dv = q_lat, q_pe, dtype, q_lat.shape[-1]
 
@@ -229,6 +230,8 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
            dtype) -> torch.Tensor:  # fmt: skip
     """The split path's loop over sequences, query blocks and key tiles with the operands of ``ops`` (:class:`_Latent`
     or :class:`_PerHead`) -> ``[B, H, T, ops.dv]`` fp32 (rows past ``n_new[b]`` are 0)."""
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     o = torch.zeros(B, H, T, ops.dv, dtype=torch.float32, device=dev)
     quant = cache.fmt.is_quantized
     # a BF16 cache has one copy of each token: the policy with no sink and no window reads it everywhere
@@ -288,8 +291,6 @@ def prefill_attention_split(
     (H * block)``); ``dtype``: of the workspace, the queries and the probabilities (BF16; fp32 gives the oracle's
     numbers up to summation order)."""
     _check_q(q_lat, q_pe, cache, 4)
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     B, H, T, _ = q_lat.shape
     return _split(_Latent(q_lat, q_pe, dtype), cache, softmax_scale, _n_new_list(n_new, B, T), recent, B, H, T,
                   q_lat.device, block=block, key_block=key_block, dtype=dtype)  # fmt: skip
@@ -302,6 +303,7 @@ class _PerHead:
     the up-projection, once per sequence (or per key tile past :data:`PER_HEAD_KEYS` bytes). On CUDA the far keys
     go through one fused attention (:func:`_fused_attention`) instead of score tiles, when they were up-projected
     whole."""
+
     def __init__(self, q_nope, q_pe, w_uk, w_uv, dtype: torch.dtype) -> None:
         self.q_nope, self.q_pe, self.dtype = q_nope, q_pe, dtype
         self.w_uk, self.w_uv = w_uk.to(dtype), w_uv.to(dtype)  # [H, Dn, Dc], [H, Dv, Dc]
@@ -316,7 +318,10 @@ class _PerHead:
         self.packed, self.kv = packed, None
         if H * n * width * packed.element_size() <= PER_HEAD_KEYS:
             self.kv = self.rows(packed)
-        self.fused = self.kv is not None
+
+    @property
+    def fused(self) -> bool:
+        return self.kv is not None
 
     def far(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv is not None:
@@ -351,8 +356,6 @@ def prefill_attention_heads(
     about 3.4x fewer multiply-adds in the attention products at DeepSeek widths. ``block``, ``key_block``,
     ``dtype``: as there (keys and values are up-projected in ``dtype``)."""
     _check_up(q_nope, q_pe, cache, w_uk, w_uv)
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
     B, H, T, _ = q_nope.shape
     ops = _PerHead(q_nope, q_pe, w_uk, w_uv, dtype)
     return _split(ops, cache, softmax_scale, _n_new_list(n_new, B, T), recent, B, H, T, q_nope.device, block=block,

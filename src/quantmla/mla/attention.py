@@ -140,8 +140,8 @@ def per_head_prefill(q_nope: torch.Tensor) -> bool:
     """Whether a chunk of several tokens asks the cache for per-head outputs (prefill in MHA form: ~3.4x fewer
     multiply-adds at DeepSeek widths). CUDA only, and off unless ``QUANTMLA_PREFILL_PER_HEAD=1``: on the H200
     (benchmarks/results/prefill_h200_heads.md) it was 1.1-1.2x faster at 32K and 0.90-0.95x at 128K, because both
-    forms materialize the same [heads x queries, keys] score tiles, whose softmax passes cost more than the
-    products; a fused far part (attention with its log-sum-exp) is what would make it pay."""
+    forms materialized the same [heads x queries, keys] score tiles, whose softmax passes cost more than the
+    products; its far keys now run through a fused attention (not yet measured), after which this may turn on."""
     return PER_HEAD_PREFILL and q_nope.is_cuda and q_nope.shape[2] > 1
 
 

@@ -50,27 +50,20 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// D[64 x 16] += A[64 x 16] (fp16, registers) * B[16 x 16] (fp16, shared memory), fp32 accumulators
-__device__ __forceinline__ void wgmma_f16_n16(float (&d)[8], const uint32_t (&a)[4], uint32_t desc_lo, uint32_t desc_hi) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, %14, 0;\nmov.b64 desc, {%12, %13};\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
-      "desc, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)
-      : "memory");
-}
-
-// D[64 x 16] += A[64 x 16] (bf16, registers) * B[16 x 16] (bf16, shared memory), fp32 accumulators
-__device__ __forceinline__ void wgmma_bf16_n16(float (&d)[8], const uint32_t (&a)[4], uint32_t desc_lo, uint32_t desc_hi) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, %14, 0;\nmov.b64 desc, {%12, %13};\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
-      "desc, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)
-      : "memory");
-}
+// D[64 x 16] += A[64 x 16] (fp16 / bf16, registers) * B[16 x 16] (shared memory), fp32 accumulators
+#define QMLA_WGMMA_N16(NAME, TYPE)                                                                                 \
+  __device__ __forceinline__ void NAME(float(&d)[8], const uint32_t(&a)[4], uint32_t desc_lo, uint32_t desc_hi) { \
+    asm volatile(                                                                                                  \
+        "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, %14, 0;\nmov.b64 desc, {%12, %13};\n"                 \
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE                                                \
+        " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, desc, p, 1, 1, 0;\n}\n"                            \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])         \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)                          \
+        : "memory");                                                                                               \
+  }
+QMLA_WGMMA_N16(wgmma_f16_n16, "f16")
+QMLA_WGMMA_N16(wgmma_bf16_n16, "bf16")
+#undef QMLA_WGMMA_N16
 
 // D[64 x 32] += A[64 x 16] (fp16 / bf16, registers) * B[16 x 32] (shared memory), fp32 accumulators
 #define QMLA_WGMMA_N32(NAME, TYPE)                                                                                  \
