@@ -329,10 +329,10 @@ class _PerHead:
         return self.rows(self.packed[k0:k1])
 
     def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Dc + Dr] -> [H, S, Dn + Dr], [H, S, Dv]
-        c, r = x[:, : self.dc].T, x[:, self.dc :]
-        k_nope = (self.w_uk @ c).transpose(1, 2)  # [H, S, Dn]
+        c, r = x[:, : self.dc], x[:, self.dc :]  # contiguous products: the fused kernel wants unit last strides
+        k_nope = c @ self.w_uk.transpose(1, 2)  # [H, S, Dn]
         k = torch.cat([k_nope, r[None].expand(k_nope.shape[0], -1, -1)], dim=-1)
-        return k, (self.w_uv @ c).transpose(1, 2)
+        return k, c @ self.w_uv.transpose(1, 2)  # [H, S, Dv]
 
 
 def prefill_attention_heads(
