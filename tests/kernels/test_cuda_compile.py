@@ -27,7 +27,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("name,arch", [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a")])
+@pytest.mark.parametrize(
+    "name,arch", [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a"), ("decode_mla_sm90_h64", "90a")]
+)
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
            "-o", str(tmp_path / "k.cubin"), str(CSRC / f"{name}.cu"), "-Xptxas", "-v"]  # fmt: skip
@@ -39,11 +41,11 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path
     assert "C7512" not in log, "ptxas serialized the wgmma pipeline:\n" + "\n".join(
         ln for ln in log.splitlines() if "C7512" in ln
     )
-    if name == "decode_mla_sm90":
+    if name.startswith("decode_mla_sm90"):
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64"])
 def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
     """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
     Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
@@ -74,9 +76,13 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
     # CTAs per split and sequence: 16 heads each; the wgmma kernel's packed pages past 16 heads take 32 heads per
     # pair of CTAs (each pair splits the content groups of the output), BF16 pages stay at 16
-    per_16 = {h: -(-h // 16) for h in (1, 16, 17, 32, 33, 64, 128)}
-    pairs = {1: 1, 16: 1, 17: 2, 32: 2, 33: 4, 64: 4, 128: 8}
+    # wgmma64: 64 heads per CTA for every format
+    per_16 = {h: -(-h // 16) for h in (1, 16, 17, 32, 33, 64, 65, 128)}
+    pairs = {1: 1, 16: 1, 17: 2, 32: 2, 33: 4, 64: 4, 65: 6, 128: 8}
     for h in per_16:
+        if kernel == "wgmma64":
+            assert all(lib.qmla_head_ctas(h, bits) == -(-h // 64) for bits in (16, 8, 4, 2))
+            continue
         assert lib.qmla_head_ctas(h, 16) == per_16[h]
         assert lib.qmla_head_ctas(h, 4) == (pairs[h] if kernel == "wgmma" else per_16[h])
         assert lib.qmla_head_ctas(h, 2) == (pairs[h] if kernel == "wgmma" else per_16[h])

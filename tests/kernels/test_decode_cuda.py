@@ -1,6 +1,6 @@
 """The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
 
-Every test runs for each kernel the GPU has: ``mma`` (sm_80+) and ``wgmma`` (sm_90 only), chosen through
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma`` and ``wgmma64`` (sm_90 only), chosen through
 ``$QUANTMLA_CUDA_KERNEL``.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
-KERNELS = ["mma", pytest.param("wgmma", marks=pytest.mark.skipif(not SM90, reason="the wgmma kernel needs sm_90"))]
+KERNELS = ["mma"] + [pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
+                     for k in ("wgmma", "wgmma64")]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 POLICY = CachePolicy(sink=4, local=128, page_size=64)
@@ -89,9 +90,9 @@ def test_cuda_decode_edges(fmt):
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["c8r8", "c4r8", "bf16"])
 def test_cuda_decode_formats_of_the_wgmma_kernel(fmt, cuda_kernel):
-    """8-bit content (fp16 output product, P s carried as P s 2^k), 8-bit RoPE and BF16 pages: the wgmma kernel
+    """8-bit content (fp16 output product, P s carried as P s 2^k), 8-bit RoPE and BF16 pages: the Hopper kernels
     only."""
-    if cuda_kernel != "wgmma":
+    if cuda_kernel == "mma":
         pytest.skip("the mma kernel has no 8-bit or BF16 path (Triton runs these formats)")
     lens = [0, 1, 4, 5, 63, 64, 65, 131, 132, 133, 196, 197, 4097]
     cache, q_lat, q_pe = make(fmt, lens, 16, seed=17)

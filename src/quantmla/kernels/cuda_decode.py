@@ -26,9 +26,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2}  # fallbacks if the occupancy query fails: mma 168 registers, ~74 KB shared
-# memory per CTA; wgmma 198-230 registers, 52-68 KB
-KERNELS = ("mma", "wgmma")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1}  # fallbacks if the occupancy query fails: mma 168 registers,
+# ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 210-216 registers, 176 KB
+KERNELS = ("mma", "wgmma", "wgmma64")
+SM90_KERNELS = ("wgmma", "wgmma64")  # built for sm_90a only
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
@@ -36,7 +37,8 @@ WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (seq
 # vs mma's 1.01-1.07x at B1x128K / B8x32K, 16 heads; mma 1.36-1.43x vs 1.23-1.31x at B32x32K / B32x128K)
 WGMMA_AUTO_MAX_HEADS = 16  # auto leaves the wgmma kernel's 32-heads-per-CTA-pair path (H > 16) alone until it has
 # run on the H200 (written 2026-12-01): past 16 heads auto takes mma (C8R8 / C4R8: Triton); kernel="wgmma" asks
-_SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a")}  # source, build architecture
+_SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
+            "wgmma64": ("decode_mla_sm90_h64", "90a")}  # source, build architecture
 
 
 class _Params(ctypes.Structure):
@@ -61,6 +63,7 @@ class _Params(ctypes.Structure):
 
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
+BITS["wgmma64"] = BITS["wgmma"]
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -121,8 +124,8 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         work = len(lens) * math.ceil(max(1, heads) / HEADS_PER_CTA) * max(lens, default=0)
         return "wgmma" if work <= WGMMA_MAX_WORK else "mma"
     if cap != (9, 0):
-        raise RuntimeError(f"the wgmma decode kernel is built for sm_90a (H100/H200); this GPU is sm_{cap[0]}{cap[1]}: "
-                           f"use kernel='mma'")  # fmt: skip
+        raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
+                           f"sm_{cap[0]}{cap[1]}: use kernel='mma'")  # fmt: skip
     return choice
 
 
