@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "name,arch", [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a"), ("decode_mla_sm90_h64", "90a")]
+    "name,arch",
+    [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a"), ("decode_mla_sm90_h64", "90a")],
 )
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
