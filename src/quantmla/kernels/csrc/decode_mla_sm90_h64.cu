@@ -4,31 +4,34 @@
 // Why: the swap-AB kernel (decode_mla_sm90.cu) and the mma kernel (decode_mla.cu) unpack every page in registers
 // once per 16-head CTA, so at 64 / 128 heads (DeepSeek-V3 at TP2 / data-parallel attention) a page is unpacked 4-8
 // times and the products run as 16-row tiles: 0.26-0.63x FlashMLA BF16 on the H200. Here the unpacking is paid once
-// per 64 heads and the products are the full-height tiles FlashMLA runs, on 4-16x fewer bytes.
+// per 64 heads and the products are the full-height tiles FlashMLA runs, on 2-6x fewer bytes. (A first version
+// dequantized to fp16 values c s + o: its LSE drifted by up to 0.12 at large values, and one outstanding load per
+// thread left it latency-bound; results/gpu_tests_h200_2026-12-01_wgmma64_v1.log.)
 //
 // Same contract, launch grid (x = ceil(H / 64) head groups), page layout (quantmla.kernels.layout) and partial
 // outputs as the other two kernels, so the host side, the BF16 sink/local kernel and the combine are shared. The
 // torch reference of the same byte layout is the definition: quantmla/kernels/reference.py.
 //
 // One CTA = two warpgroups = one (64-head group, split, sequence); tiles of 32 tokens (half a page). Warpgroup w
-// owns half of the channels for both products ("split-D"): content channels 256w .. 256w + 255 (groups 2w, 2w + 1)
-// and RoPE channels 32w .. 32w + 31. Per tile, each warpgroup:
-//   (1) (issued a tile ahead) loads its half of the packed tile with plain global loads into registers, one token
-//       per lane, one quarter of the half per warp;
-//   (2) dequantizes it into shared memory as fp16 (BF16 pages: copies bf16): the codes become exact fp16 numbers by
-//       the magic-number LOP3 (1024 + c, minus 1024), then v = c s + o in one fp16x2 FMA (one rounding of the exact
-//       value, as the fp32 reference rounded to fp16); out-of-range tokens are stored as zeros (their bytes and
-//       meta may be anything, NaN included). Each 8-channel chunk holds its channels in the order (0 2 1 3 4 6 5 7)
-//       (what the LOP3 pairs give); q is staged in the same order and the epilogue maps the output columns back;
-//   (3) score partial S_w[64 heads x 32 tokens] = q_w k_w^T over its 288 channels: 18 wgmma.m64n32k16, A = q
-//       (fp16, staged once per CTA, times 2^-e as in the other kernels) and B = the tile, both K-major in shared
-//       memory;
-//   (4) exchanges the partial with the other warpgroup through shared memory (S = S_0 + S_1, the same bits in both),
+// owns half of the channels for both products ("split-D"): content channels 256w .. 256w + 255 (groups a = 2w and
+// b = 2w + 1) and RoPE channels 32w .. 32w + 31. Per tile, each warpgroup:
+//   (1) (issued two tiles ahead) copies its bytes of the packed tile with cp.async into a thread-private staging
+//       (lane = token, warp = quarter of the warpgroup's channels; the block-table entry is read a tile earlier);
+//   (2) unpacks them into shared memory as EXACT bf16 codes (magic-number LOP3, minus the magic: every code of
+//       every format is a bf16 integer), and the token's scales and offsets as floats; out-of-range tokens are
+//       stored as zeros (their bytes and meta may be anything, NaN included). Each 8-channel chunk holds its
+//       channels in the order (0 2 1 3 4 6 5 7) (what the LOP3 pairs give); q is staged in the same order and the
+//       epilogue maps the output columns back. BF16 pages: the values themselves, loaded one tile ahead;
+//   (3) score partials per scale: acc_k[64 heads x 32 tokens] = q_k codes_k^T for k = group a, group b, its RoPE
+//       half (18 wgmma.m64n32k16, both operands K-major in shared memory; q = bf16(q * qk_scale), staged once), then
+//       S_w = sum_k s_k[t] acc_k + o_k[t] qsum_k[h] (per-token scales are column scales: never per element);
+//   (4) exchanges S_w with the other warpgroup through shared memory (S = S_0 + S_1, the same bits in both),
 //       masks, and runs the online softmax (lazy running maximum, as decode_mla.cu) on its own copy;
-//   (5) output O_w[64 x 256] += P V_w: 2 wgmma.m64n256k16 with P (fp16, <= 2^8) in registers as the A fragment
-//       and the same tile read MN-major as B; asynchronous: step (2) of the next tile runs meanwhile.
-// Shared memory: q 72 KB, 2 stages x 2 warpgroups x 18 KB of tile, 32 KB of score exchange: one CTA per SM.
-// Writes each split's normalized partial output and its log2-sum-exp (warpgroup 0) in the layout of the others.
+//   (5) O_k[64 x 128] += bf16(P s_k) codes_k for its two groups (4 wgmma.m64n128k16: P s_k in registers as the A
+//       fragment, the tile read MN-major as B), and sum_t P o_k per row for the offsets (added in the epilogue);
+//       step (2) of the next tile runs while these products do.
+// Shared memory: q 72 KB, 2 stages x 2 warpgroups x 18 KB of tile, 32 KB of score exchange, the staging (20-45
+// KB): one CTA per SM. Writes each split's normalized partial output and log2-sum-exp in the others' layout.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,12 +54,14 @@ constexpr int kTile = 32;                     // tokens per tile
 constexpr int kQChunk = kHeads * 16;          // bytes of one 8-channel chunk of q (64 rows of 16 bytes)
 constexpr int kTChunk = kTile * 16;           // bytes of one 8-channel chunk of a tile
 constexpr int kHalf = 36 * kTChunk;           // one warpgroup's half of a tile: 32 content + 4 RoPE chunks
-constexpr int Q_SM = 0;                       // q [chunk 72][head 64][8 channels]
-constexpr int ST_SM = Q_SM + 72 * kQChunk;    // tiles [stage 2][warpgroup 2][chunk 36][token 32][8 channels]
+constexpr int Q_SM = 0;                       // q [chunk 72][head 64][8 channels] bf16
+constexpr int ST_SM = Q_SM + 72 * kQChunk;    // tiles [stage 2][warpgroup 2][chunk 36][token 32][8 channels] bf16
 constexpr int X_SM = ST_SM + 4 * kHalf;       // partial scores [parity 2][warpgroup 2][4][128 threads] float4
-constexpr int R_SM = X_SM + 2 * 2 * 4 * 128 * 16;  // [8 warps] floats
-constexpr int SMEM = R_SM + 8 * 4;
+constexpr int MT_SM = X_SM + 2 * 2 * 4 * 128 * 16;  // tile meta [stage 2][warpgroup 2][token 32][8] floats
+constexpr int QS_SM = MT_SM + 2 * 2 * kTile * 8 * 4;  // q sums [6 (4 content groups, 2 RoPE halves)][head 64]
+constexpr int STG_SM = QS_SM + 6 * kHeads * 4;  // packed pages: cp.async staging [tile parity 2][warpgroup 2]
 static_assert(4 * kHalf == kHeads * (kDc + kDr) * 2, "the raw bf16 q is staged over the tile stages");
+static_assert(72 * kHeads * 4 <= MT_SM - X_SM, "the q sums' partials are staged over the score exchange");
 
 // channel (within its 8-channel chunk) held by slot j: the LOP3 pairs give (c0, c2), (c1, c3) per 32-bit word
 template <bool PERM>
@@ -66,97 +71,144 @@ __device__ __forceinline__ int slot_channel(int j) {
 
 __device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n)); }
 
-__device__ __forceinline__ uint32_t h2u(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __half2 u2h(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+// (128 + c_lo, 128 + c_hi) bf16 magic numbers minus 128: exact bf16 codes (c < 128)
+__device__ __forceinline__ uint32_t bf16_codes(uint32_t m) {
+  uint32_t y;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return y;
+}
 
-// 8 codes of plane `pl` of 8 consecutive bytes (u0, u1) -> 8 fp16 values c s + o in slot order
+// 8-bit fields as fp16 magic numbers (1024 + c) -> exact bf16 codes (c <= 255: 8 significant bits)
+__device__ __forceinline__ uint32_t bf16_codes8(uint32_t m) {
+  const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&m), __float2half2_rn(1024.f));
+  return pack_bf16(__low2float(c), __high2float(c));
+}
+
+// The 8 B-bit codes of plane `pl` of 8 consecutive bytes (u0, u1) as exact bf16 numbers, in slot order
 template <int B>
-__device__ __forceinline__ uint4 dequant8(uint32_t u0, uint32_t u1, int pl, __half2 s2, __half2 o2) {
+__device__ __forceinline__ uint4 codes8(uint32_t u0, uint32_t u1, int pl) {
   constexpr uint32_t mask = ((1u << B) - 1u) * 0x00010001u;
   const uint32_t x0 = u0 >> (B * pl), x1 = u1 >> (B * pl);
-  const __half2 k1024 = u2h(kMagicF16);
-  const uint32_t m[4] = {and_or(x0, mask, kMagicF16), and_or(x0 >> 8, mask, kMagicF16), and_or(x1, mask, kMagicF16),
-                         and_or(x1 >> 8, mask, kMagicF16)};
+  const uint32_t f[4] = {x0, x0 >> 8, x1, x1 >> 8};
   uint32_t v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = h2u(__hfma2(__hsub2(u2h(m[i]), k1024), s2, o2));
+  for (int i = 0; i < 4; ++i)
+    v[i] = B == 8 ? bf16_codes8(and_or(f[i], mask, kMagicF16)) : bf16_codes(and_or(f[i], mask, kMagicBf16));
   return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-// One thread's share of a tile half: lane = token, warp (of the warpgroup) = quarter of the warpgroup's channels.
-template <int CB, int RB, bool CSYM, bool RSYM>
-struct TileRegs {
-  static constexpr bool kBf16 = CB == 16;
-  static constexpr int CW = kBf16 ? 32 : 2 * CB;  // 32-bit words of content: 64 bf16 channels, or 8 CB bytes
-  static constexpr int RW = kBf16 ? 4 : 2;        // RoPE: 8 bf16 channels, or 8 bytes
-  static constexpr int CBYTES = kBf16 ? 2 * kDc : kDc * CB / 8, RBYTES = kBf16 ? 2 * kDr : kDr * RB / 8;
-  static constexpr int GB = 16 * CB;              // packed bytes of one content group
-  uint32_t c[CW], r[RW];
-  __half cs, co, rs, ro;
+// Where a thread's share of a packed tile is staged by cp.async (per warpgroup and stage, private to the thread:
+// no barrier between its copy and its reads): content [16-byte chunk][quarter][lane], RoPE [quarter][lane] x 8 bytes,
+// meta [row: content scale, content offset, RoPE scale, RoPE offset][quarter][lane] x 4 bytes (the aligned pair of
+// tokens holding the thread's token).
+template <int CB>
+struct Staging {
+  static constexpr int CK = CB / 2;                     // 16-byte content chunks per thread: 8 CB bytes
+  static constexpr int C0 = 0, R0 = CK * 128 * 16, M0 = R0 + 128 * 8, BYTES = M0 + 4 * 128 * 4;
+};
 
-  __device__ __forceinline__ void load(const uint8_t* page, const Params& p, int tau, int wg, int q) {
-    if constexpr (kBf16) {
-      const uint4* src = reinterpret_cast<const uint4*>(page + p.c_off + tau * CBYTES + (256 * wg + 64 * q) * 2);
+// One thread's share of a packed tile half: lane = token, warp (of the warpgroup) = quarter of its channels.
+template <int CB, int RB, bool CSYM, bool RSYM>
+struct PackedTile {
+  using S = Staging<CB>;
+  static constexpr int CBYTES = kDc * CB / 8, RBYTES = kDr * RB / 8;
+  static constexpr int GB = 16 * CB;  // packed bytes of one content group
+
+  // copy (cp.async, no registers) the thread's bytes of token tau of a page into its staging
+  static __device__ __forceinline__ void issue(uint32_t stg, const uint8_t* page, const Params& p, int tau, int wg,
+                                               int q, int lane) {
+    using M = MetaRows<CSYM, RSYM>;
+    const int gr = 2 * wg + (q >> 1), slot = q * 32 + lane;
+    const uint8_t* src = page + p.c_off + tau * CBYTES + gr * GB + (q & 1) * (GB / 2);
 #pragma unroll
-      for (int k = 0; k < CW / 4; ++k) {
-        const uint4 v = __ldg(src + k);
-        c[4 * k] = v.x, c[4 * k + 1] = v.y, c[4 * k + 2] = v.z, c[4 * k + 3] = v.w;
-      }
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tau * RBYTES + (32 * wg + 8 * q) * 2));
-      r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
-    } else {
-      using M = MetaRows<CSYM, RSYM>;
-      const int gr = 2 * wg + (q >> 1);
-      const uint4* src = reinterpret_cast<const uint4*>(page + p.c_off + tau * CBYTES + gr * GB + (q & 1) * (GB / 2));
-#pragma unroll
-      for (int k = 0; k < CW / 4; ++k) {
-        const uint4 v = __ldg(src + k);
-        c[4 * k] = v.x, c[4 * k + 1] = v.y, c[4 * k + 2] = v.z, c[4 * k + 3] = v.w;
-      }
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(page + p.r_off + tau * RBYTES + (RB == 4 ? 8 * q : 32 * wg + 8 * q)));
-      r[0] = v.x, r[1] = v.y;
-      const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
-      cs = meta[(M::CS + gr) * kPage + tau];
-      rs = meta[M::RS * kPage + tau];
-      if constexpr (!CSYM) co = meta[(M::CO + gr) * kPage + tau];
-      if constexpr (!RSYM) ro = meta[M::RO * kPage + tau];
-    }
+    for (int k = 0; k < S::CK; ++k) cp_async16(stg + S::C0 + (k * 128 + slot) * 16, src + 16 * k);
+    cp_async8(stg + S::R0 + slot * 8, page + p.r_off + tau * RBYTES + (RB == 4 ? 8 * q : 32 * wg + 8 * q));
+    const uint8_t* meta = page + p.m_off + (tau & ~1) * 2;
+    cp_async4(stg + S::M0 + (0 * 128 + slot) * 4, meta + (M::CS + gr) * kPage * 2);
+    if constexpr (!CSYM) cp_async4(stg + S::M0 + (1 * 128 + slot) * 4, meta + (M::CO + gr) * kPage * 2);
+    cp_async4(stg + S::M0 + (2 * 128 + slot) * 4, meta + M::RS * kPage * 2);
+    if constexpr (!RSYM) cp_async4(stg + S::M0 + (3 * 128 + slot) * 4, meta + M::RO * kPage * 2);
   }
 
-  // into a warpgroup's tile half (token n = lane, quarter q = warp); zeros when the token is out of range
-  __device__ __forceinline__ void store(uint8_t* half, int n, int wg, int q, bool ok) const {
+  // From the staging into a warpgroup's tile half (token n = lane, quarter q = warp) as exact bf16 codes, and the
+  // token's scales and offsets into its meta row [s_a, s_b, s_r, -, o_a, o_b, o_r, -] (a, b: the warpgroup's two
+  // content groups, r: RoPE; symmetric specs: o = -2^(bits-1) s). Zeros when the token is out of range: its bytes
+  // and meta may be anything, NaN included.
+  static __device__ __forceinline__ void store(const uint8_t* stg, uint8_t* half, float* meta_row, int n, int wg,
+                                               int q, bool ok) {
+    const int slot = q * 32 + n;
     uint8_t* row = half + (n >> 3) * 128 + (n & 7) * 16;
     auto put = [&](int chunk, uint4 v) { *reinterpret_cast<uint4*>(row + chunk * kTChunk) = v; };
     const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (kBf16) {
+    constexpr int F = 8 / CB;
+    const int base = (q >> 1) * 16 + (q & 1) * CB;  // chunk of plane 0's first 8 bytes
 #pragma unroll
-      for (int k = 0; k < 8; ++k) put(8 * q + k, ok ? make_uint4(c[4 * k], c[4 * k + 1], c[4 * k + 2], c[4 * k + 3]) : z);
-      put(32 + q, ok ? make_uint4(r[0], r[1], r[2], r[3]) : z);
-    } else {
-      constexpr int F = 8 / CB;
-      const __half2 s2 = __half2half2(cs), rs2 = __half2half2(rs);
-      const __half2 o2 = CSYM ? __hmul2(s2, __float2half2_rn(-(float)(1 << (CB - 1)))) : __half2half2(co);
-      const __half2 ro2 = RSYM ? __hmul2(rs2, __float2half2_rn(-(float)(1 << (RB - 1)))) : __half2half2(ro);
-      const int base = (q >> 1) * 16 + (q & 1) * CB;  // chunk of plane 0's first 8 bytes
+    for (int k = 0; k < S::CK; ++k) {
+      const uint4 v = *reinterpret_cast<const uint4*>(stg + S::C0 + (k * 128 + slot) * 16);
 #pragma unroll
-      for (int pl = 0; pl < F; ++pl)
-#pragma unroll
-        for (int k = 0; k < CB; ++k)
-          put(base + pl * 2 * CB + k, ok ? dequant8<CB>(c[2 * k], c[2 * k + 1], pl, s2, o2) : z);
-      put(32 + q, ok ? dequant8<RB>(r[0], r[1], RB == 4 ? wg : 0, rs2, ro2) : z);
+      for (int pl = 0; pl < F; ++pl) {
+        put(base + pl * 2 * CB + 2 * k, ok ? codes8<CB>(v.x, v.y, pl) : z);
+        put(base + pl * 2 * CB + 2 * k + 1, ok ? codes8<CB>(v.z, v.w, pl) : z);
+      }
+    }
+    const uint2 r = *reinterpret_cast<const uint2*>(stg + S::R0 + slot * 8);
+    put(32 + q, ok ? codes8<RB>(r.x, r.y, RB == 4 ? wg : 0) : z);
+    if (q != 3) {  // q 0: group a, q 2: group b, q 1: RoPE
+      const bool rope = q == 1;
+      const int hs = (n & 1) * 16;  // the token's half of the copied pair
+      const uint32_t* m = reinterpret_cast<const uint32_t*>(stg + S::M0) + slot;
+      const float sc = __half2float(__ushort_as_half((uint16_t)(m[(rope ? 2 : 0) * 128] >> hs)));
+      const float bias = rope ? -(float)(1 << (RB - 1)) : -(float)(1 << (CB - 1));
+      float of;
+      if (rope ? RSYM : CSYM) of = bias * sc;
+      else of = __half2float(__ushort_as_half((uint16_t)(m[(rope ? 3 : 1) * 128] >> hs)));
+      const int ms = rope ? 2 : q >> 1;
+      meta_row[ms] = ok ? sc : 0.f;
+      meta_row[4 + ms] = ok ? of : 0.f;
     }
   }
 };
 
-// q of the CTA's 64 heads: bf16(q * qk_scale) (the reference's rounding), then (packed pages) times 2^-e as fp16,
-// in the chunk layout and slot order of the tiles. Uses the tile stages as scratch; ends with a CTA barrier.
+template <int CB>
+constexpr int smem_bytes() {
+  if constexpr (CB == 16) return STG_SM;
+  else return STG_SM + 4 * Staging<CB>::BYTES;
+}
+
+// One thread's share of a BF16-page tile half, through registers: 64 content + 8 RoPE channels of one token.
+struct Bf16Tile {
+  uint32_t c[32], r[4];
+
+  __device__ __forceinline__ void load(const uint8_t* page, const Params& p, int tau, int wg, int q) {
+    const uint4* src = reinterpret_cast<const uint4*>(page + p.c_off + tau * 2 * kDc + (256 * wg + 64 * q) * 2);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint4 v = __ldg(src + k);
+      c[4 * k] = v.x, c[4 * k + 1] = v.y, c[4 * k + 2] = v.z, c[4 * k + 3] = v.w;
+    }
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tau * 2 * kDr + (32 * wg + 8 * q) * 2));
+    r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+  }
+  __device__ __forceinline__ void store(uint8_t* half, int n, int q, bool ok) const {
+    uint8_t* row = half + (n >> 3) * 128 + (n & 7) * 16;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      *reinterpret_cast<uint4*>(row + (8 * q + k) * kTChunk) =
+          ok ? make_uint4(c[4 * k], c[4 * k + 1], c[4 * k + 2], c[4 * k + 3]) : z;
+    *reinterpret_cast<uint4*>(row + (32 + q) * kTChunk) = ok ? make_uint4(r[0], r[1], r[2], r[3]) : z;
+  }
+};
+
+// q of the CTA's 64 heads as bf16(q * qk_scale) (the reference's rounding) in the chunk layout and slot order of
+// the tiles, and (packed pages) its sums over each content group and each RoPE half (for the offset terms). Uses
+// the tile stages and the score exchange as scratch; ends with a CTA barrier.
 template <bool kBf16>
-__device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, int h0) {
+__device__ __forceinline__ void stage_q64(uint8_t* smem, const Params& p, int b, int h0) {
   constexpr int kRow = kDc + kDr;
   __nv_bfloat162* raw = reinterpret_cast<__nv_bfloat162*>(smem + ST_SM);  // [head][576]
-  float* scratch = reinterpret_cast<float*>(smem + R_SM);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  float amax = 0.f;
+  float* part = reinterpret_cast<float*>(smem + X_SM);                    // [chunk 72][head 64]
+  const int tid = threadIdx.x;
 #pragma unroll 4
   for (int f = tid; f < kHeads * kRow / 2; f += kThreads) {
     const int hh = f / (kRow / 2), ch = 2 * (f % (kRow / 2)), h = h0 + hh;
@@ -168,51 +220,41 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
       x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
       x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
     }
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
-    amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-    raw[f] = v;
+    raw[f] = __floats2bfloat162_rn(x0, x1);
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (lane == 0) scratch[warp] = amax;
   __syncthreads();
-  float m = 0.f;
-#pragma unroll
-  for (int i = 0; i < kThreads / 32; ++i) m = fmaxf(m, scratch[i]);
-  const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
-  const int e = kBf16 ? 0 : min(max(E - 14, -100), 100);
-  const float down = exp2i(-e);
-  const __nv_bfloat16* rawh = reinterpret_cast<const __nv_bfloat16*>(raw);
+  const uint16_t* rawh = reinterpret_cast<const uint16_t*>(raw);
   for (int f = tid; f < kHeads * (kRow / 8); f += kThreads) {  // (head, chunk): consecutive threads, heads
     const int hh = f % kHeads, chunk = f / kHeads;
     uint16_t v[8];
+    float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const __nv_bfloat16 x = rawh[hh * kRow + 8 * chunk + slot_channel<!kBf16>(j)];
-      if constexpr (kBf16) v[j] = *reinterpret_cast<const uint16_t*>(&x);
-      else {
-        const __half y = __float2half_rn(__bfloat162float(x) * down);  // exact: bf16 in fp16's range
-        v[j] = *reinterpret_cast<const uint16_t*>(&y);
-      }
+      v[j] = rawh[hh * kRow + 8 * chunk + slot_channel<!kBf16>(j)];
+      sum += __uint_as_float((uint32_t)v[j] << 16);
     }
+    part[chunk * kHeads + hh] = sum;
     uint4 w;
     w.x = v[0] | (uint32_t)v[1] << 16, w.y = v[2] | (uint32_t)v[3] << 16;
     w.z = v[4] | (uint32_t)v[5] << 16, w.w = v[6] | (uint32_t)v[7] << 16;
     *reinterpret_cast<uint4*>(smem + Q_SM + chunk * kQChunk + hh * 16) = w;
   }
   __syncthreads();
-  return e;
+  float* qs = reinterpret_cast<float*>(smem + QS_SM);
+  for (int f = tid; f < 6 * kHeads; f += kThreads) {  // slot u: content groups 0-3 (16 chunks), RoPE halves (4)
+    const int u = f / kHeads, hh = f % kHeads, c0 = u < 4 ? 16 * u : 64 + 4 * (u - 4), nc = u < 4 ? 16 : 4;
+    float sum = 0.f;
+    for (int c = 0; c < nc; ++c) sum += part[(c0 + c) * kHeads + hh];
+    qs[u * kHeads + hh] = sum;
+  }
+  __syncthreads();
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void score_product(float (&d)[16], uint64_t qd, uint64_t td) {
-  if constexpr (kBf16) wgmma_ss_bf16_n32(d, (uint32_t)qd, (uint32_t)(qd >> 32), (uint32_t)td, (uint32_t)(td >> 32));
-  else wgmma_ss_f16_n32(d, (uint32_t)qd, (uint32_t)(qd >> 32), (uint32_t)td, (uint32_t)(td >> 32));
+__device__ __forceinline__ void score_product(float (&d)[16], uint64_t qd, uint64_t td, int accumulate) {
+  wgmma_ss_bf16_n32(d, (uint32_t)qd, (uint32_t)(qd >> 32), (uint32_t)td, (uint32_t)(td >> 32), accumulate);
 }
-template <bool kBf16>
-__device__ __forceinline__ void output_product(float (&d)[128], const uint32_t (&a)[4], uint64_t vd) {
-  if constexpr (kBf16) wgmma_rs_bf16_n256_t(d, a, (uint32_t)vd, (uint32_t)(vd >> 32));
-  else wgmma_rs_f16_n256_t(d, a, (uint32_t)vd, (uint32_t)(vd >> 32));
+__device__ __forceinline__ void output_product(float* d, const uint32_t (&a)[4], uint64_t vd) {
+  wgmma_rs_bf16_n128_t(*reinterpret_cast<float(*)[64]>(d), a, (uint32_t)vd, (uint32_t)(vd >> 32));
 }
 
 template <int CB, int RB, bool CSYM, bool RSYM>
@@ -232,52 +274,116 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
   const int T0 = max(2 * pg0, lo / kTile), T1 = min(2 * pg1, (hi + kTile - 1) / kTile);  // tiles of this split
   const int* bt = p.block_table + (long long)b * p.bt_stride;
 
-  const int e = stage_q64<kBf16>(smem, p, b, h0);
-  const float two_e = exp2i(e);
+  stage_q64<kBf16>(smem, p, b, h0);
+  const float* qsm = reinterpret_cast<const float*>(smem + QS_SM);  // q sums [slot][head], read where used
 
-  TileRegs<CB, RB, CSYM, RSYM> regs;
   auto tile_ok = [&](int T) { const int tok = T * kTile + lane; return tok >= lo && tok < hi; };
-  auto load = [&](int T) {
-    regs.load(p.pool + (long long)bt[T >> 1] * p.page_bytes, p, (T & 1) * kTile + lane, wg, warp);
-  };
   auto half_at = [&](int st) { return smem + ST_SM + (st * 2 + wg) * kHalf; };
+  auto meta_at = [&](int st) { return reinterpret_cast<float*>(smem + MT_SM) + ((st * 2 + wg) * kTile) * 8; };
+  auto page_of = [&](int T) { return T < T1 ? bt[T >> 1] : 0; };
+  auto page_ptr = [&](int page) { return p.pool + (long long)page * p.page_bytes; };
+  // Packed pages: tile T + 2 is copied (cp.async into a thread-private staging) while tile T runs; BF16 pages
+  // (4x the bytes, through registers): tile T + 1. The block-table entry of the next tile to load is read a tile
+  // before its loads are issued, so they never wait for it.
+  constexpr int kAhead = kBf16 ? 1 : 2;
+  int page_next = 0;
+  Bf16Tile bf;  // (BF16 pages only)
+  auto stg_at = [&](int T) {  // byte offset of tile T's staging (packed pages)
+    return STG_SM + (((T - T0) & 1) * 2 + wg) * Staging<kBf16 ? 2 : CB>::BYTES;
+  };
+  auto fetch = [&](int T, int page) {  // start loading tile T (T < T1)
+    if constexpr (kBf16) bf.load(page_ptr(page), p, (T & 1) * kTile + lane, wg, warp);
+    else PackedTile<CB, RB, CSYM, RSYM>::issue(smem_u32(smem) + stg_at(T), page_ptr(page), p, (T & 1) * kTile + lane,
+                                              wg, warp, lane);
+  };
+  auto put = [&](int T, int st) {  // tile T (loaded) into tile stage st
+    if constexpr (kBf16) {
+      bf.store(half_at(st), lane, warp, tile_ok(T));
+    } else {
+      cp_async_wait<1>();  // tile T's group (the newest, T + 1's, may still be in flight)
+      PackedTile<CB, RB, CSYM, RSYM>::store(smem + stg_at(T), half_at(st), meta_at(st) + 8 * lane, lane, wg, warp,
+                                            tile_ok(T));
+    }
+  };
   if (T0 < T1) {
-    load(T0);
-    regs.store(half_at(0), lane, wg, warp, tile_ok(T0));
+    fetch(T0, page_of(T0));
+    if constexpr (!kBf16) {
+      cp_async_commit();
+      if (T0 + 1 < T1) fetch(T0 + 1, page_of(T0 + 1));
+      cp_async_commit();
+    }
+    put(T0, 0);
+    page_next = page_of(T0 + kAhead);
   }
 
-  float o[128];
+  float o[128];  // O of the warpgroup's 256 channels: group a (o[0..63]), group b (o[64..127])
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, r_off[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const uint32_t q_u = smem_u32(smem + Q_SM);
 
   for (int T = T0; T < T1; ++T) {
     const int it = T - T0, st = it & 1;
-    const bool more = T + 1 < T1;
-    if (more) load(T + 1);  // in flight during this tile's products
+    if (T + kAhead < T1) fetch(T + kAhead, page_next);  // in flight during this tile (and the next)
+    if constexpr (!kBf16) cp_async_commit();            // one group per tile, empty ones included
+    page_next = page_of(T + kAhead + 1);
     fence_proxy_async();
     named_bar(2 + wg, 128);  // this warpgroup's half of tile T is in shared memory
     const uint32_t half_u = smem_u32(half_at(st));
 
-    // ---- (3) partial scores over this warpgroup's 16 content + 2 RoPE k-blocks
-    float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    fence_operands(s);
+    // ---- partial scores over this warpgroup's content groups a, b and its RoPE half: codes . q
+    constexpr int kAcc = kBf16 ? 1 : 3;  // packed: groups a, b and RoPE apart (their scales differ per token)
+    float acc[kAcc][16];  // the first product of each accumulator does not read it
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 18; ++j) {
       const int kq = j < 16 ? 16 * wg + j : 32 + 2 * wg + (j - 16);  // k-block of q (16 channels)
-      score_product<kBf16>(s, wgmma_desc(q_u + kq * 2 * kQChunk, kQChunk, 128),
-                           wgmma_desc(half_u + j * 2 * kTChunk, kTChunk, 128));
+      score_product(acc[kBf16 ? 0 : j < 8 ? 0 : j < 16 ? 1 : 2], wgmma_desc(q_u + kq * 2 * kQChunk, kQChunk, 128),
+                    wgmma_desc(half_u + j * 2 * kTChunk, kTChunk, 128), kBf16 ? j > 0 : j != 0 && j != 8 && j != 16);
     }
     wgmma_commit();
-    wgmma_wait<0>();  // also the previous tile's output product: O and the other stage are free
-    fence_operands(s);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < kAcc; ++k) fence_operands(acc[k]);
     fence_operands(o);
 
-    // ---- (4) S = S_0 + S_1 (the same bits in both warpgroups), mask, online softmax
+    // ---- scales on the accumulators: S_w = sum_k s_k[t] acc_k + o_k[t] qs_k (BF16 pages: the plain sum)
+    const float* mrow = meta_at(st);
+    float s[16];
+    float qs[3][2];  // q sums of this thread's rows over groups a, b and the warpgroup's RoPE half
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = 16 * warp + g + 8 * v1;
+      qs[0][v1] = kBf16 ? 0.f : qsm[(2 * wg) * kHeads + r];
+      qs[1][v1] = kBf16 ? 0.f : qsm[(2 * wg + 1) * kHeads + r];
+      qs[2][v1] = kBf16 ? 0.f : qsm[(4 + wg) * kHeads + r];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int v0 = 0; v0 < 2; ++v0) {
+        const int col = 8 * j + 2 * t + v0;
+        if constexpr (kBf16) {
+#pragma unroll
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int i = 4 * j + v0 + 2 * v1;
+            s[i] = acc[0][i];
+          }
+        } else {
+          const float4 sc = *reinterpret_cast<const float4*>(mrow + 8 * col);
+          const float4 of = *reinterpret_cast<const float4*>(mrow + 8 * col + 4);
+#pragma unroll
+          for (int v1 = 0; v1 < 2; ++v1) {
+            const int i = 4 * j + v0 + 2 * v1;
+            float x = fmaf(of.x, qs[0][v1], fmaf(of.y, qs[1][v1], of.z * qs[2][v1]));
+            x = fmaf(sc.x, acc[0][i], x);
+            x = fmaf(sc.y, acc[1][i], x);
+            s[i] = fmaf(sc.z, acc[2][i], x);
+          }
+        }
+      }
+
+    // ---- S = S_0 + S_1 (the same bits in both warpgroups), mask, online softmax
     float4* xw = reinterpret_cast<float4*>(smem + X_SM) + (((it & 1) * 2 + wg) * 4) * 128 + wt;
 #pragma unroll
     for (int j = 0; j < 4; ++j) xw[j * 128] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
@@ -300,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
 #pragma unroll
         for (int v1 = 0; v1 < 2; ++v1) {
           float& x = s[4 * j + v0 + 2 * v1];
-          x = ok ? x * two_e : -INFINITY;
+          x = ok ? x : -INFINITY;
           mt[v1] = fmaxf(mt[v1], x);
         }
       }
@@ -320,11 +426,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
         alpha[v1] = need[v1] ? ex2(m_run[v1] - m_new) : 1.f;  // 0 from -inf
         m_run[v1] = m_new;
         l_run[v1] *= alpha[v1];
+        r_off[0][v1] *= alpha[v1];
+        r_off[1][v1] *= alpha[v1];
       }
 #pragma unroll
       for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
     }
-    uint32_t a[2][4];  // P as the A fragments of the two 16-token k-steps
+    uint32_t a[2][2][4];  // [group a / b][k-step]: bf16(P s_g) as the A fragments (BF16 pages: P)
     {
       float pr[16];
 #pragma unroll
@@ -337,38 +445,57 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
             const int i = 4 * j + v0 + 2 * v1;
             pr[i] = ex2(s[i] - ms);
             l_run[v1] += pr[i];
+            if constexpr (!kBf16) {  // the offset terms sum_t P o_g (meta re-read: fewer live registers)
+              const float2 of = *reinterpret_cast<const float2*>(mrow + 8 * (8 * j + 2 * t + v0) + 4);
+              r_off[0][v1] = fmaf(pr[i], of.x, r_off[0][v1]);
+              r_off[1][v1] = fmaf(pr[i], of.y, r_off[1][v1]);
+            }
           }
       }
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks)
+      for (int gi = 0; gi < 2; ++gi)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 4 * (2 * ks + (r >> 1)) + 2 * (r & 1);  // a0: (g, k 2t), a1: (g+8, 2t), a2: (g, 2t+8), ...
-          a[ks][r] = kBf16 ? pack_bf16(pr[i], pr[i + 1]) : pack_f16(pr[i], pr[i + 1]);
-        }
+        for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 4 * (2 * ks + (r >> 1)) + 2 * (r & 1);  // a0: (g, k 2t), a1: (g+8, 2t), a2: (g, 2t+8), ..
+            const int col = 8 * (2 * ks + (r >> 1)) + 2 * t;     // its two tokens: col, col + 1
+            a[gi][ks][r] = kBf16 ? pack_bf16(pr[i], pr[i + 1])
+                                 : pack_bf16(pr[i] * mrow[8 * col + gi], pr[i + 1] * mrow[8 * col + 8 + gi]);
+          }
     }
 
-    // ---- (5) O += P V over the tile's two 16-token k-steps, asynchronous
+    // ---- O_g += bf16(P s_g) codes_g over the tile's two 16-token k-steps, asynchronous
     fence_operands(o);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) output_product<kBf16>(o, a[ks], wgmma_desc(half_u + ks * 256, 128, kTChunk));
-    wgmma_commit();
-    if (more) regs.store(half_at(st ^ 1), lane, wg, warp, tile_ok(T + 1));  // (2) of the next tile meanwhile
+    for (int gi = 0; gi < 2; ++gi)
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks)  // the P registers stay untouched until the products have read them
-      asm volatile("" ::"r"(a[ks][0]), "r"(a[ks][1]), "r"(a[ks][2]), "r"(a[ks][3]));
+      for (int ks = 0; ks < 2; ++ks)
+        output_product(o + 64 * gi, a[gi][ks], wgmma_desc(half_u + 16 * gi * kTChunk + ks * 256, 128, kTChunk));
+    wgmma_commit();
+    if (T + 1 < T1) put(T + 1, st ^ 1);  // the next tile into the other stage meanwhile
+#pragma unroll
+    for (int gi = 0; gi < 2; ++gi)  // the P registers stay untouched until the products have read them
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+        asm volatile("" ::"r"(a[gi][ks][0]), "r"(a[gi][ks][1]), "r"(a[gi][ks][2]), "r"(a[gi][ks][3]));
+    wgmma_wait<0>();  // before the next tile's score accumulators (ptxas serializes every wgmma otherwise: C7515)
   }
   wgmma_wait<0>();
   fence_operands(o);
 
-  // ---- epilogue: row sums over the four lanes of a row; normalized partial output, log2-sum-exp
+  // ---- epilogue: row sums and offset terms over the four lanes of a row; normalized partial output, log2-sum-exp
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
 #pragma unroll
   for (int v1 = 0; v1 < 2; ++v1) {
-    float l = l_run[v1];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float l = l_run[v1], ra0 = r_off[0][v1], ra1 = r_off[1][v1];
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      l += __shfl_xor_sync(0xffffffffu, l, x);
+      ra0 += __shfl_xor_sync(0xffffffffu, ra0, x);
+      ra1 += __shfl_xor_sync(0xffffffffu, ra1, x);
+    }
     const int h = h0 + 16 * warp + g + 8 * v1;
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (wg == 0 && t == 0 && h < p.H) p.pl[row0 + h] = l > 0.f ? m_run[v1] + log2f(l) : -INFINITY;
@@ -377,7 +504,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
 #pragma unroll
       for (int j = 0; j < 32; ++j)
 #pragma unroll
-        for (int v0 = 0; v0 < 2; ++v0) out[8 * j + slot_channel<!kBf16>(2 * t + v0)] = o[4 * j + v0 + 2 * v1] * inv;
+        for (int v0 = 0; v0 < 2; ++v0)
+          out[8 * j + slot_channel<!kBf16>(2 * t + v0)] = (o[4 * j + v0 + 2 * v1] + (j < 16 ? ra0 : ra1)) * inv;
     }
   }
 #endif
@@ -392,7 +520,7 @@ struct H64Kernel {
   static int heads_per_cta(int, int) { return kHeads; }
   static int head_ctas(int H, int) { return (H + kHeads - 1) / kHeads; }
   template <int CB, int RB>
-  static int smem(int) { return SMEM; }
+  static int smem(int) { return smem_bytes<CB>(); }
   template <int CB, int RB, bool CSYM, bool RSYM>
   static KernelFn fn(int) { return decode_kernel_h64<CB, RB, CSYM, RSYM>; }
 };
