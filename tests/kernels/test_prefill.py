@@ -399,11 +399,16 @@ def test_per_head_split_merges_a_fused_far_part(name, monkeypatch):
     q_nope, q_pe = _q(8, 2, 16, 24, 32)
     w_uk, w_uv = _up(2, 24, 20, 128)
     ref = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
-    for block in (None, 3):
-        got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent,
-                                      impl="split", dtype=torch.float32, block=block)  # fmt: skip
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-    assert calls and max(calls) > 0
+    per_key = 2 * (24 + 32 + 20) * 4  # bytes of one key's up-projected keys and values, fp32, 2 heads
+    for keys in (None, 5):  # the whole far range in one call, or chunks of 5 keys (a long prompt's path)
+        if keys:
+            monkeypatch.setattr(prefill_mod, "PER_HEAD_KEYS", keys * per_key)
+        for block in (None, 3):
+            calls.clear()
+            got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent,
+                                          impl="split", dtype=torch.float32, block=block)  # fmt: skip
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+            assert calls and max(calls) == (keys or max(calls)) and (not keys or min(calls) >= 1)
 
 
 @pytest.mark.gpu

@@ -208,7 +208,7 @@ def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class _Latent:
     """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
 
-    fused = False  # 576 / 512 wide: the score tiles
+    fused_keys = 0  # 576 / 512 wide: the score tiles, never a fused kernel
 
     def __init__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, dtype: torch.dtype) -> None:
         self.q_lat, self.q_pe, self.dtype, self.dv = q_lat, q_pe, dtype, q_lat.shape[-1]
@@ -253,12 +253,15 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
             sm = _Softmax(softmax_scale, H)
             kb = key_block or max(1, SCORES // (q.shape[0] * q.shape[1]))
             far = policy.packed_for_all(q0)
-            fused = _fused_attention(q, *ops.far(far.start, far.stop), softmax_scale) if ops.fused and far else None
-            if fused is not None:  # far in one fused kernel (per head on CUDA)
-                sm.add_normalized(*fused)
-            else:
-                for k0 in range(far.start, far.stop, kb):  # far: packed, seen by every query of the block
-                    sm.add(q, *ops.far(k0, min(far.stop, k0 + kb)))
+            k_tiles = far.start  # far: packed, seen by every query of the block
+            for k0 in range(far.start, far.stop, ops.fused_keys) if ops.fused_keys else ():
+                fused = _fused_attention(q, *ops.far(k0, min(far.stop, k0 + ops.fused_keys)), softmax_scale)
+                if fused is None:  # no fused kernel here (the CPU): score tiles from k0 on
+                    break
+                sm.add_normalized(*fused)  # per head on CUDA: a fused kernel per chunk of far keys
+                k_tiles = min(far.stop, k0 + ops.fused_keys)
+            for k0 in range(k_tiles, far.stop, kb):
+                sm.add(q, *ops.far(k0, min(far.stop, k0 + kb)))
             f0, f1 = bisect_left(fpos, far.stop), bisect_left(fpos, q1)  # BF16 copies in [far.stop, q1)
             near = range(far.stop, max(far.stop, q1))  # packed copies the policy may read for some query here
             kpos = torch.cat([torch.arange(near.start, near.stop, device=dev), fpos_t[:n_sink], fpos_t[f0:f1]])  # [S]
@@ -300,9 +303,9 @@ class _PerHead:
     """Operands of the split path per head ("MHA form", as prefill runs in vLLM and SGLang): keys ``[W_UK c, k_pe]``
     (``Dn + Dr`` wide) and values ``W_UV c`` (``Dv``) up-projected from the workspace rows, queries ``[q_nope,
     q_pe]``; ``(Dn + Dr + Dv) / (Dc + Dr + Dc)`` of the latent form's products (320 / 1088 at DeepSeek widths) plus
-    the up-projection, once per sequence (or per key tile past :data:`PER_HEAD_KEYS` bytes). On CUDA the far keys
-    go through one fused attention (:func:`_fused_attention`) instead of score tiles, when they were up-projected
-    whole."""
+    the up-projection, once per sequence (or per chunk of keys past :data:`PER_HEAD_KEYS` bytes). On CUDA the far
+    keys go through torch's fused attention (:func:`_fused_attention`), one call per chunk of at most
+    :data:`PER_HEAD_KEYS` bytes of up-projected keys and values, instead of score tiles."""
 
     def __init__(self, q_nope, q_pe, w_uk, w_uv, dtype: torch.dtype) -> None:
         self.q_nope, self.q_pe, self.dtype = q_nope, q_pe, dtype
@@ -314,14 +317,11 @@ class _PerHead:
 
     def sequence(self, packed: torch.Tensor) -> None:
         H, n = self.w_uk.shape[0], packed.shape[0]
-        width = self.w_uk.shape[1] + packed.shape[1] - self.dc + self.dv
+        per_key = H * (self.w_uk.shape[1] + packed.shape[1] - self.dc + self.dv) * packed.element_size()
         self.packed, self.kv = packed, None
-        if H * n * width * packed.element_size() <= PER_HEAD_KEYS:
+        if n * per_key <= PER_HEAD_KEYS:
             self.kv = self.rows(packed)
-
-    @property
-    def fused(self) -> bool:
-        return self.kv is not None
+        self.fused_keys = max(1, PER_HEAD_KEYS // per_key)  # far keys per fused call (up-projected per chunk)
 
     def far(self, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv is not None:

@@ -10,7 +10,7 @@ Cache handling, per call:
 * ``quantmla.cache.protocol.get_mla_layer(cache, layer_idx)`` returns a layer: ``layer.write(c_kv, k_pe)`` then
   ``o_lat = layer.attend(q_lat, q_pe, scale, mask)`` -- the cache decides storage and attention; on CUDA a chunk of
   several tokens can ask a layer that ``attends_per_head`` for ``W_UV o_lat`` directly (``heads=(q_nope, W_UK,
-  W_UV)``: prefill in MHA form, :func:`per_head_prefill`, off by default);
+  W_UV)``: prefill in MHA form, :func:`per_head_prefill`, on by default);
 * a plain transformers cache (``DynamicCache`` ...): ``cache.update`` with the model's own 4-D tensors
   ([B, 1, T, Dc], [B, 1, T, Dr]) exactly as the model does, then the fp32 reference over what it returns;
 * no cache: attention over the current tokens.
@@ -133,15 +133,16 @@ def _update_plain_cache(cache, cache_style: str, layer_idx: int, c_kv, k_pe, kwa
     return c4[:, 0], p4[:, 0]
 
 
-PER_HEAD_PREFILL = os.environ.get("QUANTMLA_PREFILL_PER_HEAD", "0") == "1"  # off: measured no faster yet (below)
+PER_HEAD_PREFILL = os.environ.get("QUANTMLA_PREFILL_PER_HEAD", "1") != "0"  # on: measured faster (below)
 
 
 def per_head_prefill(q_nope: torch.Tensor) -> bool:
     """Whether a chunk of several tokens asks the cache for per-head outputs (prefill in MHA form: ~3.4x fewer
-    multiply-adds at DeepSeek widths). CUDA only, and off unless ``QUANTMLA_PREFILL_PER_HEAD=1``: on the H200
-    (benchmarks/results/prefill_h200_heads.md) it was 1.1-1.2x faster at 32K and 0.90-0.95x at 128K, because both
-    forms materialized the same [heads x queries, keys] score tiles, whose softmax passes cost more than the
-    products; its far keys now run through a fused attention (not yet measured), after which this may turn on."""
+    multiply-adds at DeepSeek widths, the far keys through torch's fused attention). CUDA only; on by default,
+    ``QUANTMLA_PREFILL_PER_HEAD=0`` turns it off. H200, one layer, last 8192-query chunk
+    (benchmarks/results/prefill_h200_heads_fused.md): 26-29 ms vs the latent form's 60-63 ms at 32K context; 8.9
+    vs 9.0 ms (C4R4) and 14.4 vs 8.7 ms (BF16) at 4K; at 128K even (220 ms) before the far keys were chunked
+    (their up-projection exceeded PER_HEAD_KEYS, so that run used score tiles)."""
     return PER_HEAD_PREFILL and q_nope.is_cuda and q_nope.shape[2] > 1
 
 
