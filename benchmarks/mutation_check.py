@@ -4,11 +4,11 @@
 Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
 score product's magic-number term off by 1/1024, the output product's code bias off by one; for the wgmma kernel
-also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output) and, with
-32 heads per CTA pair, the second CTA's content groups. Prints one line per mutation and exits non-zero if any
-mutation survives. GPU only (``--kernel wgmma``: sm_90)::
+also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the
+wgmma64 kernel the score's and the output's offset terms and the zeroed meta of out-of-range tokens. Prints one
+line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64``: sm_90)::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
-SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu"}
-SELECT = {"mma": "not wgmma", "wgmma": "wgmma"}  # the test ids carry the kernel: test_x[mma-...] / [wgmma-...]
-OTHER_HEADERS = {"mla_sm90_bf16.cuh"}  # one kernel family's own code, not a shared header
+SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu"}
+# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...]
+SELECT = {"mma": "not wgmma", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64"}
+OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh"}  # one kernel family's own code, not a shared header
 BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
 MUTATIONS = {
     "mma": {
@@ -43,12 +44,24 @@ MUTATIONS = {
         "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
         "offset term dropped": ("for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
                                 "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total("),
-        "32 heads: both CTAs of a pair take groups 0-1": ("const int gbase = NH == 32 ? 2 * (blockIdx.x & 1)",
-                                                          "const int gbase = NH == 32 ? 0 * (blockIdx.x & 1)"),
         "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
         "output code bias 128 -> 127": BIAS,
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)",
                                                "mla_sm90_bf16.cuh"),
+    },
+    "wgmma64": {  # patterns in decode_mla_sm90_h64.cu (listed first: a shared header may read the same)
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1%": ("pr[i] = ex2(s[i] - ms);", "pr[i] = ex2(s[i] * 1.01f - ms);", "decode_mla_sm90_h64.cu"),
+        "sink boundary +1 token": ("const int lo = p.sink, hi", "const int lo = p.sink + 1, hi",
+                                   "decode_mla_sm90_h64.cu"),
+        "local boundary -1 token": ("hi = max(n - p.local, p.sink);", "hi = max(n - p.local + 1, p.sink);",
+                                    "decode_mla_sm90_h64.cu"),
+        "score offset term dropped": ("float x = fmaf(of.x, qs[0][v1]", "float x = 0.f * fmaf(of.x, qs[0][v1]",
+                                      "decode_mla_sm90_h64.cu"),
+        "output offset term dropped": ("+ (j < 16 ? ra0 : ra1)) * inv", "+ 0.f * (j < 16 ? ra0 : ra1)) * inv",
+                                       "decode_mla_sm90_h64.cu"),
+        "code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)", "decode_mla_sm90_h64.cu"),
+        "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "decode_mla_sm90_h64.cu"),
     },
 }
 

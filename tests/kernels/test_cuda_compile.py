@@ -75,18 +75,10 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         err = lib.qmla_decode(ctypes.byref(p), 4, 4, 1, 1, 1, None)
         assert err != 0 and lib.qmla_error_string(err)
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
-    # CTAs per split and sequence: 16 heads each; the wgmma kernel's packed pages past 16 heads take 32 heads per
-    # pair of CTAs (each pair splits the content groups of the output), BF16 pages stay at 16
-    # wgmma64: 64 heads per CTA for every format
-    per_16 = {h: -(-h // 16) for h in (1, 16, 17, 32, 33, 64, 65, 128)}
-    pairs = {1: 1, 16: 1, 17: 2, 32: 2, 33: 4, 64: 4, 65: 6, 128: 8}
-    for h in per_16:
-        if kernel == "wgmma64":
-            assert all(lib.qmla_head_ctas(h, bits) == -(-h // 64) for bits in (16, 8, 4, 2))
-            continue
-        assert lib.qmla_head_ctas(h, 16) == per_16[h]
-        assert lib.qmla_head_ctas(h, 4) == (pairs[h] if kernel == "wgmma" else per_16[h])
-        assert lib.qmla_head_ctas(h, 2) == (pairs[h] if kernel == "wgmma" else per_16[h])
+    # CTAs per split and sequence: 16 heads each (mma, wgmma), 64 (wgmma64), for every format
+    per_cta = 64 if kernel == "wgmma64" else 16
+    for h in (1, 16, 17, 32, 33, 64, 65, 128):
+        assert all(lib.qmla_head_ctas(h, bits) == -(-h // per_cta) for bits in (16, 8, 4, 2))
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
     if kernel == "mma":
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path

@@ -44,14 +44,13 @@ constexpr int kStages = 2;
 constexpr int kMinCtas = 2;    // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
 
-// NH heads on N of every wgmma: 16, or 32 for H > 16 (packed pages). With 32 a pair of CTAs shares the head group:
-// both run the score product and the softmax (identically), each runs the output product of two content groups.
+// NH = 16 heads on N of every wgmma. (A 32-head variant ran slower: see WgmmaKernel below.)
 template <int CB, int RB, int NH>
 struct Cfg : PageCfg<CB, RB> {
   using PageCfg<CB, RB>::STAGE;
-  static_assert(NH == 16 || NH == 32, "16 or 32 heads per CTA");
+  static_assert(NH == 16, "16 heads per CTA");
   static constexpr int KB = NH * 32;                  // bytes of one 16 x NH operand k-block (16-bit elements)
-  static constexpr int NG = NH == 32 ? 2 : 4;         // content groups of this CTA's output product
+  static constexpr int NG = 4;                         // content groups of the output product
   static constexpr int QSTAGE = NH * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
   static constexpr int PTB = NG * 4 * KB;             // (P s_g)^T k-blocks [group][k-step][k-block]
   static constexpr int PTR = (QSTAGE - STAGE > PTB ? QSTAGE - STAGE + 127 : PTB) / 128 * 128;  // (q staging too)
@@ -87,8 +86,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   float* roff = reinterpret_cast<float*>(smem + C::ROFF);  // [group][head][warp]
   float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
-  const int hg = NH == 32 ? blockIdx.x >> 1 : blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
-  const int gbase = NH == 32 ? 2 * (blockIdx.x & 1) : 0;  // the first content group of this CTA's output
+  const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;
   const int n = p.lens[b];
@@ -119,12 +117,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
   const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
 
-  float oacc[2 * NG][NH / 2];  // [2 (group - gbase) + half][d]: O^T of this thread's rows / heads
+  float oacc[2 * NG][NH / 2];  // [2 group + half][d]: O^T of this thread's rows / heads
 #pragma unroll
   for (int i = 0; i < 2 * NG; ++i)
 #pragma unroll
     for (int j = 0; j < NH / 2; ++j) oacc[i][j] = 0.f;
-  float m_run[NC], l_run[NC], po[NG][NC];  // per head column c; po: [group - gbase][c]
+  float m_run[NC], l_run[NC], po[NG][NC];  // per head column c; po: [group][c]
   int k_run = 0;                        // C8: P s is carried as P s 2^k_run (CTA-uniform)
   bool k_set = false;
 #pragma unroll
@@ -168,33 +166,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int x = 0; x < CX; x += 2) {
         uint32_t R[4];  // token g / g+8 of chunk x, then of chunk x + 1
         ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * ((x + (mi >> 1)) ^ (lane & 7)));
-        if constexpr (NH == 32 && CB == 2) {  // 4 planes x 32 heads: one chunk per batch (registers)
+        uint32_t a[2][F][4];
+        score_frags<CB>(R, a);
+        wgmma_fence();
 #pragma unroll
-          for (int hx = 0; hx < 2; ++hx) {
-            const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
-            uint32_t a[F][4];
-            score_frag<CB>(R, hx, a);
-            wgmma_fence();
+        for (int hx = 0; hx < 2; ++hx) {
+          const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
 #pragma unroll
-            for (int pl = 0; pl < F; ++pl)
-              wgmma_f16<NH>(sacc[gr], a[pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
-            wgmma_commit();
-            wgmma_wait<1>();
-          }
-        } else {
-          uint32_t a[2][F][4];
-          score_frags<CB>(R, a);
-          wgmma_fence();
-#pragma unroll
-          for (int hx = 0; hx < 2; ++hx) {
-            const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
-#pragma unroll
-            for (int pl = 0; pl < F; ++pl)
-              wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
-          }
-          wgmma_commit();
-          wgmma_wait<1>();  // the batch before this one is done: its A registers are free
+          for (int pl = 0; pl < F; ++pl)
+            wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
         }
+        wgmma_commit();
+        wgmma_wait<1>();  // the batch before this one is done: its A registers are free
       }
 #pragma unroll
       for (int x = 0; x < RCH; x += 2) {
@@ -318,9 +301,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
-        // this CTA's group gbase + gi, selected between constant indices (a runtime index would put sv on the stack)
-        const float svg = gbase == 0 ? sv[gi][ri] : sv[(gi + 2) & 3][ri];
-        const float ovg = gbase == 0 ? ov[gi][ri] : ov[(gi + 2) & 3][ri];
+        const float svg = sv[gi][ri], ovg = ov[gi][ri];
         // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
         const float s = tok_ok[ri] ? svg : 0.f;
         const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
@@ -348,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       const int mi = lane >> 3;
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) {
-        const int gr = gbase + gi;
+        const int gr = gi;
 #pragma unroll
         for (int kp = 0; kp < 2; ++kp) {
           uint32_t a[2][2][4];  // [k-step of the pair][half]
@@ -380,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       const int mi = lane >> 3;
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) {
-        const int gr = gbase + gi, chunk = gr * CPG + (warp % CPG);
+        const int gr = gi, chunk = gr * CPG + (warp % CPG);
 #pragma unroll
         for (int kp = 0; kp < 2; ++kp) {
           const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
@@ -431,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(roff + gi * kHeads * 4, c, t);
-    if (gbase == 0 && warp == 0 && g == 0 && h0 + h < p.H)  // (with 32 heads: the pair's first CTA)
+    if (warp == 0 && g == 0 && h0 + h < p.H)
       p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
 #pragma unroll
@@ -440,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
-        const int gr = gbase + gi;
+        const int gr = gi;
         const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
                            : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
 #pragma unroll
@@ -459,19 +440,21 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
   template <int CB, int RB>
   static constexpr bool has =
       (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8)) || (CB == 16 && RB == 16);
-  static int heads_per_cta(int H, int CB) { return CB != 16 && H > 16 ? 32 : 16; }  // BF16 pages: 16
-  static int head_ctas(int H, int CB) {  // 32 heads: a pair of CTAs per head group (two content groups each)
-    return heads_per_cta(H, CB) == 32 ? 2 * ((H + 31) / 32) : (H + 15) / 16;
-  }
+  // 16 heads per CTA. (The NH = 32 pair path -- two CTAs sharing a 32-head group, each running the output product of
+  // two content groups -- ran correctly on the H200 but slower than 16-head CTAs at 64 / 128 heads, 162 / 266 vs
+  // 135 / 231 us at B1 x 128K, results/decode_vs_flashmla_h200_heads32.md: it is no longer instantiated; many heads
+  // are the wgmma64 kernel's job, decode_mla_sm90_h64.cu.)
+  static int heads_per_cta(int, int) { return 16; }
+  static int head_ctas(int H, int) { return (H + 15) / 16; }
   template <int CB, int RB>
-  static int smem(int nh) {
+  static int smem(int) {
     if constexpr (CB == 16) return Bf16Cfg::SMEM;
-    else return nh == 32 ? Cfg<CB, RB, 32>::SMEM : Cfg<CB, RB, 16>::SMEM;
+    else return Cfg<CB, RB, 16>::SMEM;
   }
   template <int CB, int RB, bool CSYM, bool RSYM>
-  static KernelFn fn(int nh) {
+  static KernelFn fn(int) {
     if constexpr (CB == 16) return decode_kernel_sm90_bf16;
-    else return nh == 32 ? decode_kernel_sm90<CB, RB, CSYM, RSYM, 32> : decode_kernel_sm90<CB, RB, CSYM, RSYM, 16>;
+    else return decode_kernel_sm90<CB, RB, CSYM, RSYM, 16>;
   }
 };
 

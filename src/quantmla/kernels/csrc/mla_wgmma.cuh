@@ -65,33 +65,17 @@ QMLA_WGMMA_N16(wgmma_f16_n16, "f16")
 QMLA_WGMMA_N16(wgmma_bf16_n16, "bf16")
 #undef QMLA_WGMMA_N16
 
-// D[64 x 32] += A[64 x 16] (fp16 / bf16, registers) * B[16 x 32] (shared memory), fp32 accumulators
-#define QMLA_WGMMA_N32(NAME, TYPE)                                                                                  \
-  __device__ __forceinline__ void NAME(float(&d)[16], const uint32_t(&a)[4], uint32_t desc_lo, uint32_t desc_hi) { \
-    asm volatile(                                                                                                   \
-        "{\n.reg .pred p;\n.reg .b64 desc;\nsetp.ne.b32 p, %22, 0;\nmov.b64 desc, {%20, %21};\n"                  \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                                 \
-        " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, "          \
-        "desc, p, 1, 1, 0;\n}\n"                                                                                    \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])    \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi), "r"(1)                           \
-        : "memory");                                                                                                \
-  }
-QMLA_WGMMA_N32(wgmma_f16_n32, "f16")
-QMLA_WGMMA_N32(wgmma_bf16_n32, "bf16")
-#undef QMLA_WGMMA_N32
 
-// The product for N heads (16 or 32) with the accumulator size it needs
+// The product for N = 16 heads (the kernel's template parameter) with the accumulator size it needs
 template <int N>
 __device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t lo, uint32_t hi) {
-  if constexpr (N == 16) wgmma_f16_n16(d, a, lo, hi);
-  else wgmma_f16_n32(d, a, lo, hi);
+  static_assert(N == 16, "16 heads");
+  wgmma_f16_n16(d, a, lo, hi);
 }
 template <int N>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t lo, uint32_t hi) {
-  if constexpr (N == 16) wgmma_bf16_n16(d, a, lo, hi);
-  else wgmma_bf16_n32(d, a, lo, hi);
+  static_assert(N == 16, "16 heads");
+  wgmma_bf16_n16(d, a, lo, hi);
 }
 
 // byte offset of element (k, n) of a 16 x N k-block in the layout above
