@@ -112,6 +112,20 @@ def test_cuda_decode_heads(fmt, heads):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4", "c8r8"])
+def test_cuda_decode_short_local_window(fmt, cuda_kernel):
+    """A local window shorter than a tile: the last packed tile then reaches past the sequence's end, into slots no
+    token was written to (NaN meta and codes with fill byte 0xFF), which must not reach the output. (With the
+    default 128-token window the packed range ends a whole window before them; mutation_check.py's 'out-of-range
+    meta kept' needs this case.)"""
+    if cuda_kernel == "mma" and fmt == "c8r8":
+        pytest.skip("the mma kernel has no 8-bit path")
+    policy = CachePolicy(sink=4, local=16, page_size=64)
+    cache, q_lat, q_pe = make(fmt, [1, 17, 20, 33, 63, 64, 65, 100, 1000], 16, seed=23, policy=policy)
+    check(cache, q_lat, q_pe, splits=2)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 def test_cuda_decode_splits_and_ragged(splits):
     cache, q_lat, q_pe = make("c4r4", [9000, 65, 20000, 1, 4500], 16, seed=5)
