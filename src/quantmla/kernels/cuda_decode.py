@@ -1,12 +1,13 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Two kernels with one contract, launch grid and partial-output layout (one CTA per 16-head group x split x
-sequence; see each source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, sm_80+) and
-``"wgmma"`` (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, built for sm_90a, so H100 /
-H200 only). ``$QUANTMLA_CUDA_KERNEL`` (``mma``, ``wgmma`` or ``auto``) or the ``kernel`` argument chooses; the
-default ``auto`` is the measured choice of :func:`cuda_kernel_choice` (mma off sm_90). The
-BF16 sink/local buffers run the Triton kernel of :mod:`quantmla.kernels.triton_decode` on a side stream and a
-CUDA kernel merges the splits, so the result has the contract of
+Three kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
+(``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA) and ``"wgmma64"``
+(``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so far);
+the last two are built for sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL`` (a kernel's name or ``auto``) or
+the ``kernel`` argument chooses; the default ``auto`` is the measured choice of :func:`cuda_kernel_choice` (mma off
+sm_90). The BF16 sink/local buffers run the Triton kernel of :mod:`quantmla.kernels.triton_decode` on a side stream
+and a CUDA kernel merges the splits, so the result has the contract of
 :func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
@@ -35,8 +36,9 @@ DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
 # units of work, mma above (H200, benchmarks/results/decode_vs_flashmla_h200_s10_*.md: wgmma 1.10-1.30x FlashMLA
 # vs mma's 1.01-1.07x at B1x128K / B8x32K, 16 heads; mma 1.36-1.43x vs 1.23-1.31x at B32x32K / B32x128K)
-WGMMA_AUTO_MAX_HEADS = 16  # auto leaves the wgmma kernel's 32-heads-per-CTA-pair path (H > 16) alone until it has
-# run on the H200 (written 2026-12-01): past 16 heads auto takes mma (C8R8 / C4R8: Triton); kernel="wgmma" asks
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes mma (C8R8 / C4R8: Triton): at 64 / 128 heads the wgmma
+# kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x (decode_vs_flashmla_h200_s10_heads.md);
+# wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
             "wgmma64": ("decode_mla_sm90_h64", "90a")}  # source, build architecture
 
@@ -98,12 +100,13 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"`` or ``"wgmma"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``, else the
-    default ``"auto"``. Asking for wgmma off sm_90 is an error. ``auto`` is mma off sm_90; on sm_90 it is wgmma for
-    the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query
-    heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at most
-    :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma; past
-    :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for C8R8 / C4R8 is that it has none: Triton runs them)."""
+    """``"mma"``, ``"wgmma"`` or ``"wgmma64"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``,
+    else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto`` is mma off sm_90; on
+    sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache``
+    (and ``heads`` query heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at
+    most :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma;
+    past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for C8R8 / C4R8 is that it has none: Triton runs
+    them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -203,7 +206,7 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
-    ``kernel``: ``"mma"``, ``"wgmma"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
+    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
     from quantmla.kernels.reference import _check_q
     from quantmla.kernels.triton_decode import _num_sms, attend_buffers, buffer_tiles
 
@@ -230,7 +233,7 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
     lib = _lib(dev, kernel)
-    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence (the wgmma kernel: a pair per 32 heads, H > 16)
+    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16), wgmma64 ceil(H / 64)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
     slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel, H)
     ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
