@@ -25,7 +25,7 @@ CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
 SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu"}
 # the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...]
 SELECT = {"mma": "not wgmma", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64"}
-OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh"}  # one kernel family's own code, not a shared header
+OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh"}  # one kernel family's own code, not a shared header
 BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
 MUTATIONS = {
     "mma": {
@@ -49,7 +49,7 @@ MUTATIONS = {
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)",
                                                "mla_sm90_bf16.cuh"),
     },
-    "wgmma64": {  # patterns in decode_mla_sm90_h64.cu (listed first: a shared header may read the same)
+    "wgmma64": {  # each pattern's file named: a shared header may read the same
         "none (control: must pass)": ("", ""),
         "softmax scale +1%": ("pr[i] = ex2(s[i] - ms);", "pr[i] = ex2(s[i] * 1.01f - ms);", "decode_mla_sm90_h64.cu"),
         "sink boundary +1 token": ("const int lo = p.sink, hi", "const int lo = p.sink + 1, hi",
@@ -60,8 +60,8 @@ MUTATIONS = {
                                       "decode_mla_sm90_h64.cu"),
         "output offset term dropped": ("+ (j < 16 ? ra0 : ra1)) * inv", "+ 0.f * (j < 16 ? ra0 : ra1)) * inv",
                                        "decode_mla_sm90_h64.cu"),
-        "code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)", "decode_mla_sm90_h64.cu"),
-        "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "decode_mla_sm90_h64.cu"),
+        "code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)", "mla_h64_tile.cuh"),
+        "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "mla_h64_tile.cuh"),
     },
 }
 
