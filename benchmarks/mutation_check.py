@@ -25,7 +25,8 @@ CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
 SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu"}
 # the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...]
 SELECT = {"mma": "not wgmma", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64"}
-OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh"}  # one kernel family's own code, not a shared header
+# one kernel family's own code, not a shared header
+OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh"}
 BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
 MUTATIONS = {
     "mma": {
