@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 02:19), most important
-# first: `followup` (the wgmma kernel's new 32-heads-per-CTA-pair path: its tests, the mutation check, heads
-# 16-128 beside FlashMLA and the mma kernel), then `check` (bench_prefill now has the per-head `heads` column). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S
-# (default 560 s, under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every
-# part (the device tool returns at most 8 files, and a killed command still returns what was done) plus
-# $OUT/<call>_summary.txt.
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 09:45), most important
+# first: `check` (every CUDA decode kernel's GPU tests, with the new short-local-window case that the wgmma64
+# mutation 'out-of-range meta kept' needs; the prefill and cache GPU tests), `mutation64` (wgmma64's mutations
+# again: 7/7 expected with that case), then `heads` (16-128 heads beside FlashMLA: wgmma64 after changes). Every
+# part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s, under the
+# device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
+# returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
 #
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check     # ~5 min, carry nothing
-#       micro (wgmma conventions), GPU tests of both CUDA decode kernels (wgmma in a process of its own), issue 11's
-#       `pytest -m gpu tests/serve`, issue 10's bench_prefill.py (split vs sdpa prefill at V2-Lite shapes) and the
-#       GPU tests of the cache and the prefill paths
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench     # ~6 min, carry .flashmla (+ .fmbuild)
-#       bench_decode beside FlashMLA: every format on today's default kernels, then C4R4/C2R4/C8R8/C4R8/BF16 on the
-#       wgmma kernel with the mma kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation  # ~4 min: the wgmma kernel's tests can fail
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh followup  # ~7 min, carry .flashmla, .fmbuild: the wgmma
-#       tests, the mutation check, and heads 16/32/64/128 on both kernels beside FlashMLA
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
+#       micro (wgmma conventions), GPU tests of the three CUDA decode kernels (each in a process of its own),
+#       issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
+#       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
+#       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~4 min: the wgmma kernel's tests can fail
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation64  # ~4 min: the wgmma64 kernel's
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
+#       16/32/64/128, C4R4 on the default kernels and every format on wgmma64, beside FlashMLA
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
-# full_budget.py).
+# full_budget.py). Set QUANTMLA_COMMIT: the GPU machine's copy may report a stale commit otherwise.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|bench|mutation}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|bench|mutation|mutation64|heads}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -56,12 +57,13 @@ case $CALL in
   check)
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
-    part tests_wgmma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q -rf --tb=short \
+    part tests_wgmma64 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma64 -q -rf --tb=short \
       -p no:cacheprovider
-    part tests_mma 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
+    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
+      -rf --tb=short -p no:cacheprovider
+    part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
       -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
     part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
-    part prefill 150 python benchmarks/bench_prefill.py --out "$R" --tag h200 --force
     part tests_cache 150 python -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rf --tb=line \
       -p no:cacheprovider
     ;;
@@ -71,17 +73,17 @@ case $CALL in
   mutation)
     part mutation 560 env MUTATE_KERNEL=wgmma bash benchmarks/gpu_session_issue9.sh "$R/r9" mutation
     ;;
-  followup)  # after the first H200 run of the wgmma kernel: its tests again (BF16 fix), mutation, heads 16-128
-    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q -rf --tb=short \
-      -p no:cacheprovider
-    part mutation 240 python benchmarks/mutation_check.py --kernel wgmma
+  mutation64)
+    part mutation64 560 python benchmarks/mutation_check.py --kernel wgmma64
+    ;;
+  heads)
     if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
-    part heads 200 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
-      --tag h200_heads32 --heads 16,32,64,128 --formats c4r4,c4r4@wgmma,c2r4@wgmma,c8r8@wgmma \
-      --shapes 1x131072,8x32768,32x4096,32x32768
+    part heads 300 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
+      --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
+      --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
   *)
-    echo "unknown call $CALL: check, bench, mutation or followup" >&2
+    echo "unknown call $CALL: check, bench, mutation, mutation64 or heads" >&2
     exit 2
     ;;
 esac
