@@ -1,6 +1,6 @@
 """The CUDA decode kernels compile offline (nvcc only, no GPU) for the chips they are built for, with no register
-spills, and the Hopper kernel without ptxas serializing its wgmma batches (warning C7512: every wgmma would wait
-for the one before, the design's overlap gone). Skipped where no nvcc is installed (CI has none)."""
+spills, and the Hopper kernels without ptxas serializing their wgmma batches (warnings C7512 / C7514 / C7515: every
+wgmma would wait for the one before, the design's overlap gone). Skipped where no nvcc is installed (CI has none)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,8 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path
     assert r.returncode == 0, log[-4000:]
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and not any(spills), f"register spills: {spills}"
-    assert "C7512" not in log, "ptxas serialized the wgmma pipeline:\n" + "\n".join(
-        ln for ln in log.splitlines() if "C7512" in ln
-    )
+    serialized = [ln for ln in log.splitlines() if any(c in ln for c in ("C7512", "C7514", "C7515"))]
+    assert not serialized, "ptxas serialized the wgmma pipeline:\n" + "\n".join(serialized)
     if name.startswith("decode_mla_sm90"):
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
