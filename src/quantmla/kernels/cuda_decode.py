@@ -28,9 +28,8 @@ import torch
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
 CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1}  # fallbacks if the occupancy query fails: mma 168 registers,
-# ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 210-216 registers, 176 KB
+# ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252 registers, 186-231 KB
 KERNELS = ("mma", "wgmma", "wgmma64")
-SM90_KERNELS = ("wgmma", "wgmma64")  # built for sm_90a only
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)

@@ -60,16 +60,7 @@ __device__ __forceinline__ void stage_q64(uint8_t* smem, const Params& p, int b,
   const int tid = threadIdx.x;
 #pragma unroll 4
   for (int f = tid; f < kHeads * kRow / 2; f += kThreads) {
-    const int hh = f / (kRow / 2), ch = 2 * (f % (kRow / 2)), h = h0 + hh;
-    float x0 = 0.f, x1 = 0.f;
-    if (h < p.H) {
-      const void* q = ch < kDc ? p.q_lat : p.q_pe;
-      const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
-                                   : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
-      x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
-      x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
-    }
-    raw[f] = __floats2bfloat162_rn(x0, x1);
+    raw[f] = scaled_q_pair(p, b, h0 + f / (kRow / 2), 2 * (f % (kRow / 2)));
   }
   __syncthreads();
   const uint16_t* rawh = reinterpret_cast<const uint16_t*>(raw);

@@ -12,6 +12,20 @@
 
 namespace qmla {
 
+// bf16(q * qk_scale) of channels ch, ch + 1 (of the 576: latent, then RoPE) of head h of sequence b (the rounding
+// the tests' reference uses); zeros for heads >= H
+__device__ __forceinline__ __nv_bfloat162 scaled_q_pair(const Params& p, int b, int h, int ch) {
+  float x0 = 0.f, x1 = 0.f;
+  if (h < p.H) {
+    const void* q = ch < kDc ? p.q_lat : p.q_pe;
+    const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
+                                 : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
+    x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
+    x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
+  }
+  return __floats2bfloat162_rn(x0, x1);
+}
+
 // Stage q [HEADS heads from h0][576] of sequence b into qst (bf16, zeros for heads >= H): pairs of channels,
 // consecutive threads on consecutive pairs (coalesced), every load in flight. `scratch` holds one float per warp.
 // Ends with a CTA barrier; returns e.
@@ -24,16 +38,8 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
   float amax = 0.f;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2)), h = h0 + hh;
-    float x0 = 0.f, x1 = 0.f;
-    if (h < p.H) {
-      const void* q = ch < kDc ? p.q_lat : p.q_pe;
-      const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
-                                   : (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
-      x0 = load_q(q, i, p.q_fp32) * p.qk_scale;
-      x1 = load_q(q, i + 1, p.q_fp32) * p.qk_scale;
-    }
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+    const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2));
+    const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + hh, ch);
     amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
     qst2[f] = v;
   }
