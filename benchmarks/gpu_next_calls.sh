@@ -10,6 +10,10 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
 #       micro (wgmma conventions), GPU tests of the three CUDA decode kernels (each in a process of its own),
 #       issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels     # check without serve / cache: ~3.5 min
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants    # ~4 min: kernel_variants.py run (VARIANTS=..)
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ncu         # ~2 min a kernel (NCU_KERNELS="wgmma mma"):
+#       ncu --set full of one C4R4 B32 x 32K launch; per-SASS-instruction stall samples (csv) + the details page
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
 #       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
@@ -24,7 +28,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|bench|mutation|mutation64|heads}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|bench|mutation|mutation64|heads|variants|ncu}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -54,7 +58,7 @@ part() {  # part NAME CAP_SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader >>"$S" 2>&1
 case $CALL in
-  check)
+  check | kernels)
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
     part tests_wgmma64 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma64 -q -rf --tb=short \
@@ -63,9 +67,23 @@ case $CALL in
       -rf --tb=short -p no:cacheprovider
     part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
       -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
-    part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
-    part tests_cache 150 python -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rf --tb=line \
-      -p no:cacheprovider
+    if [[ $CALL == check ]]; then
+      part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
+      part tests_cache 150 python -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rf --tb=line \
+        -p no:cacheprovider
+    fi
+    ;;
+  variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
+    part variants 400 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
+      --variants "${VARIANTS:-base,sync,qk2,pv2}"
+    ;;
+  ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
+    for k in ${NCU_KERNELS:-wgmma}; do
+      part "ncu_$k" 150 bash -c "QUANTMLA_CUDA_KERNEL=$k ncu --kernel-name regex:decode_kernel --launch-skip 1 \
+        --launch-count 1 --set full --import-source no -f -o $R/ncu_$k python benchmarks/profile_decode.py c4r4 32 32768 \
+        --reps 2 && ncu -i $R/ncu_$k.ncu-rep --page source --csv --print-source sass > $R/ncu_${k}_sass.csv; \
+        ncu -i $R/ncu_$k.ncu-rep --page details > $R/ncu_${k}_details.txt; rm -f $R/ncu_$k.ncu-rep; ls -la $R"
+    done
     ;;
   bench)
     part bench 560 env TAG=s10 bash benchmarks/gpu_session_issue9.sh "$R/r9" bench
@@ -83,7 +101,7 @@ case $CALL in
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
   *)
-    echo "unknown call $CALL: check, bench, mutation, mutation64 or heads" >&2
+    echo "unknown call $CALL: check, kernels, bench, mutation, mutation64, heads, variants or ncu" >&2
     exit 2
     ;;
 esac

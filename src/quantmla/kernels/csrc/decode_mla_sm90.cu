@@ -39,9 +39,22 @@
 namespace qmla {
 namespace sm90 {
 
+// Tuning knobs (compile-time; benchmarks/kernel_variants.py builds copies with other values and times them side by side):
+// wgmma batches in flight after each commit in the score / output products, minimum CTAs per SM.
+#ifndef QMLA_SM90_QK_DEPTH
+#define QMLA_SM90_QK_DEPTH 1
+#endif
+#ifndef QMLA_SM90_PV_DEPTH
+#define QMLA_SM90_PV_DEPTH 1
+#endif
+#ifndef QMLA_SM90_MIN_CTAS
+#define QMLA_SM90_MIN_CTAS 2
+#endif
+
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kStages = 2;
-constexpr int kMinCtas = 2;    // __launch_bounds__ minimum CTAs per SM
+constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
+constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
 constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
 
 // NH = 16 heads on N of every wgmma. (A 32-head variant ran slower: see WgmmaKernel below.)
@@ -177,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
         }
         wgmma_commit();
-        wgmma_wait<1>();  // the batch before this one is done: its A registers are free
+        wgmma_wait<kQkDepth>();  // the batches before these are done: their A registers are free
       }
 #pragma unroll
       for (int x = 0; x < RCH; x += 2) {
@@ -193,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             wgmma_f16<NH>(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
         if (x + 2 < RCH) {
           wgmma_commit();
-          wgmma_wait<1>();
+          wgmma_wait<kQkDepth>();
         }
       }
     }
@@ -354,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             for (int hh = 0; hh < 2; ++hh)
               wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
           wgmma_commit();
-          wgmma_wait<1>();
+          wgmma_wait<kPvDepth>();
         }
       }
     } else {
@@ -387,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             for (int hh = 0; hh < 2; ++hh)
               wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
           wgmma_commit();
-          wgmma_wait<1>();  // the batch before this one is done: its A registers are free
+          wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
         }
       }
     }

@@ -90,11 +90,14 @@ __device__ __forceinline__ void stage_q64(uint8_t* smem, const Params& p, int b,
   __syncthreads();
 }
 
-__device__ __forceinline__ void score_product(float (&d)[16], uint64_t qd, uint64_t td, int accumulate) {
-  wgmma_ss_bf16_n32(d, (uint32_t)qd, (uint32_t)(qd >> 32), (uint32_t)td, (uint32_t)(td >> 32), accumulate);
+// Descriptors as base + byte offset (Desc::at: the low half only, so ptxas keeps one base per operand and adds
+// immediates instead of rebuilding every descriptor)
+__device__ __forceinline__ void score_product(float (&d)[16], const Desc& q, uint32_t q_at, const Desc& t,
+                                              uint32_t t_at, int accumulate) {
+  wgmma_ss_bf16_n32(d, q.at(q_at), q.hi, t.at(t_at), t.hi, accumulate);
 }
-__device__ __forceinline__ void output_product(float* d, const uint32_t (&a)[4], uint64_t vd) {
-  wgmma_rs_bf16_n128_t(*reinterpret_cast<float(*)[64]>(d), a, (uint32_t)vd, (uint32_t)(vd >> 32));
+__device__ __forceinline__ void output_product(float* d, const uint32_t (&a)[4], const Desc& v, uint32_t v_at) {
+  wgmma_rs_bf16_n128_t(*reinterpret_cast<float(*)[64]>(d), a, v.at(v_at), v.hi);
 }
 
 template <int CB, int RB, bool CSYM, bool RSYM>
@@ -161,6 +164,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, r_off[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const uint32_t q_u = smem_u32(smem + Q_SM);
+  const Desc q_content(wgmma_desc(q_u + 16 * wg * 2 * kQChunk, kQChunk, 128));  // this warpgroup's q k-blocks
+  const Desc q_rope(wgmma_desc(q_u + (32 + 2 * wg) * 2 * kQChunk, kQChunk, 128));
 
   for (int T = T0; T < T1; ++T) {
     const int it = T - T0, st = it & 1;
@@ -170,17 +175,17 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
     fence_proxy_async();
     named_bar(2 + wg, 128);  // this warpgroup's half of tile T is in shared memory
     const uint32_t half_u = smem_u32(half_at(st));
+    const Desc tdesc(wgmma_desc(half_u, kTChunk, 128)), vdesc(wgmma_desc(half_u, 128, kTChunk));  // K-, MN-major
 
     // ---- partial scores over this warpgroup's content groups a, b and its RoPE half: codes . q
     constexpr int kAcc = kBf16 ? 1 : 3;  // packed: groups a, b and RoPE apart (their scales differ per token)
     float acc[kAcc][16];  // the first product of each accumulator does not read it
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 18; ++j) {
-      const int kq = j < 16 ? 16 * wg + j : 32 + 2 * wg + (j - 16);  // k-block of q (16 channels)
-      score_product(acc[kBf16 ? 0 : j < 8 ? 0 : j < 16 ? 1 : 2], wgmma_desc(q_u + kq * 2 * kQChunk, kQChunk, 128),
-                    wgmma_desc(half_u + j * 2 * kTChunk, kTChunk, 128), kBf16 ? j > 0 : j != 0 && j != 8 && j != 16);
-    }
+    for (int j = 0; j < 18; ++j)  // q's k-blocks: 16 wg + j (content), 32 + 2 wg + j - 16 (RoPE)
+      score_product(acc[kBf16 ? 0 : j < 8 ? 0 : j < 16 ? 1 : 2], j < 16 ? q_content : q_rope,
+                    (j < 16 ? j : j - 16) * 2 * kQChunk, tdesc, j * 2 * kTChunk,
+                    kBf16 ? j > 0 : j != 0 && j != 8 && j != 16);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
     for (int gi = 0; gi < 2; ++gi)
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
-        output_product(o + 64 * gi, a[gi][ks], wgmma_desc(half_u + 16 * gi * kTChunk + ks * 256, 128, kTChunk));
+        output_product(o + 64 * gi, a[gi][ks], vdesc, 16 * gi * kTChunk + ks * 256);
     wgmma_commit();
     if (T + 1 < T1) put(T + 1, st ^ 1);  // the next tile into the other stage meanwhile
 #pragma unroll

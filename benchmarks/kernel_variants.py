@@ -1,0 +1,166 @@
+"""Compile-time variants of the Hopper decode kernel, side by side: registers and spills offline, speed on the GPU.
+
+``decode_mla_sm90.cu`` reads its tuning knobs from macros (``QMLA_SM90_QK_DEPTH`` / ``QMLA_SM90_PV_DEPTH``: wgmma
+batches left in flight after each commit of the score / output product; ``QMLA_SM90_MIN_CTAS``: the launch bounds'
+CTAs per SM). Each variant is a copy of the kernel sources with those macros defined at the top, built through
+``QUANTMLA_CUDA_SRC`` like any development source folder.
+
+    python benchmarks/kernel_variants.py compile                   # here (nvcc, no GPU): registers, spills, C75xx
+    python benchmarks/kernel_variants.py run --out DIR --tag T     # GPU: bench_decode.py per variant (checks first)
+
+``run`` writes ``DIR/kernel_variants_<T>.{json,md}`` (us per variant and shape, and the ratio to ``base``, every
+variant timed by the same script in its own process, one after the other on one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
+KERNEL = "decode_mla_sm90"
+
+VARIANTS: dict[str, dict[str, int]] = {
+    "base": {},  # the defaults in the source: depth 1 / 1, 2 CTAs per SM
+    "sync": {"QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},  # no wgmma overlap at all: what asynchrony buys
+    "qk2": {"QMLA_SM90_QK_DEPTH": 2},
+    "pv2": {"QMLA_SM90_PV_DEPTH": 2},
+    "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
+}
+
+
+def make_source(name: str, root: Path) -> Path:
+    """A copy of the kernel sources with the variant's macros defined first; returns the folder."""
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+    d = root / name
+    if d.exists():
+        shutil.rmtree(d)
+    shutil.copytree(CSRC, d)
+    src = d / f"{KERNEL}.cu"
+    defs = "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
+    src.write_text(f"// variant {name} (benchmarks/kernel_variants.py)\n{defs}" + src.read_text())
+    return d
+
+
+def compile_report(names: list[str], root: Path) -> list[dict]:
+    """nvcc -cubin -Xptxas -v of each variant: register range, largest spill, serialized-wgmma warnings."""
+    from quantmla.kernels.cuda_build import find_nvcc
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise SystemExit("nvcc not found: pip install nvidia-cuda-nvcc-cu12 (or set QUANTMLA_NVCC)")
+    rows = []
+    for name in names:
+        d = make_source(name, root)
+        cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o",
+               str(d / "k.cubin"), str(d / f"{KERNEL}.cu"), "-Xptxas", "-v"]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        log = r.stdout + r.stderr
+        if r.returncode:
+            raise SystemExit(f"variant {name} does not compile:\n{log[-3000:]}")
+        regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+        regs = [x for x in regs if x > 64]  # the kernels, not the small helpers in the same file
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+        serial = sorted({c for c in re.findall(r"\((C751[245])\)", log)})
+        rows.append({"variant": name, "defines": VARIANTS[name], "regs_min": min(regs), "regs_max": max(regs),
+                     "spill_max": max(spills, default=0), "serialized": serial})  # fmt: skip
+        print(
+            f"{name:8s} registers {min(regs)}-{max(regs)}  spill stores <= {max(spills, default=0)} B  "
+            f"serialized wgmma: {', '.join(serial) or 'none'}",
+            flush=True,
+        )
+    return rows
+
+
+def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str) -> None:
+    """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    for name in names:
+        d = make_source(name, root)
+        env = dict(os.environ, QUANTMLA_CUDA_SRC=str(d), QUANTMLA_CACHE=str(d / "cache"))
+        env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+        vtag = f"variant_{tag}_{name}"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
+               "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
+        print(f"== {name}: {VARIANTS[name]}", flush=True)
+        r = subprocess.run(cmd, env=env, check=False)
+        path = root / f"decode_vs_flashmla_{vtag}.json"
+        if r.returncode or not path.exists():
+            print(f"{name}: bench_decode failed (rc {r.returncode})", flush=True)
+            continue
+        data = json.loads(path.read_text())
+        bad = [r for r in data["rows"] if not r.get("ok") or r.get("us") is None]
+        for r in bad:
+            print(f"{name}: {r['impl']} B{r['batch']} x {r['context']} FAILED its check (not in the table)", flush=True)
+        results[name] = [r for r in data["rows"] if r not in bad]
+    write_table(results, out, tag, formats, shapes, heads)
+
+
+def write_table(results: dict[str, list[dict]], out: Path, tag: str, formats: str, shapes: str, heads: str) -> None:
+    key = lambda r: (r["heads"], r["batch"], r["context"], r["impl"])  # noqa: E731
+    base = {key(r): r["us"] for r in results.get("base", [])}
+    cols = list(dict.fromkeys(key(r) for rows in results.values() for r in rows))
+    commit = os.environ.get("QUANTMLA_COMMIT", "unknown")
+    meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "commit": commit,
+            "command": " ".join(sys.argv), "formats": formats, "shapes": shapes, "heads": heads,
+            "variants": {n: VARIANTS[n] for n in results}}  # fmt: skip
+    try:
+        import torch
+
+        meta["device"] = torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 -- the table is still worth writing
+        meta["device"] = "unknown"
+    rows = [{"variant": n, "heads": k[0], "batch": k[1], "context": k[2], "impl": k[3], "us": us,
+             "vs_base": (base[k] / us) if k in base else None}
+            for n, rs in results.items() for k, us in ((key(r), r["us"]) for r in rs)]  # fmt: skip
+    tmp = out / f"kernel_variants_{tag}.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tmp.replace(out / f"kernel_variants_{tag}.json")
+    lines = [f"# Hopper kernel variants, {meta['device']}, {meta['date']}, commit {commit}", "",
+             f"`{meta['command']}`; each variant's bench_decode.py run checks it first, then times CUDA-graph "
+             "replays after an L2 flush (median of 20). Cells: us (speed-up over base).", "",
+             "| variant | defines | " + " | ".join(f"H{h} B{b} x {n} {i}" for h, b, n, i in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]  # fmt: skip
+    for n, rs in results.items():
+        us = {key(r): r["us"] for r in rs}
+        cells = [f"{us[c]:.1f} ({base[c] / us[c]:.2f}x)" if c in us and c in base else
+                 (f"{us[c]:.1f}" if c in us else "-") for c in cols]  # fmt: skip
+        lines.append(f"| {n} | {VARIANTS[n] or 'defaults'} | " + " | ".join(cells) + " |")
+    tmp = out / f"kernel_variants_{tag}.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out / f"kernel_variants_{tag}.md")
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["compile", "run"])
+    ap.add_argument("--variants", default="base,sync,qk2,pv2", help="comma-separated of: " + ", ".join(VARIANTS))
+    ap.add_argument("--work", default="/tmp/quantmla_variants", help="folder for the variant sources and builds")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--formats", default="c4r4@wgmma")
+    ap.add_argument("--shapes", default="32x32768,8x131072,1x131072,32x4096")
+    ap.add_argument("--heads", default="16")
+    a = ap.parse_args()
+    names = [n.strip() for n in a.variants.split(",") if n.strip()]
+    root = Path(a.work)
+    root.mkdir(parents=True, exist_ok=True)
+    if a.what == "compile":
+        compile_report(names, root)
+    else:
+        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads)
+
+
+if __name__ == "__main__":
+    main()
