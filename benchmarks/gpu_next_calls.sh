@@ -14,6 +14,8 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants    # ~4 min: kernel_variants.py run (VARIANTS=..)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ncu         # ~2 min a kernel (NCU_KERNELS="wgmma mma"):
 #       ncu --set full of one C4R4 B32 x 32K launch; per-SASS-instruction stall samples (csv) + the details page
+#   QUANTMLA_COMMIT=<sha> PREV_SRC=dir bash benchmarks/gpu_next_calls.sh speed  # ~8 min, carry .flashmla, .fmbuild:
+#       the wgmma / mma tests, bench_decode beside FlashMLA (FORMATS), PREV_SRC's kernels side by side, ncu
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
 #       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
@@ -28,7 +30,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|bench|mutation|mutation64|heads|variants|ncu}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -73,6 +75,24 @@ case $CALL in
         -p no:cacheprovider
     fi
     ;;
+  speed)  # after a kernel change: its tests, every packed format beside FlashMLA, the previous sources side by side
+    # (PREV_SRC: a folder of the previous csrc, e.g. from `git archive`; travels untracked), where the new one stalls
+    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
+      -rf --tb=short -p no:cacheprovider
+    part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
+      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
+    if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
+    part bench 260 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
+      --tag "h200_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
+    if [[ -n ${PREV_SRC:-} ]]; then
+      part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
+        --variants "prev=$PREV_SRC,base" --formats c4r4@wgmma,c4r4@mma
+    fi
+    part ncu_wgmma 60 bash -c "QUANTMLA_CUDA_KERNEL=wgmma ncu --kernel-name regex:decode_kernel --launch-skip 1 \
+      --launch-count 1 --set full --import-source no -f -o $R/ncu_wgmma python benchmarks/profile_decode.py c4r4 32 \
+      32768 --reps 2 && ncu -i $R/ncu_wgmma.ncu-rep --page source --csv --print-source sass > $R/ncu_wgmma_sass.csv; \
+      ncu -i $R/ncu_wgmma.ncu-rep --page details > $R/ncu_wgmma_details.txt; rm -f $R/ncu_wgmma.ncu-rep"
+    ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
     part variants 400 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
       --variants "${VARIANTS:-base,sync,qk2,pv2}"
@@ -101,7 +121,7 @@ case $CALL in
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
   *)
-    echo "unknown call $CALL: check, kernels, bench, mutation, mutation64, heads, variants or ncu" >&2
+    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants or ncu" >&2
     exit 2
     ;;
 esac

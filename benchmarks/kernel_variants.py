@@ -38,9 +38,19 @@ VARIANTS: dict[str, dict[str, int]] = {
 
 
 def make_source(name: str, root: Path) -> Path:
-    """A copy of the kernel sources with the variant's macros defined first; returns the folder."""
+    """A copy of the kernel sources with the variant's macros defined first; returns the folder. ``NAME=DIR``: the
+    sources in DIR as they are (e.g. an earlier commit's, ``git archive``), named NAME."""
+    if "=" in name:
+        label, src_dir = name.split("=", 1)
+        if not (Path(src_dir) / f"{KERNEL}.cu").is_file():
+            raise SystemExit(f"variant {name!r}: {src_dir} has no {KERNEL}.cu")
+        d = root / label
+        if d.exists():
+            shutil.rmtree(d)
+        shutil.copytree(src_dir, d)
+        return d
     if name not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)} or NAME=SOURCE_DIR")
     d = root / name
     if d.exists():
         shutil.rmtree(d)
@@ -49,6 +59,14 @@ def make_source(name: str, root: Path) -> Path:
     defs = "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
     src.write_text(f"// variant {name} (benchmarks/kernel_variants.py)\n{defs}" + src.read_text())
     return d
+
+
+def label(name: str) -> str:
+    return name.split("=", 1)[0]
+
+
+def defines(name: str) -> str:
+    return f"sources {name.split('=', 1)[1]}" if "=" in name else str(VARIANTS[name] or "defaults")
 
 
 def compile_report(names: list[str], root: Path) -> list[dict]:
@@ -71,7 +89,7 @@ def compile_report(names: list[str], root: Path) -> list[dict]:
         regs = [x for x in regs if x > 64]  # the kernels, not the small helpers in the same file
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         serial = sorted({c for c in re.findall(r"\((C751[245])\)", log)})
-        rows.append({"variant": name, "defines": VARIANTS[name], "regs_min": min(regs), "regs_max": max(regs),
+        rows.append({"variant": label(name), "defines": defines(name), "regs_min": min(regs), "regs_max": max(regs),
                      "spill_max": max(spills, default=0), "serialized": serial})  # fmt: skip
         print(
             f"{name:8s} registers {min(regs)}-{max(regs)}  spill stores <= {max(spills, default=0)} B  "
@@ -85,14 +103,15 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
+    descr: dict[str, str] = {}
     for name in names:
         d = make_source(name, root)
         env = dict(os.environ, QUANTMLA_CUDA_SRC=str(d), QUANTMLA_CACHE=str(d / "cache"))
         env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
-        vtag = f"variant_{tag}_{name}"
+        vtag = f"variant_{tag}_{label(name)}"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
-        print(f"== {name}: {VARIANTS[name]}", flush=True)
+        print(f"== {label(name)}: {defines(name)}", flush=True)
         r = subprocess.run(cmd, env=env, check=False)
         path = root / f"decode_vs_flashmla_{vtag}.json"
         if r.returncode or not path.exists():
@@ -102,18 +121,20 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         bad = [r for r in data["rows"] if not r.get("ok") or r.get("us") is None]
         for r in bad:
             print(f"{name}: {r['impl']} B{r['batch']} x {r['context']} FAILED its check (not in the table)", flush=True)
-        results[name] = [r for r in data["rows"] if r not in bad]
-    write_table(results, out, tag, formats, shapes, heads)
+        results[label(name)] = [r for r in data["rows"] if r not in bad]
+        descr[label(name)] = defines(name)
+    write_table(results, descr, out, tag, formats, shapes, heads)
 
 
-def write_table(results: dict[str, list[dict]], out: Path, tag: str, formats: str, shapes: str, heads: str) -> None:
+def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path, tag: str, formats: str, shapes: str,
+                heads: str) -> None:  # fmt: skip
     key = lambda r: (r["heads"], r["batch"], r["context"], r["impl"])  # noqa: E731
     base = {key(r): r["us"] for r in results.get("base", [])}
     cols = list(dict.fromkeys(key(r) for rows in results.values() for r in rows))
     commit = os.environ.get("QUANTMLA_COMMIT", "unknown")
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "commit": commit,
             "command": " ".join(sys.argv), "formats": formats, "shapes": shapes, "heads": heads,
-            "variants": {n: VARIANTS[n] for n in results}}  # fmt: skip
+            "variants": descr}  # fmt: skip
     try:
         import torch
 
@@ -135,7 +156,7 @@ def write_table(results: dict[str, list[dict]], out: Path, tag: str, formats: st
         us = {key(r): r["us"] for r in rs}
         cells = [f"{us[c]:.1f} ({base[c] / us[c]:.2f}x)" if c in us and c in base else
                  (f"{us[c]:.1f}" if c in us else "-") for c in cols]  # fmt: skip
-        lines.append(f"| {n} | {VARIANTS[n] or 'defaults'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} | {descr[n]} | " + " | ".join(cells) + " |")
     tmp = out / f"kernel_variants_{tag}.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out / f"kernel_variants_{tag}.md")

@@ -120,16 +120,17 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
 
   const uint8_t* pool = p.pool;
   const int* bt = p.block_table + (long long)b * p.bt_stride;
-  auto issue = [&](int pg, int st) {
-    const uint8_t* page = pool + (long long)bt[pg] * p.page_bytes;
+  auto issue = [&](int blk, int st) {  // blk: the page's block-table entry
+    const uint8_t* page = pool + (long long)blk * p.page_bytes;
     load_page<CB, kThreads>(smem_u32(smem + st * C::STAGE), page, p, meta_rows);
   };
   // the first page is on its way while q is prepared (stage 0; q is staged behind it)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (pg0 + s < pg1) issue(pg0 + s, s);
+    if (pg0 + s < pg1) issue(bt[pg0 + s], s);
     cp_async_commit();
   }
+  int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;  // read a tile before its use
 
   // ---- q: bf16(q * qk_scale) of the CTA's 16 heads staged once in shared memory (every load in flight), the
   // CTA's largest |q| -> e; then each warp's fp16 A fragments (its content group, then the 4 RoPE k-blocks)
@@ -183,8 +184,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
     const int pg = pg0 + it;
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (pg + kStages - 1 < pg1) issue(pg + kStages - 1, (it + kStages - 1) % kStages);
+    if (pg + kStages - 1 < pg1) issue(blk_next, (it + kStages - 1) % kStages);
     cp_async_commit();
+    if (pg + kStages < pg1) blk_next = bt[pg + kStages];
 
     const uint8_t* st = smem + (it % kStages) * C::STAGE;
     const uint32_t st_u = smem_u32(st);

@@ -109,19 +109,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
 
   const int* bt = p.block_table + (long long)b * p.bt_stride;
-  auto issue = [&](int pg, int st) {
-    const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
+  auto issue = [&](int blk, int st) {  // blk: the page's block-table entry
+    const uint8_t* page = p.pool + (long long)blk * p.page_bytes;
     load_page<CB, kThreads, RB>(smem_u32(smem + st * C::STAGE), page, p, M::ROWS);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (pg0 + s < pg1) issue(pg0 + s, s);
+    if (pg0 + s < pg1) issue(bt[pg0 + s], s);
     cp_async_commit();
   }
+  // the block-table entry of the page issued next, read one tile before its use (read where used, its global load
+  // stalled every tile's copy issue: ncu 2026-12-01)
+  int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;
 
   // ---- q: bf16(q * qk_scale) staged from stage 1 on (coalesced pairs), the CTA's largest |q| -> e
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576], over stage 1 and PT
-  const int e = stage_q<kHeads, kThreads>(qst, red, p, b, h0);
+  const int e = stage_q<kHeads, kThreads, true>(qst, red, p, b, h0);
   const float q_down = exp2i(-e), two_e = exp2i(e);
 
   // ---- q^T as the B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh)
@@ -151,8 +154,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const int pg = pg0 + it;
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (pg + kStages - 1 < pg1) issue(pg + kStages - 1, (it + kStages - 1) % kStages);
+    if (pg + kStages - 1 < pg1) issue(blk_next, (it + kStages - 1) % kStages);
     cp_async_commit();
+    if (pg + kStages < pg1) blk_next = bt[pg + kStages];
 
     const uint8_t* st = smem + (it % kStages) * C::STAGE;
     const uint32_t st_u = smem_u32(st);
@@ -173,40 +177,51 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       fence_operands(sacc[gr]);
     }
     {
+      // ldmatrix batches: NBC of content (two 16-byte chunks each), then RoPE; each batch's ldmatrix is issued one
+      // batch ahead, before the unpacking and the wgmma of the batch before it (in program order the asm statements
+      // stay where they are: issued right after the wgmma wait, each ldmatrix stalled its first use for its whole
+      // latency, ncu 2026-12-01: ~20% of the stall samples)
       const int mi = lane >> 3;
       const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
+      constexpr int NBC = CX / 2, NB = NBC + RCH / 2;
+      auto qk_addr = [&](int j) -> uint32_t {  // token g / g+8 of chunk 2j, then of chunk 2j + 1
+        return j < NBC ? st_u + C::C_SM + tok * C::CBYTES + 16 * ((2 * j + (mi >> 1)) ^ (lane & 7))
+                       : st_u + C::R_SM + (2 * (j - NBC) + (mi >> 1)) * (kPage * 16) + tok * 16;  // chunk-major
+      };
+      uint32_t Rn[4];
+      ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(0));
 #pragma unroll
-      for (int x = 0; x < CX; x += 2) {
-        uint32_t R[4];  // token g / g+8 of chunk x, then of chunk x + 1
-        ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * ((x + (mi >> 1)) ^ (lane & 7)));
-        uint32_t a[2][F][4];
-        score_frags<CB>(R, a);
-        wgmma_fence();
+      for (int j = 0; j < NB; ++j) {
+        uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
+        if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
+        if (j < NBC) {
+          const int x = 2 * j;
+          uint32_t a[2][F][4];
+          score_frags<CB>(R, a);
+          wgmma_fence();
 #pragma unroll
-        for (int hx = 0; hx < 2; ++hx) {
-          const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
+          for (int hx = 0; hx < 2; ++hx) {
+            const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
 #pragma unroll
-          for (int pl = 0; pl < F; ++pl)
-            wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
-        }
-        wgmma_commit();
-        wgmma_wait<kQkDepth>();  // the batches before these are done: their A registers are free
-      }
-#pragma unroll
-      for (int x = 0; x < RCH; x += 2) {
-        uint32_t R[4];  // RoPE: chunk-major rows, token g / g+8 of chunk x, then of chunk x + 1
-        ldsm_x4(R[0], R[1], R[2], R[3], st_u + C::R_SM + (x + (mi >> 1)) * (kPage * 16) + tok * 16);
-        uint32_t a[2][RF][4];
-        score_frags<RB>(R, a);
-        wgmma_fence();
-#pragma unroll
-        for (int hx = 0; hx < 2; ++hx)
-#pragma unroll
-          for (int pl = 0; pl < RF; ++pl)
-            wgmma_f16<NH>(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
-        if (x + 2 < RCH) {
+            for (int pl = 0; pl < F; ++pl)
+              wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+          }
           wgmma_commit();
-          wgmma_wait<kQkDepth>();
+          wgmma_wait<kQkDepth>();  // the batches before these are done: their A registers are free
+        } else {
+          const int x = 2 * (j - NBC);
+          uint32_t a[2][RF][4];
+          score_frags<RB>(R, a);
+          wgmma_fence();
+#pragma unroll
+          for (int hx = 0; hx < 2; ++hx)
+#pragma unroll
+            for (int pl = 0; pl < RF; ++pl)
+              wgmma_f16<NH>(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
+          if (x + 2 < RCH) {
+            wgmma_commit();
+            wgmma_wait<kQkDepth>();
+          }
         }
       }
     }
@@ -331,6 +346,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     }
+    // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
+    const int mi_v = lane >> 3;
+    auto pv_addr = [&](int j) -> uint32_t {  // tokens (2t, 2t+1) / (8+2t, 9+2t) of k-step 2kp, then of 2kp + 1
+      const int gi = j / 2, kp = j % 2, chunk = gi * CPG + (warp % CPG);
+      const int tok = 16 * (2 * kp + (mi_v >> 1)) + 8 * (mi_v & 1) + (lane & 7);
+      return st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
+    };
+    uint32_t Rv[4];
+    if constexpr (!kC8) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], pv_addr(0));
     fence_proxy_async();
     __syncthreads();
 
@@ -371,37 +395,32 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     } else {
-      const int mi = lane >> 3;
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) {
-        const int gr = gi, chunk = gr * CPG + (warp % CPG);
+      for (int j = 0; j < 2 * NG; ++j) {  // batch j: group j / 2, k-steps 2 kp and 2 kp + 1 (kp = j % 2)
+        const int gi = j / 2, kp = j % 2;
+        uint32_t R[4] = {Rv[0], Rv[1], Rv[2], Rv[3]};
+        if (j + 1 < 2 * NG) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], pv_addr(j + 1));  // one batch ahead, as above
 #pragma unroll
-        for (int kp = 0; kp < 2; ++kp) {
-          const int tok = 16 * (2 * kp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
-          uint32_t R[4];  // tokens (2t, 2t+1) / (8+2t, 9+2t) of k-step 2kp, then of k-step 2kp + 1
-          ldsm_x4_t(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+        for (int i = 0; i < 4; ++i) R[i] >>= vshift;
+        uint32_t a[2][2][4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) R[i] >>= vshift;
-          uint32_t a[2][2][4];
+        for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-          for (int ks = 0; ks < 2; ++ks)
+          for (int hh = 0; hh < 2; ++hh) {
+            // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
+            a[ks][hh][0] = code<CB>(R[2 * ks], hh);
+            a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
+            a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
+            a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
+          }
+        wgmma_fence();
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
-              a[ks][hh][0] = code<CB>(R[2 * ks], hh);
-              a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
-              a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
-              a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
-            }
-          wgmma_fence();
+        for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-          for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
-          wgmma_commit();
-          wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
-        }
+          for (int hh = 0; hh < 2; ++hh)
+            wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+        wgmma_commit();
+        wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
       }
     }
   }

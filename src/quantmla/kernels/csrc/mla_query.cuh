@@ -26,22 +26,51 @@ __device__ __forceinline__ __nv_bfloat162 scaled_q_pair(const Params& p, int b, 
   return __floats2bfloat162_rn(x0, x1);
 }
 
+// The same value without a branch (heads >= H load head 0 and drop it), so that a stager's loads can all be issued
+// before any is used.
+__device__ __forceinline__ __nv_bfloat162 scaled_q_pair_nb(const Params& p, int b, int h, int ch) {
+  const bool ok = h < p.H;
+  const int hc = ok ? h : 0;
+  const void* q = ch < kDc ? p.q_lat : p.q_pe;
+  const long long i = ch < kDc ? (long long)b * p.q_lat_sb + (long long)hc * p.q_lat_sh + ch
+                               : (long long)b * p.q_pe_sb + (long long)hc * p.q_pe_sh + (ch - kDc);
+  const float x0 = load_q(q, i, p.q_fp32), x1 = load_q(q, i + 1, p.q_fp32);
+  return __floats2bfloat162_rn(ok ? x0 * p.qk_scale : 0.f, ok ? x1 * p.qk_scale : 0.f);
+}
+
 // Stage q [HEADS heads from h0][576] of sequence b into qst (bf16, zeros for heads >= H): pairs of channels,
-// consecutive threads on consecutive pairs (coalesced), every load in flight. `scratch` holds one float per warp.
-// Ends with a CTA barrier; returns e.
-template <int HEADS, int THREADS>
+// consecutive threads on consecutive pairs (coalesced). `scratch` holds one float per warp. Ends with a CTA barrier;
+// returns e. IN_FLIGHT: all of a thread's loads first (branch-free), then the stores -- the compiler cannot tell the
+// shared-memory stores from the global loads (generic pointers), so interleaved, each load waits for the one before
+// (ncu 2026-12-01: 8% of the wgmma kernel's stall samples at B32 x 32K, one global round trip per pair). The mma
+// kernel keeps the interleaved form: on sm_80, under its 168-register cap, the in-flight one spills.
+template <int HEADS, int THREADS, bool IN_FLIGHT = false>
 __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const Params& p, int b, int h0) {
   constexpr int kPairs = HEADS * (kDc + kDr) / 2, kPerThread = kPairs / THREADS, kWarpsQ = THREADS / 32;
   static_assert(kPairs % THREADS == 0 && kWarpsQ == 4, "q pairs per thread, four warps");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
   float amax = 0.f;
+  if constexpr (IN_FLIGHT) {
+    __nv_bfloat162 v[kPerThread];
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2));
-    const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + hh, ch);
-    amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-    qst2[f] = v;
+    for (int k = 0; k < kPerThread; ++k) {
+      const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2));
+      v[k] = scaled_q_pair_nb(p, b, h0 + hh, ch);
+    }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v[k])), fabsf(__high2float(v[k]))));
+      qst2[tid + THREADS * k] = v[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2));
+      const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + hh, ch);
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      qst2[f] = v;
+    }
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));

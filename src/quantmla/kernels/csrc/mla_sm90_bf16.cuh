@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
 
   const int* bt = p.block_table + (long long)b * p.bt_stride;
-  auto issue = [&](int pg, int st) {  // 64 x 72 chunks, 36 per thread; consecutive threads on consecutive chunks
-    const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
+  auto issue = [&](int blk, int st) {  // 64 x 72 chunks, 36 per thread; consecutive threads on consecutive chunks
+    const uint8_t* page = p.pool + (long long)blk * p.page_bytes;  // blk: the page's block-table entry
     const uint32_t dst = smem_u32(smem + st * C::STAGE);
 #pragma unroll 4
     for (int i = tid; i < kPage * (C::CX + C::RX); i += kThreads) {
@@ -61,12 +61,13 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
       cp_async16(dst + tok * C::ROW + 16 * (x ^ (tok & 7)), src);
     }
   };
-  if (pg0 < pg1) issue(pg0, 0);
+  if (pg0 < pg1) issue(bt[pg0], 0);
   cp_async_commit();
+  int blk_next = pg0 + 1 < pg1 ? bt[pg0 + 1] : 0;  // read a tile before its use
 
   // ---- q: bf16(q * qk_scale) staged in stage 1, then q^T in the k-block layout (a permutation of bf16 values)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);
-  (void)stage_q<kHeads, kThreads>(qst, red, p, b, h0);  // bf16 has fp32's range: no exponent needed
+  (void)stage_q<kHeads, kThreads, true>(qst, red, p, b, h0);  // bf16 has fp32's range: no exponent needed
   for (int r = tid; r < 36 * kHeads * 2; r += kThreads) {
     const int kb = r / (2 * kHeads), h = (r >> 1) % kHeads, kh = r & 1;
     *reinterpret_cast<uint4*>(smem + C::QT + kb * kKBlock + kblock_offset(8 * kh, h)) =
@@ -93,8 +94,9 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
     const int pg = pg0 + it;
     cp_async_wait<0>();
     __syncthreads();
-    if (pg + 1 < pg1) issue(pg + 1, (it + 1) & 1);
+    if (pg + 1 < pg1) issue(blk_next, (it + 1) & 1);
     cp_async_commit();
+    if (pg + 2 < pg1) blk_next = bt[pg + 2];
     const uint32_t st_u = smem_u32(smem + (it & 1) * C::STAGE);
     const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
     const bool edge = tok_lo > 0 || tok_hi < kPage;
