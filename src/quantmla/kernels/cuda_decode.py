@@ -32,9 +32,10 @@ CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1}  # fallbacks if the occupancy
 KERNELS = ("mma", "wgmma", "wgmma64")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
-WGMMA_MAX_WORK = 1 << 19  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
-# units of work, mma above (H200, benchmarks/results/decode_vs_flashmla_h200_s10_*.md: wgmma 1.10-1.30x FlashMLA
-# vs mma's 1.01-1.07x at B1x128K / B8x32K, 16 heads; mma 1.36-1.43x vs 1.23-1.31x at B32x32K / B32x128K)
+WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
+# units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
+# one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
+# 1.49x vs 1.41x at B32x128K (2^22))
 WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes mma (C8R8 / C4R8: Triton): at 64 / 128 heads the wgmma
 # kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x (decode_vs_flashmla_h200_s10_heads.md);
 # wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
@@ -103,7 +104,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
     else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto`` is mma off sm_90; on
     sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache``
     (and ``heads`` query heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at
-    most :data:`WGMMA_MAX_WORK` tokens (small batches and short contexts, where its shorter tiles win), else mma;
+    most :data:`WGMMA_MAX_WORK` tokens (all but the largest grids), else mma (3 CTAs per SM to wgmma's 2);
     past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for C8R8 / C4R8 is that it has none: Triton runs
     them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
