@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   }
   int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;  // read a tile before its use
 
-  // ---- q: bf16(q * qk_scale) of the CTA's 16 heads staged once in shared memory (every load in flight), the
+  // ---- q: bf16(q * qk_scale) of the CTA's 16 heads staged once in shared memory (stage_q, interleaved form), the
   // CTA's largest |q| -> e; then each warp's fp16 A fragments (its content group, then the 4 RoPE k-blocks)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][576]
   const int e = stage_q<kHeads, kThreads>(qst, smax, p, b, h0);
