@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "sync": {"QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},  # no wgmma overlap at all: what asynchrony buys
     "qk2": {"QMLA_SM90_QK_DEPTH": 2},
     "pv2": {"QMLA_SM90_PV_DEPTH": 2},
+    "pvf16": {"QMLA_SM90_PV_F16": 1},  # 4/2-bit output product in fp16 (P s 2^k): fewer shifts, 11-bit P s
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

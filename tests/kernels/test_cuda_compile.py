@@ -28,11 +28,13 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "name,arch",
-    [("decode_mla", "80"), ("decode_mla", "90"), ("decode_mla_sm90", "90a"), ("decode_mla_sm90_h64", "90a")],
-)
-def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, tmp_path):
-    cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
+    "name,arch,defines",
+    [("decode_mla", "80", ()), ("decode_mla", "90", ()), ("decode_mla_sm90", "90a", ()),
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=1",)),  # the fp16 output-product variant (kernel_variants.py)
+     ("decode_mla_sm90_h64", "90a", ())],
+)  # fmt: skip
+def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
+    cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
            "-o", str(tmp_path / "k.cubin"), str(CSRC / f"{name}.cu"), "-Xptxas", "-v"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     log = r.stdout + r.stderr

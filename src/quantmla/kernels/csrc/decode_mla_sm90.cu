@@ -50,6 +50,9 @@ namespace sm90 {
 #ifndef QMLA_SM90_MIN_CTAS
 #define QMLA_SM90_MIN_CTAS 2
 #endif
+#ifndef QMLA_SM90_PV_F16  // 1: the 4/2-bit output product in fp16 as well (see kF16Out below); not yet run on a GPU
+#define QMLA_SM90_PV_F16 0
+#endif
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kStages = 2;
@@ -91,6 +94,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // P s 2^k in [2^14, 2^15)), moved lazily (when a tile's scales would overflow, or have shrunk 2^8-fold) with an
   // exact power-of-two rescaling of the fp32 accumulators, and undone in the epilogue
   constexpr bool kC8 = CB == 8;
+  // fp16 output product: always for 8 bits; for 4/2 bits with QMLA_SM90_PV_F16 (a field becomes 1024 + 2^(b p) c
+  // with one LOP3 in place -- one shared 8-bit shift per register for the upper byte -- and exact c with one HFMA2,
+  // instead of bf16's shift + LOP3 + FMA per pair; P s then needs the 2^k scaling below, and carries 11 bits)
+  constexpr bool kF16Out = kC8 || QMLA_SM90_PV_F16;
   static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
   static_assert(RB == 4 || RB == 8, "RoPE bits");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -261,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps
-    if constexpr (kC8) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
+    if constexpr (kF16Out) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
       float sm = 0.f;
 #pragma unroll
       for (int gr = 0; gr < 4; ++gr)
@@ -272,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       if (lane == 0) smx[warp] = sm;
     }
     __syncthreads();
-    float k_scale = 1.f;  // C8: 2^(new k - old k) for the accumulators
-    if constexpr (kC8) {
+    float k_scale = 1.f;  // fp16 output: 2^(new k - old k) for the accumulators
+    if constexpr (kF16Out) {
       const float sm = fmaxf(fmaxf(smx[0], smx[1]), fmaxf(smx[2], smx[3]));
       if (sm > 0.f && sm <= 65504.f) {
         const int k_want = 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127);  // 2^8 sm 2^k in [2^14, 2^15)
@@ -324,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         l_run[c] += pv[ri][c];
       }
     }
-    const float p_up = kC8 ? exp2i(k_run) : 1.f;  // C8: P s 2^k_run (exact scaling, then the fp16 rounding)
+    const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
@@ -339,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
-          if constexpr (kC8)
+          if constexpr (kF16Out)
             *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s * p_up));
           else
             *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * s);
@@ -404,21 +411,37 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         for (int i = 0; i < 4; ++i) R[i] >>= vshift;
         uint32_t a[2][2][4];
 #pragma unroll
-        for (int ks = 0; ks < 2; ++ks)
+        for (int ks = 0; ks < 2; ++ks) {
+          if constexpr (kF16Out) {
+            const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
-            a[ks][hh][0] = code<CB>(R[2 * ks], hh);
-            a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
-            a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
-            a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
+            for (int hh = 0; hh < 2; ++hh) {
+              a[ks][hh][0] = code_f16<CB>(R[2 * ks], hh);
+              a[ks][hh][1] = code_f16<CB>(r8a, hh);
+              a[ks][hh][2] = code_f16<CB>(R[2 * ks + 1], hh);
+              a[ks][hh][3] = code_f16<CB>(r8b, hh);
+            }
+          } else {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
+              a[ks][hh][0] = code<CB>(R[2 * ks], hh);
+              a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
+              a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
+              a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
+            }
           }
+        }
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          for (int hh = 0; hh < 2; ++hh) {
+            if constexpr (kF16Out)
+              wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+            else
+              wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          }
         wgmma_commit();
         wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
       }
@@ -435,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   for (int gi = 0; gi < NG; ++gi) heads_sum_to(roff + gi * kHeads * 4, po[gi], warp, g, t);
   __syncthreads();
   float inv_l[NC], corr[NG][NC];
-  const float o_down = kC8 ? exp2i(-k_run) : 1.f;
+  const float o_down = kF16Out ? exp2i(-k_run) : 1.f;
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
 #pragma unroll
   for (int c = 0; c < NC; ++c) {

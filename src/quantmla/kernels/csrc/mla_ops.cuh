@@ -99,6 +99,19 @@ __device__ __forceinline__ uint32_t code(uint32_t r, int j) {
   return y;
 }
 
+// plane p (field p of the low byte) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi): the magic number
+// 1024 + 2^(B p) c with one LOP3 in place (2^(B p) c <= 2^8 - 2^(B p) < 1024: exact), then one fp16x2 FMA
+// x 2^-(B p) - 1024 2^-(B p) (powers of two and an integer result: exact). For the upper byte pass r >> 8.
+template <int B>
+__device__ __forceinline__ uint32_t code_f16(uint32_t r, int p) {
+  const uint32_t m = and_or(r, (((1u << B) - 1u) << (B * p)) * 0x00010001u, kMagicF16);
+  const uint32_t sc = ((15u - B * p) << 10) * 0x00010001u;             // fp16 2^-(B p)
+  const uint32_t bias = (0x8000u | ((25u - B * p) << 10)) * 0x00010001u;  // fp16 -2^(10 - B p)
+  uint32_t y;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(sc), "r"(bias));
+  return y;
+}
+
 // byte b (0 or 1) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi), c in [0, 255]: the magic number
 // 1024 + c minus 1024 (one LOP3 + one fp16x2 FMA; bf16 cannot hold 128 + c for c >= 128: 8-bit output products)
 __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
