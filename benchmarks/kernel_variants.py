@@ -6,7 +6,8 @@ CTAs per SM). Each variant is a copy of the kernel sources with those macros def
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
     python benchmarks/kernel_variants.py compile                   # here (nvcc, no GPU): registers, spills, C75xx
-    python benchmarks/kernel_variants.py run --out DIR --tag T     # GPU: bench_decode.py per variant (checks first)
+    python benchmarks/kernel_variants.py run --out DIR --tag T     # GPU: bench_decode.py per variant (checks first;
+                                                                   # --tests: the wgmma GPU tests per variant too)
 
 ``run`` writes ``DIR/kernel_variants_<T>.{json,md}`` (us per variant and shape, and the ratio to ``base``, every
 variant timed by the same script in its own process, one after the other on one GPU).
@@ -100,7 +101,8 @@ def compile_report(names: list[str], root: Path) -> list[dict]:
     return rows
 
 
-def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str) -> None:
+def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
+        tests: bool = False) -> None:  # fmt: skip
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -113,6 +115,11 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
         print(f"== {label(name)}: {defines(name)}", flush=True)
+        if tests:  # the Hopper kernel's GPU tests against this variant's build, before timing it
+            t = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rf", "--tb=line", "-p",
+                                "no:cacheprovider", str(ROOT / "tests" / "kernels" / "test_decode_cuda.py"), "-k",
+                                "wgmma and not wgmma64"], env=env, check=False)  # fmt: skip
+            print(f"{label(name)}: GPU tests {'passed' if t.returncode == 0 else 'FAILED'}", flush=True)
         r = subprocess.run(cmd, env=env, check=False)
         path = root / f"decode_vs_flashmla_{vtag}.json"
         if r.returncode or not path.exists():
@@ -174,6 +181,7 @@ def main() -> None:
     ap.add_argument("--formats", default="c4r4@wgmma")
     ap.add_argument("--shapes", default="32x32768,8x131072,1x131072,32x4096")
     ap.add_argument("--heads", default="16")
+    ap.add_argument("--tests", action="store_true", help="run: the wgmma GPU tests against each variant first")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)
@@ -181,7 +189,7 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads)
+        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests)
 
 
 if __name__ == "__main__":
