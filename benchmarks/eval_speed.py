@@ -61,6 +61,12 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=None, help="default: h200 on CUDA, smoke with --smoke")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed runs, one more run per format under torch.profiler: the operators and "
+        "kernels with the most time -> <stem>_profile.txt (where a quantized format's extra time goes)",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.device, args.formats, args.lengths, args.samples = "cpu", "bf16,c4r4", "256", 1
@@ -115,8 +121,30 @@ def main() -> int:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, stem + suffix)
+    if args.profile:
+        write_profile(stem + "_profile.txt", model, tok, args, lengths)
     print(json.dumps({r["format"]: r["x_bf16"] for r in rows}))
     return 0
+
+
+def write_profile(path: str, model, tok, args, lengths) -> None:
+    """One run per format under torch.profiler (CPU + CUDA): its operator table sorted by self device time (CUDA)
+    or self CPU time, so the formats' extra costs can be read side by side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    parts = []
+    for fmt in args.formats.split(","):
+        with profile(activities=acts) as prof:
+            r = run(model, tok, fmt, args, lengths, args.samples, args.ppl_tokens)
+        parts.append(f"===== {fmt}: {r['wall_s']:.2f} s under the profiler\n"
+                     + prof.key_averages().table(sort_by=key, row_limit=25))  # fmt: skip
+        log(f"profiled {fmt}")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n\n".join(parts) + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

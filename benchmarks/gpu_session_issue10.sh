@@ -17,11 +17,11 @@
 #   costs       benchmarks/step_costs.py: fits quantmla.serve.throughput.StepCosts to the v2-lite rows measured
 #               so far -> RESULTS_DIR/step_costs_h200_v2lite.json (CPU, seconds)               ~5 s     (cap 60 s)
 #   devices     generate_devices smollm2-mla: 4 prompts x 4 formats x 64 greedy steps, CPU vs CUDA,
-#               converting SmolLM2 on first use (~45 s; needs the kit, below)                  ~3 min   (cap 220 s)
+#               converting SmolLM2 on first use (~45 s; needs the kit, below)                  ~4 min   (cap 300 s)
 #   generate    quantmla generate --device cuda, c4r4, 64 tokens (needs the kit)               ~20 s    (cap 90 s)
 #   smollm2     bench_generate smollm2-mla: decode 4K/32K, prefill 4K, budget (needs the kit)  ~1.5 min (cap 150 s)
-#   evalspeed   benchmarks/eval_speed.py: `quantmla eval` seconds per sample, BF16 vs C8R8/C4R4/C2R4
-#               (item 5: quantized <= 1.5x BF16; needs the kit)                                ~1.5 min (cap 150 s)
+#   evalspeed   benchmarks/eval_speed.py --profile: `quantmla eval` seconds per sample, BF16 vs C8R8/C4R4/C2R4 + where
+#               the time goes (item 5: quantized <= 1.5x BF16; needs the kit)                  ~3 min   (cap 240 s)
 # Every step runs under `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 540 s = 9 min, under
 # the device tool's 10-minute limit per command); a step that would get under 30 s is skipped and says so.
 # bench_generate writes the rows measured so far when its timeout stops it (marked partial).
@@ -61,7 +61,7 @@ if [[ ${1:-} == --prepare ]]; then  # here, not on the GPU machine: pip may down
     4) calls=("tests,costs" "v2lite,costs" "v2lite128k,costs" "devices,generate,smollm2,evalspeed") ;;
     *) echo "error: the kit needs $n parts (> 4 calls): shrink the working tree" >&2; exit 1 ;;
   esac
-  declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=3 [generate]=0.5 [smollm2]=1.5 [evalspeed]=1.5)
+  declare -A est=([tests]=1.5 [v2lite]=4.5 [v2lite128k]=4 [costs]=0.1 [devices]=4 [generate]=0.5 [smollm2]=1.5 [evalspeed]=3)
   tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   sha=$(git rev-parse --short HEAD)
   git diff --quiet HEAD -- src tests benchmarks || sha="$sha+changes"
@@ -171,11 +171,11 @@ step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 
 costs_in=("$RES"/generate_h200_v2lite_*.json)
 [[ -e ${costs_in[0]} ]] || costs_in=("$RES/generate_h200_v2lite_32k.json")  # dry run / nothing measured yet
 step costs 60 $PY benchmarks/step_costs.py --out "$RES/step_costs_h200_v2lite.json" --force "${costs_in[@]}"
-smol_step devices 220 $PY benchmarks/generate_devices.py --model smollm2-mla --tag h200 --out "$RES" --force
+smol_step devices 300 $PY benchmarks/generate_devices.py --model smollm2-mla --tag h200 --out "$RES" --force
 smol_step generate 90 $PY -c "import sys; from quantmla.cli import main; sys.exit(main())" generate \
   --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
 smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
   --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
-smol_step evalspeed 150 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force
+smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile
 echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
 bundle
