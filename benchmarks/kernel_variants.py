@@ -1,8 +1,9 @@
 """Compile-time variants of the Hopper decode kernel, side by side: registers and spills offline, speed on the GPU.
 
-``decode_mla_sm90.cu`` reads its tuning knobs from macros (``QMLA_SM90_QK_DEPTH`` / ``QMLA_SM90_PV_DEPTH``: wgmma
-batches left in flight after each commit of the score / output product; ``QMLA_SM90_MIN_CTAS``: the launch bounds'
-CTAs per SM). Each variant is a copy of the kernel sources with those macros defined at the top, built through
+``decode_mla_sm90.cu`` reads its tuning knobs from macros, defaults in ``mla_sm90_cfg.cuh``: ``QMLA_SM90_QK_DEPTH`` /
+``QMLA_SM90_PV_DEPTH`` (wgmma batches left in flight after each commit of the score / output product),
+``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16).
+Each variant is a copy of the kernel sources with those macros defined at the top, built through
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
     python benchmarks/kernel_variants.py compile                   # here (nvcc, no GPU): registers, spills, C75xx

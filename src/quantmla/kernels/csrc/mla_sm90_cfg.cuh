@@ -1,0 +1,52 @@
+// The Hopper swap-AB decode kernel's (decode_mla_sm90.cu) compile-time tuning knobs and shared-memory layout.
+#pragma once
+
+#include "mla_page.cuh"
+
+namespace qmla {
+namespace sm90 {
+
+// Tuning knobs (compile-time; benchmarks/kernel_variants.py builds copies with other values and times them side by side):
+// wgmma batches in flight after each commit in the score / output products, minimum CTAs per SM.
+#ifndef QMLA_SM90_QK_DEPTH
+#define QMLA_SM90_QK_DEPTH 1
+#endif
+#ifndef QMLA_SM90_PV_DEPTH
+#define QMLA_SM90_PV_DEPTH 1
+#endif
+#ifndef QMLA_SM90_MIN_CTAS
+#define QMLA_SM90_MIN_CTAS 2
+#endif
+#ifndef QMLA_SM90_PV_F16  // 1: the 4/2-bit output product in fp16 as well (see kF16Out below); not yet run on a GPU
+#define QMLA_SM90_PV_F16 0
+#endif
+
+constexpr int kThreads = 128;  // one warpgroup
+constexpr int kStages = 2;
+constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
+constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
+constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
+
+// NH = 16 heads on N of every wgmma. (A 32-head variant ran slower: see WgmmaKernel below.)
+template <int CB, int RB, int NH>
+struct Cfg : PageCfg<CB, RB> {
+  using PageCfg<CB, RB>::STAGE;
+  static_assert(NH == 16, "16 heads per CTA");
+  static constexpr int KB = NH * 32;                  // bytes of one 16 x NH operand k-block (16-bit elements)
+  static constexpr int NG = 4;                         // content groups of the output product
+  static constexpr int QSTAGE = NH * (kDc + kDr) * 2;  // bf16 q of the CTA's heads, once, from stage 1 on
+  static constexpr int PTB = NG * 4 * KB;             // (P s_g)^T k-blocks [group][k-step][k-block]
+  static constexpr int PTR = (QSTAGE - STAGE > PTB ? QSTAGE - STAGE + 127 : PTB) / 128 * 128;  // (q staging too)
+  static constexpr int PT = kStages * STAGE;          // bf16 P tiles (fp16: C8)
+  static constexpr int QB = PT + PTR;                  // [2][5 groups][t][NH / 4] floats: accumulator starts, q sums
+  static constexpr int RED = QB + 2 * 5 * NH * 4;      // [head][warp] floats: tile maxima, row sums
+  static constexpr int SMX = RED + NH * 4 * 4;         // [warp] floats: the tile's largest content scale (C8)
+  static constexpr int ROFF = SMX + 4 * 4;             // [group][head][warp] floats: offset sums
+  static constexpr int QT = ROFF + NG * NH * 4 * 4;    // q^T k-blocks (fp16) [36][k-block]
+  static constexpr int SMEM = QT + kQkBlocks * KB;
+  static_assert(kStages == 2 && QSTAGE <= STAGE + PTR, "q staging fits in stage 1 and the P tiles");
+  static_assert(QT % 16 == 0 && PT % 16 == 0 && QB % 16 == 0, "operand tiles are 16-byte aligned");
+};
+
+}  // namespace sm90
+}  // namespace qmla
