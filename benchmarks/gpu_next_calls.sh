@@ -27,7 +27,8 @@
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
-# full_budget.py). Set QUANTMLA_COMMIT: the GPU machine's copy may report a stale commit otherwise.
+# full_budget.py). Set QUANTMLA_COMMIT to a literal sha typed here: on the GPU machine
+# `git rev-parse` reads a stale .git (it reported 7a13408 for 9ed4364 on 2026-12-01).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
