@@ -286,6 +286,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flashmla", default=None, help="FlashMLA source checkout (with csrc/cutlass), built at run time")
     ap.add_argument("--flashmla-build", default=None, help="FlashMLA build folder (default DIR/build_quantmla_bench)")
+    ap.add_argument("--flashmla-prebuilt", default=None,
+                    help="instead of --flashmla: the extension an earlier --flashmla run built "
+                         "(<build folder>/flashmla_dense_bench.so), loaded without sources or compiler")  # fmt: skip
     ap.add_argument("--shapes", default=SHAPES, help="BxN,BxN,... (default %(default)s)")
     ap.add_argument("--heads", default="16", help="comma-separated head counts (default 16)")
     ap.add_argument("--formats", default=",".join(FORMATS),
@@ -299,13 +302,18 @@ def main() -> None:
         raise SystemExit("bench_decode.py needs a CUDA GPU")
     t0 = time.time()
     fm_ext = None
-    if args.flashmla:
+    if args.flashmla and args.flashmla_prebuilt:
+        raise SystemExit("give --flashmla DIR (build) or --flashmla-prebuilt SO (load), not both")
+    if args.flashmla or args.flashmla_prebuilt:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from flashmla_ext import load_flashmla
+        from flashmla_ext import load_flashmla, load_prebuilt
 
         tb = time.time()
-        fm_ext = load_flashmla(args.flashmla, args.flashmla_build)
-        log(f"FlashMLA dense decode built in {time.time() - tb:.0f} s")
+        if args.flashmla_prebuilt:
+            fm_ext = load_prebuilt(args.flashmla_prebuilt)
+        else:
+            fm_ext = load_flashmla(args.flashmla, args.flashmla_build)
+        log(f"FlashMLA dense decode ready in {time.time() - tb:.0f} s")
     commit = os.environ.get("QUANTMLA_COMMIT", "")  # the GPU machine gets a copy of the tree, maybe no .git
     if not commit:
         try:

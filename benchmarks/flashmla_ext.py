@@ -65,6 +65,28 @@ def load_flashmla(src_dir: str, build_dir: str | None = None, verbose: bool = Fa
     )
 
 
+def load_prebuilt(so_path: str):
+    """The extension ``load_flashmla`` built earlier (``<build_dir>/flashmla_dense_bench.so``), loaded as it is: no
+    sources, no compiler (2.5 MB to carry instead of the 29 MB checkout). It must come from the same torch build."""
+    import importlib.machinery
+    import importlib.util
+
+    path = Path(so_path)
+    if not path.is_file():
+        raise SystemExit(f"--flashmla-prebuilt {so_path}: no such file (build it once with --flashmla DIR)")
+    loader = importlib.machinery.ExtensionFileLoader("flashmla_dense_bench", str(path))
+    spec = importlib.util.spec_from_file_location("flashmla_dense_bench", str(path), loader=loader)
+    try:
+        mod = importlib.util.module_from_spec(spec)  # the dlopen happens here for an extension module
+        loader.exec_module(mod)
+    except ImportError as e:
+        raise SystemExit(f"--flashmla-prebuilt {so_path} does not load here ({e}): rebuild it with --flashmla DIR "
+                         "on this machine's torch") from e  # fmt: skip
+    if not hasattr(mod, "dense_decode_fwd"):
+        raise SystemExit(f"--flashmla-prebuilt {so_path} is not the FlashMLA dense-decode extension")
+    return mod
+
+
 class FlashMLADecode:
     """FlashMLA dense decode over a BF16 paged cache ``[num_blocks, 64, 1, 576]`` with our block table; the
     scheduling metadata is computed once (as a serving engine does per batch) and reused."""

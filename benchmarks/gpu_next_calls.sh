@@ -15,7 +15,7 @@
 #       VARIANT_TESTS=1: each variant's wgmma GPU tests first, ~1 min each), e.g. VARIANTS=base,pvf16
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ncu         # ~2 min a kernel (NCU_KERNELS="wgmma mma"):
 #       ncu --set full of one C4R4 B32 x 32K launch; per-SASS-instruction stall samples (csv) + the details page
-#   QUANTMLA_COMMIT=<sha> PREV_SRC=dir bash benchmarks/gpu_next_calls.sh speed  # ~8 min, carry .flashmla, .fmbuild:
+#   QUANTMLA_COMMIT=<sha> PREV_SRC=dir bash benchmarks/gpu_next_calls.sh speed  # ~8 min, carry .fmbuild (+ .flashmla):
 #       the wgmma / mma tests, bench_decode beside FlashMLA (FORMATS), PREV_SRC's kernels side by side, ncu
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
@@ -83,8 +83,15 @@ case $CALL in
       -rf --tb=short -p no:cacheprovider
     part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
       -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
-    if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
-    part bench 260 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
+    # FlashMLA: the checkout (.flashmla, 29 MB) with its build (.fmbuild), or only the build (.fmbuild, 3 MB: fits
+    # beside a SmolLM2 kit part), loaded prebuilt
+    if [[ -d .flashmla/csrc ]]; then
+      mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ 2>/dev/null && touch /tmp/fmbuild/*.so
+      FM=(--flashmla .flashmla --flashmla-build /tmp/fmbuild)
+    else
+      FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
+    fi
+    part bench 260 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
       --tag "h200_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
     if [[ -n ${PREV_SRC:-} ]]; then
       part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
