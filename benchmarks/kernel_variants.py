@@ -2,7 +2,8 @@
 
 ``decode_mla_sm90.cu`` reads its tuning knobs from macros, defaults in ``mla_sm90_cfg.cuh``: ``QMLA_SM90_QK_DEPTH`` /
 ``QMLA_SM90_PV_DEPTH`` (wgmma batches left in flight after each commit of the score / output product),
-``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16).
+``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16);
+``QMLA_COMBINE_WIDE`` (``mla_launch.cuh``: the split merge for many splits in 32-channel blocks).
 Each variant is a copy of the kernel sources with those macros defined at the top, built through
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
@@ -36,6 +37,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "qk2": {"QMLA_SM90_QK_DEPTH": 2},
     "pv2": {"QMLA_SM90_PV_DEPTH": 2},
     "pvf16": {"QMLA_SM90_PV_F16": 1},  # 4/2-bit output product in fp16 (P s 2^k): fewer shifts, 11-bit P s
+    "combine32": {"QMLA_COMBINE_WIDE": 1},  # the split merge in 32-channel blocks x 32 split groups (>= 128 splits)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

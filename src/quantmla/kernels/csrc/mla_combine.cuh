@@ -9,29 +9,34 @@
 namespace qmla {
 
 // Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
-// lse = ln 2 * (max + log2 sum w). Grid (Dc / 128, H, B), 128 G threads: channel tid % 128, splits tid / 128 + G k
-// (G split groups, 8 loads in flight each, summed through shared memory). G = 4 for many splits (at B1 x 128K,
-// ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost 2x).
-template <int G, int D>
-__global__ void __launch_bounds__(128 * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
-                                                          float* __restrict__ out, float* __restrict__ lse, int ns,
-                                                          int H) {
+// lse = ln 2 * (max + log2 sum w). Grid (Dc / CW, H, B), CW G threads: channel tid % CW, splits tid / CW + G k
+// (G split groups, 8 loads in flight each, summed through shared memory). CW = 128: G = 4 for many splits (at
+// B1 x 128K, ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost
+// 2x). CW = 32, G = 32 (QMLA_COMBINE_WIDE, not yet run on a GPU): 16x the CTAs, each thread ~ns / 32 splits, one
+// round of loads in flight at ~260 splits (B1 x 128K: the G = 4 merge was ~13 us of ~57).
+template <int G, int D, int CW = 128>
+__global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
+                                                         float* __restrict__ out, float* __restrict__ lse, int ns,
+                                                         int H) {
   constexpr int kCombineGroups = G;
-  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & 127, grp = tid >> 7;
-  __shared__ float red[4 * kCombineGroups];
-  __shared__ float racc[kCombineGroups][128], rws[kCombineGroups][128];
+  static_assert((CW == 32 || CW == 64 || CW == 128) && D % CW == 0 && CW * G <= 1024, "channel block");
+  constexpr int kShift = CW == 128 ? 7 : CW == 64 ? 6 : 5;  // log2 CW
+  const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, ch = tid & (CW - 1),
+            grp = tid >> kShift;
+  __shared__ float red[CW * kCombineGroups / 32];
+  __shared__ float racc[kCombineGroups][CW], rws[kCombineGroups][CW];
   const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
   float mx = -INFINITY;
-  for (int s = tid; s < ns; s += 128 * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
+  for (int s = tid; s < ns; s += CW * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
   __syncthreads();
   mx = red[0];
 #pragma unroll
-  for (int w = 1; w < 4 * kCombineGroups; ++w) mx = fmaxf(mx, red[w]);
+  for (int w = 1; w < CW * kCombineGroups / 32; ++w) mx = fmaxf(mx, red[w]);
   const float msafe = mx == -INFINITY ? 0.f : mx;
-  const float* pob = po + ((long long)b * ns * H + h) * D + dc * 128 + ch;  // po[b, s, h, d] = pob[s * H * Dc]
+  const float* pob = po + ((long long)b * ns * H + h) * D + dc * CW + ch;  // po[b, s, h, d] = pob[s * H * Dc]
   const long long step = (long long)H * D;
   constexpr int U = 8;
   float acc[U], wsum[U];
@@ -74,7 +79,7 @@ __global__ void __launch_bounds__(128 * G) combine_kernel(const float* __restric
       a += racc[g2][ch];
       ws += rws[g2][ch];
     }
-    out[((long long)b * H + h) * D + dc * 128 + ch] = ws > 0.f ? a / ws : 0.f;
+    out[((long long)b * H + h) * D + dc * CW + ch] = ws > 0.f ? a / ws : 0.f;
     if (dc == 0 && ch == 0) lse[(long long)b * H + h] = ws > 0.f ? (mx + log2f(ws)) * 0.6931471805599453f : -INFINITY;
   }
 }

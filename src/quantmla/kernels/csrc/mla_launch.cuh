@@ -12,6 +12,10 @@
 #include <cuda_runtime.h>
 
 #include "mla_combine.cuh"
+
+#ifndef QMLA_COMBINE_WIDE  // 1: the wide merge for >= 128 splits (mla_combine.cuh); not yet run on a GPU
+#define QMLA_COMBINE_WIDE 0
+#endif
 #include "mla_page.cuh"
 
 namespace qmla {
@@ -98,6 +102,12 @@ int ctas_per_sm_bits(int cbits, int rbits, int H) {
 inline int launch_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
                           cudaStream_t stream) {
   const dim3 grid(kDc / 128, H, B);
+#if QMLA_COMBINE_WIDE
+  if (ns >= 128) {  // 32-channel blocks, 32 split groups (mla_combine.cuh)
+    combine_kernel<32, kDc, 32><<<dim3(kDc / 32, H, B), 1024, 0, stream>>>(po, pl, out, lse, ns, H);
+    return (int)cudaGetLastError();
+  }
+#endif
   if (ns >= 64)
     combine_kernel<4, kDc><<<grid, 512, 0, stream>>>(po, pl, out, lse, ns, H);
   else
