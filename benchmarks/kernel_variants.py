@@ -3,7 +3,8 @@
 ``decode_mla_sm90.cu`` reads its tuning knobs from macros, defaults in ``mla_sm90_cfg.cuh``: ``QMLA_SM90_QK_DEPTH`` /
 ``QMLA_SM90_PV_DEPTH`` (wgmma batches left in flight after each commit of the score / output product),
 ``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16);
-``QMLA_COMBINE_WIDE`` (``mla_launch.cuh``: the split merge for many splits in 32-channel blocks).
+``QMLA_COMBINE_WIDE`` (``mla_launch.cuh``: the split merge for many splits in 32-channel blocks), ``QMLA_Q_VEC``
+(``mla_query.cuh``: q staged with 16-byte loads).
 Each variant is a copy of the kernel sources with those macros defined at the top, built through
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
@@ -38,6 +39,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "pv2": {"QMLA_SM90_PV_DEPTH": 2},
     "pvf16": {"QMLA_SM90_PV_F16": 1},  # 4/2-bit output product in fp16 (P s 2^k): fewer shifts, 11-bit P s
     "combine32": {"QMLA_COMBINE_WIDE": 1},  # the split merge in 32-channel blocks x 32 split groups (>= 128 splits)
+    "qvec": {"QMLA_Q_VEC": 1},  # q staged with 16-byte loads (bf16, aligned): 9 loads per thread instead of 72
+    "all3": {"QMLA_SM90_PV_F16": 1, "QMLA_COMBINE_WIDE": 1, "QMLA_Q_VEC": 1},
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

@@ -10,6 +10,10 @@
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
 
+#ifndef QMLA_Q_VEC  // 1: stage_q<.., IN_FLIGHT> loads bf16 q 16 bytes at a time when aligned; not yet run on a GPU
+#define QMLA_Q_VEC 0
+#endif
+
 namespace qmla {
 
 // bf16(q * qk_scale) of channels ch, ch + 1 (of the 576: latent, then RoPE) of head h of sequence b (the rounding
@@ -51,6 +55,43 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
   float amax = 0.f;
+#if QMLA_Q_VEC
+  // bf16 q with 16-byte aligned rows: 8 channels of one head per load, kChunks / THREADS loads per thread, all in
+  // flight (the pair path issues 8x as many 2-byte loads); a uniform branch (the whole grid takes the same side)
+  constexpr int kChunks = HEADS * (kDc + kDr) / 8;
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(p.q_lat) | reinterpret_cast<uintptr_t>(p.q_pe);
+  const long long strides = p.q_lat_sb | p.q_lat_sh | p.q_pe_sb | p.q_pe_sh;
+  const bool vec = IN_FLIGHT && !p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0;
+  if (vec) {
+    static_assert(kChunks % THREADS == 0, "q chunks per thread");
+    uint4 raw[kChunks / THREADS];
+#pragma unroll
+    for (int k = 0; k < kChunks / THREADS; ++k) {
+      const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
+      const int h = h0 + hh < p.H ? h0 + hh : 0;  // heads >= H: load head 0, zeroed below
+      const auto* ql = reinterpret_cast<const __nv_bfloat16*>(p.q_lat);
+      const auto* qp = reinterpret_cast<const __nv_bfloat16*>(p.q_pe);
+      const __nv_bfloat16* q = ch < kDc ? ql + (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
+                                        : qp + (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh + (ch - kDc);
+      raw[k] = *reinterpret_cast<const uint4*>(q);
+    }
+#pragma unroll
+    for (int k = 0; k < kChunks / THREADS; ++k) {
+      const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
+      const bool ok = h0 + hh < p.H;
+      uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // bf16 pair -> floats (exact) -> * qk_scale -> bf16 pair, as scaled_q_pair
+        const float x0 = ok ? __uint_as_float(w[j] << 16) * p.qk_scale : 0.f;
+        const float x1 = ok ? __uint_as_float(w[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+        w[j] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      *reinterpret_cast<uint4*>(qst + hh * (kDc + kDr) + ch) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else
+#endif
   if constexpr (IN_FLIGHT) {
     __nv_bfloat162 v[kPerThread];
 #pragma unroll
