@@ -103,7 +103,7 @@ case $CALL in
       ncu -i $R/ncu_wgmma.ncu-rep --page details > $R/ncu_wgmma_details.txt; rm -f $R/ncu_wgmma.ncu-rep"
     ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
-    part variants 400 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
+    part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
       --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests}
     ;;
   ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
