@@ -12,7 +12,8 @@
 #       issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels     # check without serve / cache: ~3.5 min
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants    # ~4 min: kernel_variants.py run (VARIANTS=..;
-#       VARIANT_TESTS=1: each variant's wgmma GPU tests first, ~1 min each), e.g. VARIANTS=base,pvf16
+#       VARIANT_TESTS=1: each variant's wgmma GPU tests first, ~1 min each), e.g. VARIANTS=base,pvf16; carry .fmbuild
+#       for FlashMLA's time in the same run (its prebuilt extension)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ncu         # ~2 min a kernel (NCU_KERNELS="wgmma mma"):
 #       ncu --set full of one C4R4 B32 x 32K launch; per-SASS-instruction stall samples (csv) + the details page
 #   QUANTMLA_COMMIT=<sha> PREV_SRC=dir bash benchmarks/gpu_next_calls.sh speed  # ~8 min, carry .fmbuild (+ .flashmla):
@@ -103,8 +104,10 @@ case $CALL in
       ncu -i $R/ncu_wgmma.ncu-rep --page details > $R/ncu_wgmma_details.txt; rm -f $R/ncu_wgmma.ncu-rep"
     ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
+    FMP=()
+    [[ -f .fmbuild/flashmla_dense_bench.so ]] && FMP=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
     part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
-      --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests}
+      --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests} "${FMP[@]}"
     ;;
   ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
     for k in ${NCU_KERNELS:-wgmma}; do

@@ -108,7 +108,7 @@ def compile_report(names: list[str], root: Path) -> list[dict]:
 
 
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
-        tests: bool = False) -> None:  # fmt: skip
+        tests: bool = False, flashmla_prebuilt: str | None = None) -> None:  # fmt: skip
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -120,6 +120,8 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         vtag = f"variant_{tag}_{label(name)}"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
+        if flashmla_prebuilt and name == names[0]:  # FlashMLA's rows once, in the first variant's run
+            cmd += ["--flashmla-prebuilt", flashmla_prebuilt]
         print(f"== {label(name)}: {defines(name)}", flush=True)
         if tests:  # the Hopper kernel's GPU tests against this variant's build, before timing it
             t = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rf", "--tb=line", "-p",
@@ -143,6 +145,8 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
 def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path, tag: str, formats: str, shapes: str,
                 heads: str) -> None:  # fmt: skip
     key = lambda r: (r["heads"], r["batch"], r["context"], r["impl"])  # noqa: E731
+    fm = {k[:3]: r["us"] for rs in results.values() for r in rs if (k := key(r))[3] == "flashmla-bf16"}
+    results = {n: [r for r in rs if r["impl"] != "flashmla-bf16"] for n, rs in results.items()}
     base = {key(r): r["us"] for r in results.get("base", [])}
     cols = list(dict.fromkeys(key(r) for rows in results.values() for r in rows))
     commit = os.environ.get("QUANTMLA_COMMIT", "unknown")
@@ -156,8 +160,10 @@ def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path
     except Exception:  # noqa: BLE001 -- the table is still worth writing
         meta["device"] = "unknown"
     rows = [{"variant": n, "heads": k[0], "batch": k[1], "context": k[2], "impl": k[3], "us": us,
-             "vs_base": (base[k] / us) if k in base else None}
+             "vs_base": (base[k] / us) if k in base else None, "vs_flashmla": (fm[k[:3]] / us) if k[:3] in fm else None}
             for n, rs in results.items() for k, us in ((key(r), r["us"]) for r in rs)]  # fmt: skip
+    rows += [{"variant": "flashmla-bf16", "heads": h, "batch": b, "context": n, "impl": "flashmla-bf16", "us": us}
+             for (h, b, n), us in fm.items()]  # fmt: skip
     tmp = out / f"kernel_variants_{tag}.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     tmp.replace(out / f"kernel_variants_{tag}.json")
@@ -171,6 +177,15 @@ def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path
         cells = [f"{us[c]:.1f} ({base[c] / us[c]:.2f}x)" if c in us and c in base else
                  (f"{us[c]:.1f}" if c in us else "-") for c in cols]  # fmt: skip
         lines.append(f"| {n} | {descr[n]} | " + " | ".join(cells) + " |")
+    if fm:  # FlashMLA BF16 was timed (in the first variant's process): every variant's speed-up over it
+        lines += ["", "Speed-up over FlashMLA BF16 (timed in the first variant's run: "
+                  + ", ".join(f"H{h} B{b} x {n} {us:.1f} us" for (h, b, n), us in fm.items()) + "):", "",
+                  "| variant | " + " | ".join(f"H{h} B{b} x {n} {i}" for h, b, n, i in cols) + " |",
+                  "|---|" + "---|" * len(cols)]  # fmt: skip
+        for n, rs in results.items():
+            us = {key(r): r["us"] for r in rs}
+            cells = [f"{fm[c[:3]] / us[c]:.2f}x" if c in us and c[:3] in fm else "-" for c in cols]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     tmp = out / f"kernel_variants_{tag}.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out / f"kernel_variants_{tag}.md")
@@ -188,6 +203,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="32x32768,8x131072,1x131072,32x4096")
     ap.add_argument("--heads", default="16")
     ap.add_argument("--tests", action="store_true", help="run: the wgmma GPU tests against each variant first")
+    ap.add_argument("--flashmla-prebuilt", default=None,
+                    help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
+                         "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)
@@ -195,7 +213,7 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests)
+        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
 
 
 if __name__ == "__main__":

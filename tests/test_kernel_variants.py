@@ -1,0 +1,41 @@
+"""benchmarks/kernel_variants.py: variant sources carry their macros ahead of the kernel, a NAME=DIR variant must
+name a kernel source folder, and the table's ratios are the measured times' ratios (to base and to FlashMLA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import kernel_variants as kv  # noqa: E402
+
+
+def test_variant_source_defines_its_macros_first(tmp_path):
+    d = kv.make_source("pvf16", tmp_path)
+    text = (d / f"{kv.KERNEL}.cu").read_text()
+    assert text.splitlines()[1] == "#define QMLA_SM90_PV_F16 1"
+    assert text.index("#define QMLA_SM90_PV_F16 1") < text.index('#include "mla_sm90_cfg.cuh"')
+    assert (d / "mla_sm90_cfg.cuh").read_text() == (kv.CSRC / "mla_sm90_cfg.cuh").read_text()
+
+
+def test_unknown_variant_and_bad_folder_are_clear_errors(tmp_path):
+    with pytest.raises(SystemExit, match="unknown variant"):
+        kv.make_source("nope", tmp_path)
+    with pytest.raises(SystemExit, match="has no decode_mla_sm90.cu"):
+        kv.make_source(f"old={tmp_path / 'empty'}", tmp_path)
+
+
+def test_table_ratios(tmp_path):
+    shape = {"heads": 16, "batch": 8, "context": 131072}
+    res = {"base": [{**shape, "impl": "c4r4@wgmma", "us": 200.0}, {**shape, "impl": "flashmla-bf16", "us": 300.0}],
+           "qvec": [{**shape, "impl": "c4r4@wgmma", "us": 160.0}]}  # fmt: skip
+    kv.write_table(res, {"base": "defaults", "qvec": "q"}, tmp_path, "t", "c4r4@wgmma", "8x131072", "16")
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "kernel_variants_t.json").read_text())["rows"]}
+    assert rows["qvec"]["vs_base"] == pytest.approx(200.0 / 160.0)
+    assert rows["qvec"]["vs_flashmla"] == pytest.approx(300.0 / 160.0)
+    assert rows["base"]["vs_flashmla"] == pytest.approx(1.5)
+    md = (tmp_path / "kernel_variants_t.md").read_text()
+    assert "160.0 (1.25x)" in md and "1.88x" in md
