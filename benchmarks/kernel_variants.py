@@ -5,7 +5,7 @@
 ``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16);
 ``QMLA_COMBINE_WIDE`` (``mla_launch.cuh``: the split merge for many splits in 32-channel blocks), ``QMLA_Q_VEC``
 (``mla_query.cuh``: q staged with 16-byte loads).
-Each variant is a copy of the kernel sources with those macros defined at the top, built through
+Each variant is a copy of the kernel sources with those macros defined at the top of every ``.cu``, built through
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
     python benchmarks/kernel_variants.py compile                   # here (nvcc, no GPU): registers, spills, C75xx
@@ -63,9 +63,9 @@ def make_source(name: str, root: Path) -> Path:
     if d.exists():
         shutil.rmtree(d)
     shutil.copytree(CSRC, d)
-    src = d / f"{KERNEL}.cu"
     defs = "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
-    src.write_text(f"// variant {name} (benchmarks/kernel_variants.py)\n{defs}" + src.read_text())
+    for src in sorted(d.glob("*.cu")):  # every kernel library (the mma kernel shares q staging and the merge)
+        src.write_text(f"// variant {name} (benchmarks/kernel_variants.py)\n{defs}" + src.read_text())
     return d
 
 

@@ -19,6 +19,7 @@ def test_variant_source_defines_its_macros_first(tmp_path):
     assert text.splitlines()[1] == "#define QMLA_SM90_PV_F16 1"
     assert text.index("#define QMLA_SM90_PV_F16 1") < text.index('#include "mla_sm90_cfg.cuh"')
     assert (d / "mla_sm90_cfg.cuh").read_text() == (kv.CSRC / "mla_sm90_cfg.cuh").read_text()
+    assert (d / "decode_mla.cu").read_text().splitlines()[1] == "#define QMLA_SM90_PV_F16 1"  # every library
 
 
 def test_unknown_variant_and_bad_folder_are_clear_errors(tmp_path):

@@ -10,7 +10,7 @@
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
 
-#ifndef QMLA_Q_VEC  // 1: stage_q<.., IN_FLIGHT> loads bf16 q 16 bytes at a time when aligned; not yet run on a GPU
+#ifndef QMLA_Q_VEC  // 1: stage_q loads bf16 q 16 bytes at a time when aligned (every kernel); not yet run on a GPU
 #define QMLA_Q_VEC 0
 #endif
 
@@ -61,7 +61,7 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
   constexpr int kChunks = HEADS * (kDc + kDr) / 8;
   const uintptr_t bases = reinterpret_cast<uintptr_t>(p.q_lat) | reinterpret_cast<uintptr_t>(p.q_pe);
   const long long strides = p.q_lat_sb | p.q_lat_sh | p.q_pe_sb | p.q_pe_sh;
-  const bool vec = IN_FLIGHT && !p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0;
+  const bool vec = !p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0;
   if (vec) {
     static_assert(kChunks % THREADS == 0, "q chunks per thread");
     uint4 raw[kChunks / THREADS];
