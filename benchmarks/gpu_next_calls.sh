@@ -62,16 +62,39 @@ part() {  # part NAME CAP_SECONDS COMMAND...
   bundle
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader >>"$S" 2>&1
+tests_wgmma() {
+  part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
+    -rf --tb=short -p no:cacheprovider
+}
+tests_mma() {  # the mma kernel and the Triton kernels
+  part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
+    -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
+}
+ncu_part() {  # ncu_part KERNEL CAP: one C4R4 B32 x 32K launch under ncu --set full; per-SASS stall samples + details
+  local k=$1 rep="$R/ncu_$1"
+  part "ncu_$k" "$2" bash -c "QUANTMLA_CUDA_KERNEL=$k ncu --kernel-name regex:decode_kernel --launch-skip 1 \
+    --launch-count 1 --set full --import-source no -f -o $rep python benchmarks/profile_decode.py c4r4 32 32768 \
+    --reps 2 && ncu -i $rep.ncu-rep --page source --csv --print-source sass > ${rep}_sass.csv; \
+    ncu -i $rep.ncu-rep --page details > ${rep}_details.txt; rm -f $rep.ncu-rep"
+}
+flashmla_args() {  # FM: the checkout (.flashmla, 29 MB) with its build (.fmbuild), else the build alone (.fmbuild,
+  # 3 MB: fits beside a SmolLM2 kit part) loaded prebuilt, else nothing
+  FM=()
+  if [[ -d .flashmla/csrc ]]; then
+    mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ 2>/dev/null && touch /tmp/fmbuild/*.so
+    FM=(--flashmla .flashmla --flashmla-build /tmp/fmbuild)
+  elif [[ -f .fmbuild/flashmla_dense_bench.so ]]; then
+    FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
+  fi
+}
 case $CALL in
   check | kernels)
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
     part tests_wgmma64 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma64 -q -rf --tb=short \
       -p no:cacheprovider
-    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
-      -rf --tb=short -p no:cacheprovider
-    part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
-      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
+    tests_wgmma
+    tests_mma
     if [[ $CALL == check ]]; then
       part serve 90 python -m pytest -m gpu tests/serve -q -rf --tb=short -p no:cacheprovider
       part tests_cache 150 python -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rf --tb=line \
@@ -80,42 +103,25 @@ case $CALL in
     ;;
   speed)  # after a kernel change: its tests, every packed format beside FlashMLA, the previous sources side by side
     # (PREV_SRC: a folder of the previous csrc, e.g. from `git archive`; travels untracked), where the new one stalls
-    part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
-      -rf --tb=short -p no:cacheprovider
-    part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
-      -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
-    # FlashMLA: the checkout (.flashmla, 29 MB) with its build (.fmbuild), or only the build (.fmbuild, 3 MB: fits
-    # beside a SmolLM2 kit part), loaded prebuilt
-    if [[ -d .flashmla/csrc ]]; then
-      mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ 2>/dev/null && touch /tmp/fmbuild/*.so
-      FM=(--flashmla .flashmla --flashmla-build /tmp/fmbuild)
-    else
-      FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
-    fi
+    tests_wgmma
+    tests_mma
+    flashmla_args
     part bench 260 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
       --tag "h200_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
     if [[ -n ${PREV_SRC:-} ]]; then
       part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
         --variants "prev=$PREV_SRC,base" --formats c4r4@wgmma,c4r4@mma
     fi
-    part ncu_wgmma 60 bash -c "QUANTMLA_CUDA_KERNEL=wgmma ncu --kernel-name regex:decode_kernel --launch-skip 1 \
-      --launch-count 1 --set full --import-source no -f -o $R/ncu_wgmma python benchmarks/profile_decode.py c4r4 32 \
-      32768 --reps 2 && ncu -i $R/ncu_wgmma.ncu-rep --page source --csv --print-source sass > $R/ncu_wgmma_sass.csv; \
-      ncu -i $R/ncu_wgmma.ncu-rep --page details > $R/ncu_wgmma_details.txt; rm -f $R/ncu_wgmma.ncu-rep"
+    ncu_part wgmma 60
     ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
-    FMP=()
-    [[ -f .fmbuild/flashmla_dense_bench.so ]] && FMP=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
+    FM=()
+    [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
     part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
-      --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests} "${FMP[@]}"
+      --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests} "${FM[@]}"
     ;;
   ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
-    for k in ${NCU_KERNELS:-wgmma}; do
-      part "ncu_$k" 150 bash -c "QUANTMLA_CUDA_KERNEL=$k ncu --kernel-name regex:decode_kernel --launch-skip 1 \
-        --launch-count 1 --set full --import-source no -f -o $R/ncu_$k python benchmarks/profile_decode.py c4r4 32 32768 \
-        --reps 2 && ncu -i $R/ncu_$k.ncu-rep --page source --csv --print-source sass > $R/ncu_${k}_sass.csv; \
-        ncu -i $R/ncu_$k.ncu-rep --page details > $R/ncu_${k}_details.txt; rm -f $R/ncu_$k.ncu-rep; ls -la $R"
-    done
+    for k in ${NCU_KERNELS:-wgmma}; do ncu_part "$k" 150; done
     ;;
   bench)
     part bench 560 env TAG=s10 bash benchmarks/gpu_session_issue9.sh "$R/r9" bench
@@ -127,8 +133,8 @@ case $CALL in
     part mutation64 560 python benchmarks/mutation_check.py --kernel wgmma64
     ;;
   heads)
-    if [[ -d .fmbuild ]]; then mkdir -p /tmp/fmbuild && cp -a .fmbuild/. /tmp/fmbuild/ && touch /tmp/fmbuild/*.so; fi
-    part heads 300 python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out "$R" \
+    flashmla_args
+    part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
       --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;

@@ -46,25 +46,21 @@ VARIANTS: dict[str, dict[str, int]] = {
 
 
 def make_source(name: str, root: Path) -> Path:
-    """A copy of the kernel sources with the variant's macros defined first; returns the folder. ``NAME=DIR``: the
-    sources in DIR as they are (e.g. an earlier commit's, ``git archive``), named NAME."""
+    """A copy of the kernel sources with the variant's macros defined first in every library; returns the folder.
+    ``NAME=DIR``: the sources in DIR as they are (e.g. an earlier commit's, ``git archive``), named NAME."""
     if "=" in name:
-        label, src_dir = name.split("=", 1)
-        if not (Path(src_dir) / f"{KERNEL}.cu").is_file():
+        src_dir, defs = Path(name.split("=", 1)[1]), ""
+        if not (src_dir / f"{KERNEL}.cu").is_file():
             raise SystemExit(f"variant {name!r}: {src_dir} has no {KERNEL}.cu")
-        d = root / label
-        if d.exists():
-            shutil.rmtree(d)
-        shutil.copytree(src_dir, d)
-        return d
-    if name not in VARIANTS:
+    elif name in VARIANTS:
+        src_dir, defs = CSRC, "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
+    else:
         raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)} or NAME=SOURCE_DIR")
-    d = root / name
+    d = root / label(name)
     if d.exists():
         shutil.rmtree(d)
-    shutil.copytree(CSRC, d)
-    defs = "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
-    for src in sorted(d.glob("*.cu")):  # every kernel library (the mma kernel shares q staging and the merge)
+    shutil.copytree(src_dir, d)
+    for src in sorted(d.glob("*.cu")) if defs else ():  # every library (the mma kernel shares q staging, the merge)
         src.write_text(f"// variant {name} (benchmarks/kernel_variants.py)\n{defs}" + src.read_text())
     return d
 
@@ -77,14 +73,13 @@ def defines(name: str) -> str:
     return f"sources {name.split('=', 1)[1]}" if "=" in name else str(VARIANTS[name] or "defaults")
 
 
-def compile_report(names: list[str], root: Path) -> list[dict]:
+def compile_report(names: list[str], root: Path) -> None:
     """nvcc -cubin -Xptxas -v of each variant: register range, largest spill, serialized-wgmma warnings."""
     from quantmla.kernels.cuda_build import find_nvcc
 
     nvcc = find_nvcc()
     if nvcc is None:
         raise SystemExit("nvcc not found: pip install nvidia-cuda-nvcc-cu12 (or set QUANTMLA_NVCC)")
-    rows = []
     for name in names:
         d = make_source(name, root)
         cmd = [nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o",
@@ -97,14 +92,11 @@ def compile_report(names: list[str], root: Path) -> list[dict]:
         regs = [x for x in regs if x > 64]  # the kernels, not the small helpers in the same file
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         serial = sorted({c for c in re.findall(r"\((C751[245])\)", log)})
-        rows.append({"variant": label(name), "defines": defines(name), "regs_min": min(regs), "regs_max": max(regs),
-                     "spill_max": max(spills, default=0), "serialized": serial})  # fmt: skip
         print(
             f"{name:8s} registers {min(regs)}-{max(regs)}  spill stores <= {max(spills, default=0)} B  "
             f"serialized wgmma: {', '.join(serial) or 'none'}",
             flush=True,
         )
-    return rows
 
 
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
@@ -123,25 +115,25 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         if flashmla_prebuilt and name == names[0]:  # FlashMLA's rows once, in the first variant's run
             cmd += ["--flashmla-prebuilt", flashmla_prebuilt]
         print(f"== {label(name)}: {defines(name)}", flush=True)
+        descr[label(name)] = defines(name)
         if tests:  # the Hopper kernel's GPU tests against this variant's build, before timing it
             t = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rf", "--tb=line", "-p",
                                 "no:cacheprovider", str(ROOT / "tests" / "kernels" / "test_decode_cuda.py"), "-k",
                                 "wgmma and not wgmma64"], env=env, check=False)  # fmt: skip
-            print(f"{label(name)}: GPU tests {'passed' if t.returncode == 0 else 'FAILED'}", flush=True)
-        r = subprocess.run(cmd, env=env, check=False)
-        if r.returncode and "--flashmla-prebuilt" in cmd:  # e.g. the extension does not load here: time without it
-            print(f"{label(name)}: bench_decode failed with FlashMLA (rc {r.returncode}); again without", flush=True)
-            r = subprocess.run(cmd[: cmd.index("--flashmla-prebuilt")], env=env, check=False)
+            descr[label(name)] += f"; GPU tests {'passed' if t.returncode == 0 else 'FAILED'}"
+        proc = subprocess.run(cmd, env=env, check=False)
+        if proc.returncode and "--flashmla-prebuilt" in cmd:  # e.g. the extension does not load here: without it
+            print(f"{label(name)}: bench_decode failed with FlashMLA (rc {proc.returncode}); again without", flush=True)
+            proc = subprocess.run(cmd[: cmd.index("--flashmla-prebuilt")], env=env, check=False)
         path = root / f"decode_vs_flashmla_{vtag}.json"
-        if r.returncode or not path.exists():
-            print(f"{name}: bench_decode failed (rc {r.returncode})", flush=True)
+        if proc.returncode or not path.exists():
+            print(f"{name}: bench_decode failed (rc {proc.returncode})", flush=True)
             continue
-        data = json.loads(path.read_text())
-        bad = [r for r in data["rows"] if not r.get("ok") or r.get("us") is None]
+        rows = json.loads(path.read_text())["rows"]
+        bad = [r for r in rows if not r.get("ok") or r.get("us") is None]
         for r in bad:
             print(f"{name}: {r['impl']} B{r['batch']} x {r['context']} FAILED its check (not in the table)", flush=True)
-        results[label(name)] = [r for r in data["rows"] if r not in bad]
-        descr[label(name)] = defines(name)
+        results[label(name)] = [r for r in rows if r not in bad]
     write_table(results, descr, out, tag, formats, shapes, heads)
 
 
