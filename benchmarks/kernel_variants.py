@@ -2,9 +2,10 @@
 
 ``decode_mla_sm90.cu`` reads its tuning knobs from macros, defaults in ``mla_sm90_cfg.cuh``: ``QMLA_SM90_QK_DEPTH`` /
 ``QMLA_SM90_PV_DEPTH`` (wgmma batches left in flight after each commit of the score / output product),
-``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16);
+``QMLA_SM90_MIN_CTAS`` (the launch bounds' CTAs per SM), ``QMLA_SM90_PV_F16`` (the 4/2-bit output product in fp16,
+default 1);
 ``QMLA_COMBINE_WIDE`` (``mla_launch.cuh``: the split merge for many splits in 32-channel blocks), ``QMLA_Q_VEC``
-(``mla_query.cuh``: q staged with 16-byte loads).
+(``mla_query.cuh``: q staged with 16-byte loads), both default 1.
 Each variant is a copy of the kernel sources with those macros defined at the top of every ``.cu``, built through
 ``QUANTMLA_CUDA_SRC`` like any development source folder.
 
@@ -37,10 +38,11 @@ VARIANTS: dict[str, dict[str, int]] = {
     "sync": {"QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},  # no wgmma overlap at all: what asynchrony buys
     "qk2": {"QMLA_SM90_QK_DEPTH": 2},
     "pv2": {"QMLA_SM90_PV_DEPTH": 2},
-    "pvf16": {"QMLA_SM90_PV_F16": 1},  # 4/2-bit output product in fp16 (P s 2^k): fewer shifts, 11-bit P s
-    "combine32": {"QMLA_COMBINE_WIDE": 1},  # the split merge in 32-channel blocks x 32 split groups (>= 128 splits)
-    "qvec": {"QMLA_Q_VEC": 1},  # q staged with 16-byte loads (bf16, aligned): 9 loads per thread instead of 72
-    "all3": {"QMLA_SM90_PV_F16": 1, "QMLA_COMBINE_WIDE": 1, "QMLA_Q_VEC": 1},
+    # the three defaults of 2026-12-01 (kernel_variants_h200_s12.md), each switched back off
+    "pvbf16": {"QMLA_SM90_PV_F16": 0},  # 4/2-bit output product in bf16 (fp16 with P s 2^k is the default)
+    "combine4": {"QMLA_COMBINE_WIDE": 0},  # >= 128 splits merged in 128-channel blocks x 4 split groups
+    "qpairs": {"QMLA_Q_VEC": 0},  # q staged with 2-byte loads (72 per thread; 16-byte ones are the default)
+    "off3": {"QMLA_SM90_PV_F16": 0, "QMLA_COMBINE_WIDE": 0, "QMLA_Q_VEC": 0},  # the kernel of 811e7c4
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

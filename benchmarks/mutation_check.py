@@ -3,10 +3,11 @@
 
 Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
-score product's magic-number term off by 1/1024, the output product's code bias off by one; for the wgmma kernel
-also its BF16 pages' masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the
-wgmma64 kernel the score's and the output's offset terms and the zeroed meta of out-of-range tokens. Prints one
-line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64``: sm_90)::
+score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
+output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
+masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the wgmma64 kernel the
+score's and the output's offset terms and the zeroed meta of out-of-range tokens. Prints one line per mutation and
+exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64``: sm_90)::
 
     PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64]
 """
@@ -46,7 +47,8 @@ MUTATIONS = {
         "offset term dropped": ("for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
                                 "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total("),
         "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
-        "output code bias 128 -> 127": BIAS,
+        "output code bias (fp16) one ulp off": ("(0x8000u | ((25u - B * p) << 10))",
+                                                "(0x8001u | ((25u - B * p) << 10))"),
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)",
                                                "mla_sm90_bf16.cuh"),
     },

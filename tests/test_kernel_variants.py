@@ -14,12 +14,12 @@ import kernel_variants as kv  # noqa: E402
 
 
 def test_variant_source_defines_its_macros_first(tmp_path):
-    d = kv.make_source("pvf16", tmp_path)
+    d = kv.make_source("pvbf16", tmp_path)
     text = (d / f"{kv.KERNEL}.cu").read_text()
-    assert text.splitlines()[1] == "#define QMLA_SM90_PV_F16 1"
-    assert text.index("#define QMLA_SM90_PV_F16 1") < text.index('#include "mla_sm90_cfg.cuh"')
+    assert text.splitlines()[1] == "#define QMLA_SM90_PV_F16 0"
+    assert text.index("#define QMLA_SM90_PV_F16 0") < text.index('#include "mla_sm90_cfg.cuh"')
     assert (d / "mla_sm90_cfg.cuh").read_text() == (kv.CSRC / "mla_sm90_cfg.cuh").read_text()
-    assert (d / "decode_mla.cu").read_text().splitlines()[1] == "#define QMLA_SM90_PV_F16 1"  # every library
+    assert (d / "decode_mla.cu").read_text().splitlines()[1] == "#define QMLA_SM90_PV_F16 0"  # every library
 
 
 def test_unknown_variant_and_bad_folder_are_clear_errors(tmp_path):

@@ -12,7 +12,7 @@ namespace qmla {
 // lse = ln 2 * (max + log2 sum w). Grid (Dc / CW, H, B), CW G threads: channel tid % CW, splits tid / CW + G k
 // (G split groups, 8 loads in flight each, summed through shared memory). CW = 128: G = 4 for many splits (at
 // B1 x 128K, ~340 splits, one thread per channel walking every split took 35 us), 1 for few (B32: 4 groups cost
-// 2x). CW = 32, G = 32 (QMLA_COMBINE_WIDE, not yet run on a GPU): 16x the CTAs, each thread ~ns / 32 splits, one
+// 2x). CW = 32, G = 32 (QMLA_COMBINE_WIDE, the default): 16x the CTAs, each thread ~ns / 32 splits, one
 // round of loads in flight at ~260 splits (B1 x 128K: the G = 4 merge was ~13 us of ~57).
 template <int G, int D, int CW = 128>
 __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,

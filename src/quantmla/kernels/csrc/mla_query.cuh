@@ -10,8 +10,8 @@
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
 
-#ifndef QMLA_Q_VEC  // 1: stage_q loads bf16 q 16 bytes at a time when aligned (every kernel); not yet run on a GPU
-#define QMLA_Q_VEC 0
+#ifndef QMLA_Q_VEC  // 1: stage_q loads bf16 q 16 bytes at a time when aligned (every kernel); default since
+#define QMLA_Q_VEC 1  // 2026-12-01 (H200: 0-3% faster: kernel_variants_h200_s12.md)
 #endif
 
 namespace qmla {
