@@ -77,6 +77,21 @@ def test_decode_128_dim_rope(name, rope_group):
     _check(cache, H=3)
 
 
+@pytest.mark.parametrize("dc,dr,group", [(128, 32, 64), (256, 128, 128)])
+def test_decode_c2_two_planes_per_subtile(dc, dr, group):
+    """2-bit content whose groups hold two of the kernel's four sub-tiles (group = 2 x latent / 4: SmolLM2-MLA's
+    C2R4, latent 256 in groups of 128): each sub-tile is two bit planes of one group, read in the interleaved order
+    of _plane_pair (refused before 2026-12-01: the torch fallback ran it on the GPU). Default policy, pages of 64,
+    the sink/local edges and an empty sequence."""
+    fmt = get_format("c2r4")
+    fmt = replace(fmt, name=f"c2r4-dc{dc}-g{group}", content=replace(fmt.content, group_size=group))
+    from quantmla.kernels.dispatch import triton_unsupported_reason
+
+    assert triton_unsupported_reason(fmt, dc, dr, 64, kernel="decode") == ""
+    cache, _, _ = make_cache(fmt, [300, 0, 133, 65], dc=dc, dr=dr, policy=CachePolicy(), seed=7)
+    _check(cache, H=3, splits=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", FORMATS)
@@ -98,8 +113,8 @@ def test_gpu_smollm2_mla_shapes(name):
     on the GPU today, reaching the Triton kernels (the CUDA kernels take 512 / 64 only). bench_generate's H200 check
     found C4R4 / C2R4 decode off on this model (rel. L2 0.18 / 0.03, 2026-12-01 00:24) before the RoPE row fix that
     test_decode_128_dim_rope covers on the CPU; this is the same property on the GPU, writer bit for bit included.
-    C2R4 at latent 256 is refused by the Triton decode kernel (content groups of 128 < 256): `auto` must then give
-    the reference's result (its torch fallback), never an error."""
+    C2R4 at latent 256 (refused by the Triton decode kernel until 2026-12-01, when a sub-tile became two planes of
+    a group) runs the Triton kernel too; a format it refuses must give the reference's result through `auto`."""
     from quantmla.kernels.dispatch import triton_unsupported_reason
 
     lens = [1000, 0, 301, 129, 65]

@@ -68,6 +68,8 @@ def _decode_kernel(
     hm = hs < H
     if QUANT and CG == SUB:  # the packed sub-tiles hold their group's channels in _group_perm order
         cs = _group_perm(SUB, CBITS)[None, :]
+    elif QUANT and CBITS == 2 and CG == 2 * SUB:  # two planes per sub-tile, interleaved (_plane_pair)
+        cs = _group_perm(SUB, 4)[None, :]
     else:
         cs = tl.arange(0, SUB)[None, :]
     qb = QL + b.to(tl.int64) * stride_qlb + hs[:, None] * stride_qlh + cs

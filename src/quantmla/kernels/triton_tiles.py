@@ -48,6 +48,17 @@ def _grouped_codes2(a):
 
 
 @triton.jit
+def _plane_pair(a, SH: tl.constexpr):
+    """int16 bytes ``[N, GB]`` of one 2-bit group -> fp16 ``[N, 2 GB]`` ``1024 + code`` of its planes at bits
+    ``SH`` and ``SH + 2`` (channels ``j`` and ``GB + j`` of the pair at positions ``2j`` and ``2j + 1``: the order
+    of :func:`_group_perm` with ``BITS = 4``). C2 content whose groups hold two sub-tiles (latent 256, groups of
+    128: SmolLM2-MLA)."""
+    lo = (((a >> SH) & 3) | 0x6400).to(tl.float16, bitcast=True)
+    hi = (((a >> (SH + 2)) & 3) | 0x6400).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [a.shape[0], a.shape[1] * 2])
+
+
+@triton.jit
 def _group_perm(SUB: tl.constexpr, BITS: tl.constexpr):
     """Channel (within its group of ``SUB``) at each position of :func:`_grouped_codes`' output (identity for
     8-bit codes)."""
@@ -138,6 +149,18 @@ def _packed_tile(
         k1 = _grouped_codes(tl.load(gptr + GB).to(tl.int16), CBITS)
         k2 = _grouped_codes(tl.load(gptr + 2 * GB).to(tl.int16), CBITS)
         k3 = _grouped_codes(tl.load(gptr + 3 * GB).to(tl.int16), CBITS)
+        SH1: tl.constexpr = 0
+        SH2: tl.constexpr = 0
+        SH3: tl.constexpr = 0
+    elif CBITS == 2 and CG == 2 * SUB:  # GB = SUB / 2 bytes per group: sub-tile i = two planes of group i // 2
+        GB: tl.constexpr = SUB // 2
+        gptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, GB)[None, :]  # [BLOCK_N, GB]
+        a01 = tl.load(gptr).to(tl.int16)  # group 0: sub-tile 0 = planes 0, 1; sub-tile 1 = planes 2, 3
+        a23 = tl.load(gptr + GB).to(tl.int16)  # group 1: sub-tiles 2, 3
+        k0 = _plane_pair(a01, 0)
+        k1 = _plane_pair(a01, 4)
+        k2 = _plane_pair(a23, 0)
+        k3 = _plane_pair(a23, 4)
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
