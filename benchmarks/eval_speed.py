@@ -64,8 +64,9 @@ def main() -> int:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="after the timed runs, one more run per format under torch.profiler: the operators and "
-        "kernels with the most time -> <stem>_profile.txt (where a quantized format's extra time goes)",
+        help="after the timed runs, a slice per format under torch.profiler (one sample per task at the longest "
+        "needle length, one perplexity window): the operators and kernels with the most time -> "
+        "<stem>_profile.txt, rewritten after every format (where a quantized format's extra time goes)",
     )
     args = ap.parse_args()
     if args.smoke:
@@ -128,8 +129,10 @@ def main() -> int:
 
 
 def write_profile(path: str, model, tok, args, lengths) -> None:
-    """One run per format under torch.profiler (CPU + CUDA): its operator table sorted by self device time (CUDA)
-    or self CPU time, so the formats' extra costs can be read side by side."""
+    """A slice of the run per format under torch.profiler (CPU + CUDA): one sample per task at the longest needle
+    length and one perplexity window (the whole run under the profiler took > 3 min per format on the H200,
+    2026-12-01), its operator table sorted by self device time (CUDA) or self CPU time, so the formats' extra
+    costs can be read side by side. The file is rewritten after each format: a timeout keeps what was done."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
@@ -137,14 +140,15 @@ def write_profile(path: str, model, tok, args, lengths) -> None:
     parts = []
     for fmt in args.formats.split(","):
         with profile(activities=acts) as prof:
-            r = run(model, tok, fmt, args, lengths, args.samples, args.ppl_tokens)
-        parts.append(f"===== {fmt}: {r['wall_s']:.2f} s under the profiler\n"
+            r = run(model, tok, fmt, args, lengths[-1:], 1, args.ppl_context)
+        parts.append(f"===== {fmt}: {r['wall_s']:.2f} s under the profiler (one sample per task at "
+                     f"{lengths[-1]} tokens, one perplexity window)\n"
                      + prof.key_averages().table(sort_by=key, row_limit=25))  # fmt: skip
         log(f"profiled {fmt}")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n\n".join(parts) + "\n")
-    os.replace(tmp, path)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n\n".join(parts) + "\n")
+        os.replace(tmp, path)
 
 
 if __name__ == "__main__":
