@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_session_issue10.sh RESULTS_DIR [STEPS]       # on the GPU machine, from the repo root
 #   bash benchmarks/gpu_session_issue10.sh --dry-run RESULTS_DIR [STEPS]   # here: the same, GPU work only printed
 #
-# STEPS: comma-separated, run in this order (default: all). Estimated times on one H200 (not yet measured: the
-# first run of bench_generate on a GPU; nvcc/Triton builds are included in `tests`):
+# STEPS: comma-separated, run in the order given (default: all, in the order below; until 2026-12-01 13:20 always
+# in the order below, whatever STEPS said). Estimated times on one H200 (2026-12-01 with warm builds: tests 40 s,
+# v2lite 81 s, v2lite128k 37 s, devices 209 s, smollm2 88 s; nvcc/Triton builds are included in `tests`):
 #   tests       pytest -m gpu tests/cache tests/kernels/test_prefill.py                        ~1.5 min (cap 200 s)
 #   v2lite      bench_generate v2-lite: checks, budget rows at 128K / 40 GiB, decode B1/8/32 x 4K/32K,
 #               prefill 4K/32K in chunks of 8192 (each chunk timed), formats hf,bf16,c8r8,c4r4,c2r4
@@ -161,21 +162,38 @@ smol_step() {  # like step, but only when the GGUF is there
 }
 bundle
 
-# -- the steps, most important first -------------------------------------------------------------------------------
+# -- the steps (one function each), run in the order STEPS names them ------------------------------------------------
 PY=${PY:-python3}  # PY=echo: what --dry-run does
-step tests 200 $PY -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rs -p no:cacheprovider
-step v2lite 330 $PY benchmarks/bench_generate.py --models v2-lite --contexts 4096,32768 --prefill-contexts 4096,32768 \
-  --prefill-chunk 8192 --steps 8 --warmup 2 --tag h200_v2lite_32k --out "$RES" --force
-step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 1,5,8 --contexts 131072 \
-  --prefill-contexts "" --steps 8 --warmup 2 --tag h200_v2lite_128k --out "$RES" --force
-costs_in=("$RES"/generate_h200_v2lite_*.json)
-[[ -e ${costs_in[0]} ]] || costs_in=("$RES/generate_h200_v2lite_32k.json")  # dry run / nothing measured yet
-step costs 60 $PY benchmarks/step_costs.py --out "$RES/step_costs_h200_v2lite.json" --force "${costs_in[@]}"
-smol_step devices 300 $PY benchmarks/generate_devices.py --model smollm2-mla --tag h200 --out "$RES" --force
-smol_step generate 90 $PY -c "import sys; from quantmla.cli import main; sys.exit(main())" generate \
-  --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
-smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
-  --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
-smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile
+run_tests() { step tests 200 $PY -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rs -p no:cacheprovider; }
+run_v2lite() {
+  step v2lite 330 $PY benchmarks/bench_generate.py --models v2-lite --contexts 4096,32768 \
+    --prefill-contexts 4096,32768 --prefill-chunk 8192 --steps 8 --warmup 2 --tag h200_v2lite_32k --out "$RES" --force
+}
+run_v2lite128k() {
+  step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 1,5,8 --contexts 131072 \
+    --prefill-contexts "" --steps 8 --warmup 2 --tag h200_v2lite_128k --out "$RES" --force
+}
+run_costs() {
+  local costs_in=("$RES"/generate_h200_v2lite_*.json)
+  [[ -e ${costs_in[0]} ]] || costs_in=("$RES/generate_h200_v2lite_32k.json")  # dry run / nothing measured yet
+  step costs 60 $PY benchmarks/step_costs.py --out "$RES/step_costs_h200_v2lite.json" --force "${costs_in[@]}"
+}
+run_devices() { smol_step devices 300 $PY benchmarks/generate_devices.py --model smollm2-mla --tag h200 --out "$RES" --force; }
+run_generate() {
+  smol_step generate 90 $PY -c "import sys; from quantmla.cli import main; sys.exit(main())" generate \
+    --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
+}
+run_smollm2() {
+  smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
+    --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
+}
+run_evalspeed() { smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile; }
+for s in ${STEPS//,/ }; do
+  if [[ $(type -t "run_$s") != function ]]; then
+    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, devices, generate, smollm2, evalspeed)" | tee -a "$SUMMARY"
+    continue
+  fi
+  "run_$s"
+done
 echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
 bundle

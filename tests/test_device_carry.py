@@ -180,6 +180,16 @@ def test_issue10_calls_dry_run(kit):
     assert not (kit["tmp"] / "keep" / "site").exists()
 
 
+def test_issue10_steps_run_in_the_order_given(kit):
+    """STEPS is an order, not a filter (until 2026-12-01 the script's own order won: a late step lost its time);
+    an unknown step name is said, not skipped silently."""
+    env = {**kit["env"], "QUANTMLA_GPU_DRYRUN": "1"}
+    res = kit["tmp"] / "order"
+    _run(["bash", "benchmarks/gpu_session_issue10.sh", "--dry-run", str(res), "costs,bogus,tests"], kit["repo"], env)
+    summary = (res / "summary.txt").read_text()
+    assert summary.index("costs: ok") < summary.index("bogus: UNKNOWN STEP") < summary.index("tests: ok")
+
+
 def test_smollm2_setup_returns_1_until_the_kit_is_there(kit):
     _, parts = _prepare(kit)
     cmd = "source benchmarks/device_smollm2_setup.sh && echo RAN"
