@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 09:45), most important
-# first: `check` (every CUDA decode kernel's GPU tests, with the new short-local-window case that the wgmma64
-# mutation 'out-of-range meta kept' needs; the prefill and cache GPU tests), `mutation64` (wgmma64's mutations
-# again: 7/7 expected with that case), then `heads` (16-128 heads beside FlashMLA: wgmma64 after changes). Every
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 13:30), most important
+# first: `kernels` (every CUDA decode kernel's GPU tests and the mma + Triton ones, which now include C2R4 at SmolLM2's
+# latent 256 through the Triton kernel, never run on a GPU yet), then issue 10's kit calls with the SmolLM2 steps
+# first (`gpu_session_issue10.sh /root/issue10 smollm2,evalspeed,devices`: C2R4's decode and eval speed on the
+# Triton path, the eval profile), then kernel variants of whatever is written next (`variants`). The kit travels in
+# three parts, one a call: carry .gpucarry_1 / _2 with the first two calls and prefix their commands with
+# `bash benchmarks/device_carry.sh collect;` (the parts wait in /root), the SmolLM2 steps go with .gpucarry_3. Every
 # part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s, under the
 # device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
 # returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
