@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 13:30), most important
-# first: `kernels` (every CUDA decode kernel's GPU tests and the mma + Triton ones, which now include C2R4 at SmolLM2's
-# latent 256 through the Triton kernel, never run on a GPU yet), then issue 10's kit calls with the SmolLM2 steps
+# first: `kernels_breakdown` (~4 min: the wgmma and the mma + Triton GPU tests -- the latter now include C2R4 at
+# SmolLM2's latent 256 through the Triton kernel, never run on a GPU yet, and the host side was split into
+# plan_decode / launch_decode -- then decode_breakdown.py: what the ~32 us fixed part of every C4R4 call is, the
+# lever for B1 x 128K and B32 x 4K), then issue 10's kit calls with the SmolLM2 steps
 # first (`gpu_session_issue10.sh /root/issue10 smollm2,evalspeed,devices`: C2R4's decode and eval speed on the
 # Triton path, the eval profile), then kernel variants of whatever is written next (`variants`). The kit travels in
 # three parts, one a call: carry .gpucarry_1 / _2 with the first two calls and prefix their commands with
@@ -36,7 +38,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -135,6 +137,16 @@ case $CALL in
   mutation64)
     part mutation64 560 python benchmarks/mutation_check.py --kernel wgmma64
     ;;
+  breakdown)  # where a decode call's time goes: each launch apart, the fixed cost per CTA (decode_breakdown.py)
+    part breakdown 300 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
+    ;;
+  kernels_breakdown)  # the first call of a session after a host-side or kernel change: tests, then the breakdown
+    part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
+      -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
+    tests_wgmma
+    tests_mma
+    part breakdown 240 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
+    ;;
   heads)
     flashmla_args
     part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
@@ -142,7 +154,8 @@ case $CALL in
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
   *)
-    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants or ncu" >&2
+    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants, ncu, breakdown" \
+      "or kernels_breakdown" >&2
     exit 2
     ;;
 esac

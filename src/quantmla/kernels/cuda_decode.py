@@ -19,6 +19,7 @@ RoPE bits: C4R4 and C2R4 on both kernels, C8R8, C4R8 and BF16 pages on the wgmma
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import os
@@ -207,8 +208,38 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
     ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
+    plan = plan_decode(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, kernel=kernel)
+    out, lse = launch_decode(plan)
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """One decode call, checked and laid out: the kernel library, its ``Params``, the split count and the partial
+    buffers ``po [B, ns_total, H, Dc]`` / ``pl [B, ns_total, H]`` (slots ``[0, ns)`` the page kernel's, the rest the
+    BF16 sink/local buffers'). :func:`launch_decode` runs it; ``benchmarks/decode_breakdown.py`` runs its parts."""
+
+    kernel: str
+    lib: object
+    params: _Params
+    cbits: int
+    rbits: int
+    head_ctas: int  # CTAs per split and sequence
+    ns: int  # page splits
+    ns_total: int  # + the buffer tiles
+    q_lat: torch.Tensor
+    q_pe: torch.Tensor
+    cache: object
+    softmax_scale: float
+    po: torch.Tensor
+    pl: torch.Tensor
+
+
+def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
+                kernel: str | None = None) -> DecodePlan:  # fmt: skip
+    """Check the call and lay it out (allocates the partial buffers; launches nothing)."""
     from quantmla.kernels.reference import _check_q
-    from quantmla.kernels.triton_decode import _num_sms, attend_buffers, buffer_tiles
+    from quantmla.kernels.triton_decode import _num_sms, buffer_tiles
 
     _check_q(q_lat, q_pe, cache, 3)
     if not (q_lat.is_cuda and q_pe.is_cuda and cache.pool.is_cuda):
@@ -243,9 +274,6 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
     ns_total = ns + buffer_tiles(cache)
     po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
-    if B == 0 or H == 0:
-        out, lse = torch.empty(B, H, Dc, device=dev), torch.empty(B, H, device=dev)
-        return (out, lse) if return_lse else out
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
@@ -258,24 +286,49 @@ def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_split
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
     )  # fmt: skip
+    return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl)
+
+
+PARTS = ("pages", "buffers", "combine")
+
+
+def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
+    """Launch ``plan`` on the current stream -> ``(out [B, H, Dc] fp32, lse [B, H])``: the page kernel, the BF16
+    sink/local buffers (Triton, on a side stream beside it), the split merge. ``parts``: a subset of :data:`PARTS`
+    for timing them apart (``benchmarks/decode_breakdown.py``); without ``"combine"`` it returns ``(None, None)``."""
+    from quantmla.kernels.triton_decode import attend_buffers
+
+    if not set(parts) <= set(PARTS):
+        raise ValueError(f"parts must be among {PARTS}, got {parts}")
+    B, H, Dc = plan.q_lat.shape
+    dev = plan.q_lat.device
+    if B == 0 or H == 0:
+        return torch.empty(B, H, Dc, device=dev), torch.empty(B, H, device=dev)
+    lib = plan.lib
     stream = torch.cuda.current_stream(dev).cuda_stream
+    dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    out = lse = None
     with torch.cuda.device(dev):
         # the BF16 sink/local buffers (Triton, a few CTAs) run beside the page kernel on a side stream: they
         # write other partial slots, and the combine waits for both (also inside a CUDA graph: fork and join)
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev_index)
         side.wait_stream(cur)
-        err = lib.qmla_decode(ctypes.byref(p), cbits, rbits, hg, ns, B, ctypes.c_void_p(stream))
-        if err != 0:
-            cur.wait_stream(side)
-            raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        with torch.cuda.stream(side):
-            attend_buffers(q_lat, q_pe, cache, softmax_scale, po, pl, ns)
+        if "pages" in parts:
+            err = lib.qmla_decode(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, plan.ns, B,
+                                  ctypes.c_void_p(stream))  # fmt: skip
+            if err != 0:
+                cur.wait_stream(side)
+                raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
+        if "buffers" in parts:
+            with torch.cuda.stream(side):
+                attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
         cur.wait_stream(side)
-        out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
-        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (po, pl, out, lse)]
-        err = lib.qmla_combine(*ptrs, B, ns_total, H, ctypes.c_void_p(stream))
-        if err != 0:
-            raise RuntimeError(f"CUDA combine kernel launch failed: {lib.qmla_error_string(err).decode()}")
-    return (out, lse) if return_lse else out
+        if "combine" in parts:
+            out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
+            lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+            ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (plan.po, plan.pl, out, lse)]
+            err = lib.qmla_combine(*ptrs, B, plan.ns_total, H, ctypes.c_void_p(stream))
+            if err != 0:
+                raise RuntimeError(f"CUDA combine kernel launch failed: {lib.qmla_error_string(err).decode()}")
+    return out, lse

@@ -1,0 +1,59 @@
+"""benchmarks/decode_breakdown.py: the per-CTA fit recovers a line it is given, the tables carry the measured
+numbers, and without a GPU it stops with a clear message; launch_decode names a bad part."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import decode_breakdown as db  # noqa: E402
+
+
+def test_fit_recovers_a_line_and_a_noisy_one():
+    ks = [1, 2, 4, 8, 16, 32]
+    a, b = db.fit(ks, [33.0 + 2.7 * k for k in ks])
+    assert a == pytest.approx(33.0) and b == pytest.approx(2.7)
+    g = torch.Generator().manual_seed(0)
+    noisy = [33.0 + 2.7 * k + float(torch.randn(1, generator=g)) * 0.1 for k in ks]
+    a, b = db.fit(ks, noisy)
+    # least squares against float64 normal equations
+    X = torch.tensor([[1.0, k] for k in ks], dtype=torch.float64)
+    sol = torch.linalg.lstsq(X, torch.tensor(noisy, dtype=torch.float64)[:, None]).solution[:, 0]
+    assert a == pytest.approx(float(sol[0]), abs=1e-9) and b == pytest.approx(float(sol[1]), abs=1e-9)
+
+
+def test_tables_carry_the_numbers(tmp_path):
+    meta = {"device": "dev", "date": "d", "commit": "c", "command": "cmd", "timer_floor_us": 4.5, "ok": True}
+    parts = [{"format": "c4r4", "batch": 32, "context": 4096, "kernel": "wgmma", "splits": 8, "all_us": 58.25,
+              "pages_us": 40.5, "buffers_us": 9.0, "combine_us": 6.0, "pages+combine_us": 47.0}]  # fmt: skip
+    sweep = [{"format": "c4r4", "batch": 32, "splits": 8, "pages_per_cta": k, "all_us": 30.0 + 3 * k,
+              "pages_us": 20.0 + 3 * k} for k in (1, 2)]  # fmt: skip
+    fits = [{"format": "c4r4", "all_fixed_us": 30.0, "all_per_page_us": 3.0, "pages_fixed_us": 20.0,
+             "pages_per_page_us": 3.0}]  # fmt: skip
+    db.write(str(tmp_path / "decode_breakdown_t"), meta, parts, sweep, fits)
+    md = (tmp_path / "decode_breakdown_t.md").read_text()
+    assert "| c4r4 | 32 x 4096 | wgmma | 8 | 58.2 | 40.5 | 9.0 | 6.0 | 47.0 |" in md
+    assert "| c4r4 | 30.0 | 3.00 | 20.0 | 3.00 |" in md
+    doc = json.loads((tmp_path / "decode_breakdown_t.json").read_text())
+    assert doc["sweep"][1]["all_us"] == 36.0 and doc["meta"]["timer_floor_us"] == 4.5
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+def test_without_a_gpu_it_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["decode_breakdown.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        db.main()
+
+
+def test_launch_decode_names_a_bad_part():
+    from quantmla.kernels.cuda_decode import DecodePlan, launch_decode
+
+    plan = DecodePlan(*([None] * 14))
+    with pytest.raises(ValueError, match="parts must be among"):
+        launch_decode(plan, ("pages", "everything"))
