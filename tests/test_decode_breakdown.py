@@ -30,14 +30,15 @@ def test_fit_recovers_a_line_and_a_noisy_one():
 def test_tables_carry_the_numbers(tmp_path):
     meta = {"device": "dev", "date": "d", "commit": "c", "command": "cmd", "timer_floor_us": 4.5, "ok": True}
     parts = [{"format": "c4r4", "batch": 32, "context": 4096, "kernel": "wgmma", "splits": 8, "all_us": 58.25,
-              "pages_us": 40.5, "buffers_us": 9.0, "combine_us": 6.0, "pages+combine_us": 47.0}]  # fmt: skip
+              "pages_us": 40.5, "buffers_us": 9.0, "combine_us": 6.0, "pages+combine_us": 47.0,
+              db.FIRST + "_us": 51.0}]  # fmt: skip
     sweep = [{"format": "c4r4", "batch": 32, "splits": 8, "pages_per_cta": k, "all_us": 30.0 + 3 * k,
               "pages_us": 20.0 + 3 * k} for k in (1, 2)]  # fmt: skip
     fits = [{"format": "c4r4", "all_fixed_us": 30.0, "all_per_page_us": 3.0, "pages_fixed_us": 20.0,
              "pages_per_page_us": 3.0}]  # fmt: skip
     db.write(str(tmp_path / "decode_breakdown_t"), meta, parts, sweep, fits)
     md = (tmp_path / "decode_breakdown_t.md").read_text()
-    assert "| c4r4 | 32 x 4096 | wgmma | 8 | 58.2 | 40.5 | 9.0 | 6.0 | 47.0 |" in md
+    assert "| c4r4 | 32 x 4096 | wgmma | 8 | 58.2 | 40.5 | 9.0 | 6.0 | 47.0 | 51.0 |" in md
     assert "| c4r4 | 30.0 | 3.00 | 20.0 | 3.00 |" in md
     doc = json.loads((tmp_path / "decode_breakdown_t.json").read_text())
     assert doc["sweep"][1]["all_us"] == 36.0 and doc["meta"]["timer_floor_us"] == 4.5

@@ -292,10 +292,12 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
 PARTS = ("pages", "buffers", "combine")
 
 
-def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
+def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_first: bool = False):
     """Launch ``plan`` on the current stream -> ``(out [B, H, Dc] fp32, lse [B, H])``: the page kernel, the BF16
     sink/local buffers (Triton, on a side stream beside it), the split merge. ``parts``: a subset of :data:`PARTS`
-    for timing them apart (``benchmarks/decode_breakdown.py``); without ``"combine"`` it returns ``(None, None)``."""
+    for timing them apart (``benchmarks/decode_breakdown.py``); without ``"combine"`` it returns ``(None, None)``.
+    ``buffers_first``: launch the buffer kernel before the page kernel (its few CTAs then get SM slots at once
+    instead of after the page kernel's full wave; measured by decode_breakdown before it becomes the default)."""
     from quantmla.kernels.triton_decode import attend_buffers
 
     if not set(parts) <= set(PARTS):
@@ -314,13 +316,16 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev_index)
         side.wait_stream(cur)
+        if buffers_first and "buffers" in parts:
+            with torch.cuda.stream(side):
+                attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
         if "pages" in parts:
             err = lib.qmla_decode(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, plan.ns, B,
                                   ctypes.c_void_p(stream))  # fmt: skip
             if err != 0:
                 cur.wait_stream(side)
                 raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        if "buffers" in parts:
+        if not buffers_first and "buffers" in parts:
             with torch.cuda.stream(side):
                 attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
         cur.wait_stream(side)
