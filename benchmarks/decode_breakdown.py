@@ -16,7 +16,8 @@ script measures it instead of fitting it:
   ``a`` is what a CTA costs before and after its pages (plus the launches), ``b`` the cost of a page.
 
 Every configuration is checked first against the fp32 torch reference of the same bytes (relative L2 <= 5e-3,
-LSE <= 2e-2). Writes ``decode_breakdown_<tag>.{json,md}`` to ``--out``. GPU only::
+LSE <= 2e-2), and the buffers-first order against the default bit for bit. Writes
+``decode_breakdown_<tag>.{json,md}`` to ``--out``. GPU only::
 
     PYTHONPATH=src python benchmarks/decode_breakdown.py --out benchmarks/results --tag h200
 """
@@ -73,7 +74,10 @@ def setup(fmt: str, H: int, B: int, N: int, kernel: str, splits: int | None, see
     qr_lat, qr_pe = q_as_kernel_rounds(q_lat, "cuda"), q_as_kernel_rounds(q_pe, "cuda")
     ref, ref_lse = decode_attention_torch(qr_lat, qr_pe, cache, SCALE, return_lse=True)
     rel, le = rel_err(out, ref), lse_err(lse, ref_lse)
-    return plan, {"rel": rel, "lse_err": le, "ok": rel <= REL_TOL and le <= LSE_TOL}
+    out2, lse2 = launch_decode(plan, buffers_first=True)  # the same kernels on the same slots: the same bits
+    same = bool(torch.equal(out, out2) and torch.equal(lse, lse2))
+    return plan, {"rel": rel, "lse_err": le, "buffers_first_same": same,
+                  "ok": rel <= REL_TOL and le <= LSE_TOL and same}  # fmt: skip
 
 
 def main() -> int:
