@@ -13,7 +13,8 @@ script measures it instead of fitting it:
   add: the timer's floor);
 * **per CTA**: at a fixed grid (``--splits`` splits of ``--sweep-batch`` sequences), contexts of ``k`` pages per
   CTA for each ``k`` in ``--pages``; least squares ``t = a + b k`` for the whole call and for the page kernel alone:
-  ``a`` is what a CTA costs before and after its pages (plus the launches), ``b`` the cost of a page.
+  ``a`` is what a CTA costs before and after its pages (plus the launches), ``b`` the cost of a page;
+* **splits**: the whole call at other split counts than the heuristic's (``--split-sweep``).
 
 Every configuration is checked first against the fp32 torch reference of the same bytes (relative L2 <= 5e-3,
 LSE <= 2e-2), and the buffers-first order against the default bit for bit. Writes
@@ -89,6 +90,8 @@ def main() -> int:
     ap.add_argument("--sweep-batch", type=int, default=32)
     ap.add_argument("--splits", type=int, default=8, help="splits per sequence in the per-CTA sweep")
     ap.add_argument("--pages", default="1,2,4,8,16,32", help="pages per CTA in the sweep")
+    ap.add_argument("--split-sweep", default="32x4096:4,8,16;1x131072:128,256,512",
+                    help="BxN:splits,...;... -- the whole call at each split count (the split heuristic's choice)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
@@ -103,7 +106,7 @@ def main() -> int:
     one = torch.zeros(1, device="cuda")
     floor = timer(lambda: one.add_(1), args.reps)
     print(f"empty graph (timer floor): {floor:.1f} us", flush=True)
-    parts_rows, sweep_rows, fits, ok_all = [], [], [], True
+    parts_rows, sweep_rows, split_rows, fits, ok_all = [], [], [], [], True
     H = args.heads
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
@@ -131,18 +134,29 @@ def main() -> int:
             print(json.dumps(sweep_rows[-1]), flush=True)
             plan = None
             torch.cuda.empty_cache()
+        for item in filter(None, args.split_sweep.split(";")):
+            shape, _, counts = item.partition(":")
+            B, N = (int(v) for v in shape.split("x"))
+            for ns in (int(v) for v in counts.split(",")):
+                plan, chk = setup(fmt, H, B, N, args.kernel, ns, seed=B + N + ns)
+                ok_all &= chk["ok"]
+                split_rows.append({"format": fmt, "heads": H, "batch": B, "context": N, "kernel": plan.kernel,
+                                   "splits": plan.ns, **time_parts(plan, timer, args.reps, ("all",)), **chk})
+                print(json.dumps(split_rows[-1]), flush=True)
+                plan = None
+                torch.cuda.empty_cache()
         (a_all, b_all), (a_pg, b_pg) = fit(ks, full), fit(ks, pages)
         fits.append({"format": fmt, "batch": args.sweep_batch, "splits": args.splits, "all_fixed_us": a_all,
                      "all_per_page_us": b_all, "pages_fixed_us": a_pg, "pages_per_page_us": b_pg})  # fmt: skip
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes")
     meta = {"device": torch.cuda.get_device_name(), "date": date, "commit": commit_id(), "command": " ".join(sys.argv),
             "timer_floor_us": floor, "ok": ok_all}  # fmt: skip
-    write(stem, meta, parts_rows, sweep_rows, fits)
+    write(stem, meta, parts_rows, sweep_rows, fits, split_rows)
     print(json.dumps({"ok": ok_all, "floor_us": round(floor, 1), "fits": fits}))
     return 0 if ok_all else 1
 
 
-def write(stem: str, meta: dict, parts_rows: list, sweep_rows: list, fits: list) -> None:
+def write(stem: str, meta: dict, parts_rows: list, sweep_rows: list, fits: list, split_rows: list = ()) -> None:
     lines = [f"# Decode call breakdown, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`: each part captured in a CUDA graph and replayed after an L2 flush (median); "
              f"an empty graph times {meta['timer_floor_us']:.1f} us. Every configuration checked first "
@@ -163,8 +177,14 @@ def write(stem: str, meta: dict, parts_rows: list, sweep_rows: list, fits: list)
     for f in fits:
         lines.append(f"| {f['format']} | {f['all_fixed_us']:.1f} | {f['all_per_page_us']:.2f} "
                      f"| {f['pages_fixed_us']:.1f} | {f['pages_per_page_us']:.2f} |")  # fmt: skip
+    if split_rows:
+        lines += ["", "Split counts (the whole call, us):", "", "| format | B x context | kernel | splits | all |",
+                  "|---|---|---|---|---|"]
+        for r in split_rows:
+            lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']} "
+                         f"| {r['all_us']:.1f} |")  # fmt: skip
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    doc = {"meta": meta, "parts": parts_rows, "sweep": sweep_rows, "fits": fits}
+    doc = {"meta": meta, "parts": parts_rows, "sweep": sweep_rows, "fits": fits, "splits": list(split_rows)}
     for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", "\n".join(lines) + "\n")):
         tmp = stem + suffix + ".tmp"
         with open(tmp, "w") as fh:

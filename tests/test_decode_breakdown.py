@@ -36,10 +36,11 @@ def test_tables_carry_the_numbers(tmp_path):
               "pages_us": 20.0 + 3 * k} for k in (1, 2)]  # fmt: skip
     fits = [{"format": "c4r4", "all_fixed_us": 30.0, "all_per_page_us": 3.0, "pages_fixed_us": 20.0,
              "pages_per_page_us": 3.0}]  # fmt: skip
-    db.write(str(tmp_path / "decode_breakdown_t"), meta, parts, sweep, fits)
+    splits = [{"format": "c4r4", "batch": 1, "context": 131072, "kernel": "wgmma", "splits": 128, "all_us": 61.5}]
+    db.write(str(tmp_path / "decode_breakdown_t"), meta, parts, sweep, fits, splits)
     md = (tmp_path / "decode_breakdown_t.md").read_text()
     assert "| c4r4 | 32 x 4096 | wgmma | 8 | 58.2 | 40.5 | 9.0 | 6.0 | 47.0 | 51.0 |" in md
-    assert "| c4r4 | 30.0 | 3.00 | 20.0 | 3.00 |" in md
+    assert "| c4r4 | 30.0 | 3.00 | 20.0 | 3.00 |" in md and "| c4r4 | 1 x 131072 | wgmma | 128 | 61.5 |" in md
     doc = json.loads((tmp_path / "decode_breakdown_t.json").read_text())
     assert doc["sweep"][1]["all_us"] == 36.0 and doc["meta"]["timer_floor_us"] == 4.5
     assert not list(tmp_path.glob("*.tmp"))
