@@ -17,6 +17,8 @@
 #               (tag h200_v2lite_128k)                                                         ~4 min   (cap 420 s)
 #   stepprof    benchmarks/step_profile.py v2-lite B32 x 32K (hf, bf16, c4r4): one decode step under torch.profiler --
 #               launches, device time, our kernels' share (why the step is ~65 ms for every format)  ~2 min (cap 240 s)
+#   graph       benchmarks/bench_graph_decode.py v2-lite: the decode step captured in a CUDA graph vs eager, every format,
+#               B32 x 32K / B8 x 128K / B1 x 4K (checked first against the eager step)             ~5 min (cap 420 s)
 #   costs       benchmarks/step_costs.py: fits quantmla.serve.throughput.StepCosts to the v2-lite rows measured
 #               so far -> RESULTS_DIR/step_costs_h200_v2lite.json (CPU, seconds)               ~5 s     (cap 60 s)
 #   devices     generate_devices smollm2-mla: 4 prompts x 4 formats x 64 greedy steps, CPU vs CUDA,
@@ -93,7 +95,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 DRY=${QUANTMLA_GPU_DRYRUN:-}
 RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh [--dry-run] RESULTS_DIR [STEPS] (or --prepare)}
-STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,devices,generate,smollm2,evalspeed}
+STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,graph,devices,generate,smollm2,evalspeed}
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-540}))
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
@@ -193,10 +195,14 @@ run_stepprof() {
   step stepprof 240 $PY benchmarks/step_profile.py --model v2-lite --batch 32 --context 32768 --formats hf,bf16,c4r4 \
     --tag h200_v2lite_b32_n32768 --out "$RES" --force
 }
+run_graph() {
+  step graph 420 $PY benchmarks/bench_graph_decode.py --model v2-lite --shapes 32x32768,8x131072,1x4096 \
+    --tag h200_v2lite --out "$RES" --force
+}
 run_evalspeed() { smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile; }
 for s in ${STEPS//,/ }; do
   if [[ $(type -t "run_$s") != function ]]; then
-    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, devices, generate, smollm2, evalspeed)" |
+    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, graph, devices, generate, smollm2, evalspeed)" |
       tee -a "$SUMMARY"
     continue
   fi

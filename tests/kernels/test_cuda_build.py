@@ -104,6 +104,9 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
                cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=16))  # fmt: skip
         assert got == expect, (cap, got)
         assert cd.cuda_kernel_choice(dev, "mma", cache=cache("c2r4", [5]), heads=1) == "mma"  # asked for: kept
+        small.planned_length = 256  # a captured step plans for its capacity: the work of 2 x 1 x 256 = 512
+        assert cd.cuda_kernel_choice(dev, cache=small, heads=16) == "mma"
+        small.planned_length = None
         # past WGMMA_AUTO_MAX_HEADS (the unmeasured 32-heads path) auto takes mma, which has no C8R8 (-> Triton)
         tiny = cache("c4r4", [3])
         assert cd.cuda_kernel_choice(dev, cache=tiny, heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"

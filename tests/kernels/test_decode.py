@@ -77,6 +77,21 @@ def test_decode_128_dim_rope(name, rope_group):
     _check(cache, H=3)
 
 
+@pytest.mark.parametrize("name", ["c4r4", "bf16"])
+def test_decode_planned_for_a_longer_capacity(name):
+    """A captured decode step plans its splits for the capacity, not today's lengths (planned_length): the same
+    result within the kernel's tolerance, the splits past every sequence's end contributing nothing; a plan
+    shorter than a sequence is an error, not tokens left out."""
+    cache, _, _ = make_cache(name, [70, 0, 33], policy=CachePolicy(sink=4, local=16, page_size=16), seed=8)
+    plain, plain_lse = _check(cache, H=3, splits=2)
+    cache.planned_length = 300  # 19 pages instead of 5: 2 splits of 10 pages
+    planned, planned_lse = _check(cache, H=3, splits=2)
+    assert_close(planned, plain, name="planned vs plain", **O_TOL)
+    cache.planned_length = 60
+    with pytest.raises(ValueError, match="planned_length=60 is shorter than a sequence of 70 tokens"):
+        decode_attention(*_q(3, 3, 128, 32), cache, SCALE, impl="triton")
+
+
 @pytest.mark.parametrize("dc,dr,group", [(128, 32, 64), (256, 128, 128)])
 def test_decode_c2_two_planes_per_subtile(dc, dr, group):
     """2-bit content whose groups hold two of the kernel's four sub-tiles (group = 2 x latent / 4: SmolLM2-MLA's

@@ -58,6 +58,23 @@ def test_reserve_out_of_pages_is_clear():
         cache.write(torch.randn(1, 40, 128), torch.randn(1, 40, 32), impl="torch")
 
 
+def test_host_lengths_advance_within_capacity_only():
+    """advance_host moves the host mirror of the lengths (a replayed decode step moved the device ones) and refuses
+    to leave [0, max_seq_len]; plan_longest follows the plan only while it covers every sequence."""
+    cache = PagedMLACache("c4r4", 2, 64, kv_lora_rank=128, rope_dim=32, policy=CachePolicy(page_size=16), num_pages=8)
+    cache.write(torch.randn(2, 10, 128), torch.randn(2, 10, 32), [10, 7], impl="torch")
+    assert cache.plan_longest() == 10
+    cache.advance_host(3)
+    assert cache.lengths() == [13, 10] and cache.seq_lens.tolist() == [10, 7]  # the device side is the caller's
+    with pytest.raises(ValueError, match="leaves \\[0, max_seq_len=64\\]"):
+        cache.advance_host(52)
+    with pytest.raises(ValueError, match="leaves"):
+        cache.advance_host(-11)
+    assert cache.lengths() == [13, 10]  # a refused move changes nothing
+    cache.planned_length = 64
+    assert cache.plan_longest() == 64
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_triton_writer_bit_exact(name):
     """Prefill chunks and single decode tokens with ragged counts; pool, sink and ring equal byte for byte."""

@@ -124,8 +124,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
             return "mma"
         if _bits(cache.fmt) not in BITS["mma"]:
             return "wgmma"
-        lens = cache.lengths()
-        work = len(lens) * math.ceil(max(1, heads) / HEADS_PER_CTA) * max(lens, default=0)
+        work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
         return "wgmma" if work <= WGMMA_MAX_WORK else "mma"
     if cap != (9, 0):
         raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
@@ -259,8 +258,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         q_lat = q_lat.contiguous()
     if q_pe.stride(-1) != 1:
         q_pe = q_pe.contiguous()
-    lens = cache.lengths()
-    max_pages = max(1, math.ceil(max(lens, default=0) / L.page_size))
+    max_pages = max(1, math.ceil(cache.plan_longest() / L.page_size))
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
     lib = _lib(dev, kernel)

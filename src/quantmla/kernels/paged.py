@@ -146,6 +146,9 @@ class PagedMLACache:
         self.pool, self.sink, self.local = pool, sink, local
         self.seq_lens = torch.zeros(table.batch, dtype=torch.int32, device=self.device)
         self._lens = [0] * table.batch  # host mirror of seq_lens
+        # decode kernels plan their splits for sequences this long (None: the longest now); a captured decode step
+        # (quantmla.cache.graph) sets it to the capacity, so one captured launch covers every later length
+        self.planned_length: int | None = None
 
     # -- geometry ---------------------------------------------------------------------------------
     @property
@@ -191,6 +194,23 @@ class PagedMLACache:
     def lengths(self) -> list[int]:
         """Host copy of the sequence lengths (no device sync)."""
         return list(self._lens)
+
+    def plan_longest(self) -> int:
+        """The sequence length the decode kernels plan their splits for: :attr:`planned_length` when set (it must
+        cover every sequence: a shorter plan would leave tokens out), else the longest sequence now."""
+        longest = max(self._lens, default=0)
+        if self.planned_length is None:
+            return longest
+        if self.planned_length < longest:
+            raise ValueError(f"planned_length={self.planned_length} is shorter than a sequence of {longest} tokens")
+        return self.planned_length
+
+    def advance_host(self, n: int) -> None:
+        """Add ``n`` tokens to every sequence's host length only: for a replayed decode step, whose captured kernels
+        already advanced :attr:`seq_lens` on the device."""
+        if any(v + n > self.max_seq_len or v + n < 0 for v in self._lens):
+            raise ValueError(f"advancing lengths {self._lens} by {n} leaves [0, max_seq_len={self.max_seq_len}]")
+        self._lens = [v + n for v in self._lens]
 
     def bytes_per_token(self) -> float:
         return self.layout.bytes_per_token()

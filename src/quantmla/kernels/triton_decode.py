@@ -315,8 +315,7 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
     P = L.page_size
     Dr = L.rope_dim
     quant = fmt.is_quantized
-    lens = cache.lengths()
-    max_pages = max(1, math.ceil(max(lens, default=0) / P))
+    max_pages = max(1, math.ceil(cache.plan_longest() / P))
     tun = TUNING if quant else TUNING_BF16
     ns = num_splits or default_num_splits(B, max_pages, q_lat.device, tun)
     ns = max(1, min(ns, max_pages))
