@@ -119,6 +119,8 @@ def test_generate_bad_prompts_and_folders(tmp_path, capsys):
     (weightless / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
     assert main(["generate", "--model", str(weightless), "--prompt", "w3"]) == 2
     assert "has a config.json but no weights" in capsys.readouterr().err
+    assert main(["generate", "--model", path, "--prompt", "w3", "--graph"]) == 2  # the captured step is CUDA's
+    assert "--graph captures the decode step in a CUDA graph: it needs --device cuda" in capsys.readouterr().err
 
 
 def test_generate_byte_report_for_bf16_and_c4r4(tmp_path, capsys):

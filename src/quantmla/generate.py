@@ -5,6 +5,7 @@ Usage::
     quantmla generate --model smollm2-mla --format c4r4 --prompt "The quick brown fox" --max-new-tokens 32
     quantmla generate --model DIR --format c2r4 --prompt-file prompt.txt --absorbed
     quantmla generate --model smollm2-mla --device cuda --dtype bfloat16 --prompt "..."  # kernels, absorbed form
+    quantmla generate --model smollm2-mla --device cuda --dtype bfloat16 --graph --prompt "..."  # + captured step
 
 Prints the continuation, the speed, and the cache's bytes: what the format needs on a BF16 model (the physical
 size, as ``quantmla info`` counts it) and what this process allocated for it.
@@ -35,6 +36,9 @@ def add_generate_args(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model and its cache run (default cpu); cuda attends in absorbed form, through the "
                         "fused writer and the decode kernels")  # fmt: skip
+    p.add_argument("--graph", action="store_true",
+                   help="with --device cuda: capture the decode step in a CUDA graph and replay it per token "
+                        "(quantmla.cache.graph; no per-operator launch overhead)")  # fmt: skip
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -60,6 +64,8 @@ def check_generate_args(args):
     text = _prompt_text(args)
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: give a positive number of tokens")
+    if getattr(args, "graph", False) and getattr(args, "device", "cpu") != "cuda":
+        raise UsageError("--graph captures the decode step in a CUDA graph: it needs --device cuda")
     if getattr(args, "device", "cpu") == "cuda":
         import torch
 
@@ -112,8 +118,14 @@ def cmd_generate(args) -> int:
 
         enable_absorbed_attention(model)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **with_cache(cache))
+    if getattr(args, "graph", False):
+        from quantmla.cache.graph import greedy_generate
+
+        with usage_errors("--graph: "):
+            out = greedy_generate(model, ids, cache, args.max_new_tokens, model.generation_config.eos_token_id)
+    else:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, **with_cache(cache))
     dt = time.perf_counter() - t0
     new = out.shape[1] - ids.shape[1]
     print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))

@@ -75,6 +75,20 @@ def test_gpu_captured_steps_equal_eager_steps(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_generate_equals_model_generate():
+    """greedy_generate (prompt eagerly, then replays) gives model.generate's greedy tokens on the same model."""
+    from quantmla.cache.graph import greedy_generate
+
+    model = enable_absorbed_attention(tiny_model("deepseek_v3", first_k_dense_replace=99)).to("cuda")
+    ids = torch.randint(0, model.config.vocab_size, (2, 50), generator=torch.Generator().manual_seed(6)).to("cuda")
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                         **with_cache(QuantMLACache(model.config, "c4r4", POLICY, max_length=74)))  # fmt: skip
+    got = greedy_generate(model, ids, QuantMLACache(model.config, "c4r4", POLICY, max_length=74), 24)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_capacity_and_shape_errors():
     model, cache, first = _prefilled("c4r4", "cuda", max_length=42)
     graph = CapturedDecode(model, cache)

@@ -132,3 +132,32 @@ class CapturedDecode:
             v.advance_host(1)
         self.length += 1
         return self.logits.float().clone()
+
+
+def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    """Greedy generation with a captured decode step: the prompt in one eager forward, then one replay per token.
+
+    ``input_ids`` [B, T] (no padding), ``cache`` an empty ``QuantMLACache`` on the model's CUDA device. Returns
+    ``[B, T + n]`` like ``model.generate``; stops early once every sequence produced ``eos_token_id``."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **with_cache(cache)).logits[:, -1]
+    tok = logits.argmax(-1, keepdim=True)
+    out = [input_ids, tok]
+    done = _finished(tok, eos_token_id)
+    if max_new_tokens > 1 and not done:
+        step = CapturedDecode(model, cache, max_length=input_ids.shape[1] + max_new_tokens)
+        for _ in range(max_new_tokens - 1):
+            tok = step.step(tok).argmax(-1, keepdim=True)
+            out.append(tok)
+            if _finished(tok, eos_token_id):
+                break
+    return torch.cat(out, dim=1)
+
+
+def _finished(tok: torch.Tensor, eos_token_id) -> bool:
+    if eos_token_id is None:
+        return False
+    eos = torch.as_tensor(eos_token_id, device=tok.device).reshape(-1)
+    return bool(torch.isin(tok, eos).all())
