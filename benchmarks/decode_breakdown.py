@@ -53,6 +53,12 @@ def fit(ks: list[int], ts: list[float]) -> tuple[float, float]:
     return mt - b * mk, b
 
 
+def timer_floor(timer: Timer, reps: int) -> float:
+    """us of an empty graph (a one-element add): what the timer itself costs."""
+    one = torch.zeros(1, device="cuda")
+    return timer(lambda: one.add_(1), reps)
+
+
 def time_parts(plan, timer: Timer, reps: int, names) -> dict[str, float]:
     """us of each named part set of :data:`PARTS` for ``plan``."""
     runs = {name: (lambda parts=PARTS[name]: launch_decode(plan, parts)) for name in names if name in PARTS}
@@ -103,8 +109,7 @@ def main() -> int:
     if not args.force and any(os.path.exists(stem + s) for s in (".json", ".md")):
         raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite")
     timer = Timer()
-    one = torch.zeros(1, device="cuda")
-    floor = timer(lambda: one.add_(1), args.reps)
+    floor = timer_floor(timer, args.reps)
     print(f"empty graph (timer floor): {floor:.1f} us", flush=True)
     parts_rows, sweep_rows, split_rows, fits, ok_all = [], [], [], [], True
     H = args.heads

@@ -3,6 +3,7 @@ with a clear message."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -29,3 +30,25 @@ def test_without_a_gpu_it_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["bench_graph_decode.py", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bgd.main()
+
+
+def test_main_flow_and_exit_code(monkeypatch, tmp_path):
+    """Without a GPU, the model, the check and the timing replaced by stand-ins: every format that fits gets a row,
+    one that does not is skipped, a failed check makes the exit code 1."""
+    monkeypatch.setattr(bgd.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bgd.torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(bgd.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bgd.bg, "build_model", lambda name, device: (object(), "stand-in model"))
+    monkeypatch.setattr(bgd, "check", lambda model, fmt: {"format": fmt, "rel_logits": 0.0,
+                                                          "tokens_equal": fmt != "c2r4", "ok": fmt != "c2r4"})
+    monkeypatch.setattr(bgd.bg, "fits", lambda model, fmt, B, n, device: (not (fmt == "bf16" and n > 4096), 1.0))
+    monkeypatch.setattr(bgd, "time_format", lambda model, fmt, B, n, steps: {
+        "format": fmt, "batch": B, "context": n, "eager_ms": 60.0, "graph_ms": 15.0, "speedup": 4.0, "capture_s": 1.0,
+        "tok_s": B / 0.015})  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["bench_graph_decode.py", "--formats", "bf16,c4r4,c2r4", "--shapes",
+                                      "32x32768,1x4096", "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+    assert bgd.main() == 1
+    doc = json.loads((tmp_path / "graph_decode_t.json").read_text())
+    got = [(r["format"], r["batch"]) for r in doc["rows"]]
+    assert got == [("c4r4", 32), ("c2r4", 32), ("bf16", 1), ("c4r4", 1), ("c2r4", 1)]
+    assert not doc["meta"]["ok"]

@@ -59,3 +59,30 @@ def test_launch_decode_names_a_bad_part():
     plan = DecodePlan(*([None] * 14))
     with pytest.raises(ValueError, match="parts must be among"):
         launch_decode(plan, ("pages", "everything"))
+
+
+def test_main_runs_every_section_and_writes_both_files(monkeypatch, tmp_path):
+    """The script's flow without a GPU: the timer, the plans and the checks replaced by stand-ins; every section's
+    rows reach the files, a failed check makes the exit code 1."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(db.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(db.torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(db, "Timer", lambda: (lambda fn, reps: 10.0))
+    monkeypatch.setattr(db, "timer_floor", lambda timer, reps: 3.0)
+
+    def setup(fmt, H, B, N, kernel, splits, seed):
+        calls.append((fmt, B, N, splits))
+        plan = SimpleNamespace(kernel="wgmma", ns=splits or 8, ns_total=(splits or 8) + 3)
+        return plan, {"rel": 1e-4, "lse_err": 1e-4, "buffers_first_same": True, "ok": not (B == 1 and splits == 512)}
+
+    monkeypatch.setattr(db, "setup", setup)
+    monkeypatch.setattr(sys, "argv", ["decode_breakdown.py", "--formats", "c4r4", "--shapes", "1x131072",
+                                      "--pages", "1,2", "--out", str(tmp_path), "--tag", "t"])  # fmt: skip
+    assert db.main() == 1  # the 512-split check failed
+    doc = json.loads((tmp_path / "decode_breakdown_t.json").read_text())
+    assert [r["batch"] for r in doc["parts"]] == [1] and doc["parts"][0]["all, buffers first_us"] == 10.0
+    assert [r["pages_per_cta"] for r in doc["sweep"]] == [1, 2] and doc["fits"][0]["all_per_page_us"] == 0.0
+    assert [r["splits"] for r in doc["splits"]] == [4, 8, 16, 128, 256, 512] and not doc["meta"]["ok"]
+    assert ("c4r4", 32, 64 * 8 * 2, 8) in calls  # the sweep: 2 pages per CTA at 8 splits of 32 sequences
