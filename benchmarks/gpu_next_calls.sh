@@ -3,8 +3,9 @@
 # first: `kernels_breakdown` (~4 min: the wgmma and the mma + Triton GPU tests -- the latter now include C2R4 at
 # SmolLM2's latent 256 through the Triton kernel, never run on a GPU yet, and the host side was split into
 # plan_decode / launch_decode -- then decode_breakdown.py: what the ~32 us fixed part of every C4R4 call is, the
-# lever for B1 x 128K and B32 x 4K), then `gpu_session_issue10.sh /root/issue10 stepprof` (~2 min: one V2-Lite decode
-# step under the profiler -- launches vs device time, the case for a CUDA-graph step), then issue 10's kit steps
+# lever for B1 x 128K and B32 x 4K), then `gpu_session_issue10.sh /root/issue10 tests,stepprof,graph` (~8 min: the
+# cache GPU tests incl. the captured decode step's, one V2-Lite decode step under the profiler -- launches vs device
+# time -- and bench_graph_decode.py: eager vs captured time per token, every format), then issue 10's kit steps
 # (`gpu_session_issue10.sh /root/issue10 smollm2,evalspeed,devices`: C2R4's decode and eval speed on the Triton
 # path, the eval profile), then kernel variants of whatever is written next (`variants`). The kit travels in
 # three parts, one a call: carry .gpucarry_1 / _2 with the first two calls and prefix their commands with
