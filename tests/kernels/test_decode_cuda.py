@@ -126,6 +126,19 @@ def test_cuda_decode_short_local_window(fmt, cuda_kernel):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4", "c8r8"])
+def test_cuda_decode_planned_for_capacity(fmt, cuda_kernel):
+    """Splits planned for a capacity far past every sequence (a captured decode step's plan, planned_length): the
+    splits past a sequence's end must write empty partials the merge ignores; the result is the reference's."""
+    if cuda_kernel == "mma" and fmt == "c8r8":
+        pytest.skip("the mma kernel has no 8-bit path")
+    cache, q_lat, q_pe = make(fmt, [0, 5, 200, 3000], 16, seed=29)
+    cache.planned_length = 40000  # 625 pages planned for sequences of at most 47
+    check(cache, q_lat, q_pe)
+    check(cache, q_lat, q_pe, splits=64)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 def test_cuda_decode_splits_and_ragged(splits):
     cache, q_lat, q_pe = make("c4r4", [9000, 65, 20000, 1, 4500], 16, seed=5)
