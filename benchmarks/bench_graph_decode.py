@@ -31,6 +31,7 @@ from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit l
 from quantmla.cache.graph import CapturedDecode  # noqa: E402
 from quantmla.compat import with_cache  # noqa: E402
 from quantmla.mla.spec import MLASpec  # noqa: E402
+from results_io import parse_gpu_args, write_results  # noqa: E402
 
 
 def eager_step(model, cache, ids: torch.Tensor, position: int) -> torch.Tensor:
@@ -97,15 +98,7 @@ def main() -> int:
     ap.add_argument("--formats", default="bf16,c8r8,c4r4,c2r4")
     ap.add_argument("--shapes", default="32x32768,8x131072,1x4096", help="BxN,...")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_graph_decode.py captures CUDA graphs: it needs a CUDA GPU")
-    stem = os.path.join(args.out, f"graph_decode_{args.tag}")
-    if not args.force and any(os.path.exists(stem + s) for s in (".json", ".md")):
-        raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite")
+    args, stem = parse_gpu_args(ap, "graph_decode", "bench_graph_decode.py captures CUDA graphs")
     model, desc = bg.build_model(args.model, "cuda")
     formats = args.formats.split(",")
     checks = [check(model, f) for f in formats]
@@ -144,13 +137,8 @@ def write(stem: str, meta: dict, checks: list[dict], rows: list[dict]) -> None:
         vs = f"{r['graph_ms'] / ref:.2f}x" if ref else "-"
         lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
                      f"| {r['speedup']:.2f}x | {r['tok_s']:.0f} | {vs} |")  # fmt: skip
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    for suffix, text in ((".json", json.dumps({"meta": meta, "checks": checks, "rows": rows}, indent=1)),
-                         (".md", "\n".join(lines) + "\n")):  # fmt: skip
-        tmp = stem + suffix + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, stem + suffix)
+    doc = {"meta": meta, "checks": checks, "rows": rows}
+    write_results(stem, {".json": json.dumps(doc, indent=1), ".md": "\n".join(lines) + "\n"})
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import DC, DR, LSE_TOL, REL_TOL, SCALE, Timer, build_cache, lse_err, q_as_kernel_rounds, rel_err  # noqa: E402, I001
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
+from results_io import parse_gpu_args, write_results  # noqa: E402
 from quantmla.kernels.cuda_decode import launch_decode, plan_decode  # noqa: E402
 from quantmla.kernels.reference import decode_attention_torch  # noqa: E402
 
@@ -99,15 +100,7 @@ def main() -> int:
     ap.add_argument("--split-sweep", default="32x4096:4,8,16;1x131072:128,256,512",
                     help="BxN:splits,...;... -- the whole call at each split count (the split heuristic's choice)")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_breakdown.py times CUDA kernels: it needs a CUDA GPU")
-    stem = os.path.join(args.out, f"decode_breakdown_{args.tag}")
-    if not args.force and any(os.path.exists(stem + s) for s in (".json", ".md")):
-        raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite")
+    args, stem = parse_gpu_args(ap, "decode_breakdown", "decode_breakdown.py times CUDA kernels")
     timer = Timer()
     floor = timer_floor(timer, args.reps)
     print(f"empty graph (timer floor): {floor:.1f} us", flush=True)
@@ -188,13 +181,8 @@ def write(stem: str, meta: dict, parts_rows: list, sweep_rows: list, fits: list,
         for r in split_rows:
             lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']} "
                          f"| {r['all_us']:.1f} |")  # fmt: skip
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     doc = {"meta": meta, "parts": parts_rows, "sweep": sweep_rows, "fits": fits, "splits": list(split_rows)}
-    for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", "\n".join(lines) + "\n")):
-        tmp = stem + suffix + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, stem + suffix)
+    write_results(stem, {".json": json.dumps(doc, indent=1), ".md": "\n".join(lines) + "\n"})
 
 
 if __name__ == "__main__":

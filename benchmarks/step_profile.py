@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
+from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 OURS = ("decode_kernel", "combine_kernel", "_buffers_kernel", "_decode_kernel", "_combine_kernel", "_write")
 
@@ -97,18 +98,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny model, batch 2, context 64, on the CPU")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default=None, help="default: <model>_b<batch>_n<context>, smoke with --smoke")
-    ap.add_argument("--force", action="store_true")
+    add_output_args(ap, tag=None)  # default tag: <model>_b<batch>_n<context>, smoke with --smoke
     args = ap.parse_args()
     if args.smoke:
         args.model, args.batch, args.context, args.steps, args.device = "tiny", 2, 64, 2, "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA GPU is available (use --device cpu or --smoke)")
     tag = args.tag or ("smoke" if args.smoke else f"{args.model}_b{args.batch}_n{args.context}")
-    stem = os.path.join(args.out, f"step_profile_{tag}")
-    if not args.force and any(os.path.exists(stem + s) for s in (".json", ".md")):
-        raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite")
+    stem = result_stem(args.out, "step_profile", tag, args.force)
     model, desc = bg.build_model(args.model, args.device)
     rows = []
     for fmt in args.formats.split(","):
@@ -141,13 +138,7 @@ def write(stem: str, meta: dict, rows: list[dict]) -> None:
         lines += ["", f"{r['format']}: most frequent operators {r['top_ops']}"]
         if gpu:
             lines.append(f"{r['format']}: top kernels by device time (name, launches, ms) {r['top_kernels']}")
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    for suffix, text in ((".json", json.dumps({"meta": meta, "rows": rows}, indent=1)),
-                         (".md", "\n".join(lines) + "\n")):  # fmt: skip
-        tmp = stem + suffix + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, stem + suffix)
+    write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
 
 
 if __name__ == "__main__":

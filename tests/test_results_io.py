@@ -1,0 +1,33 @@
+"""benchmarks/results_io.py: results are never overwritten without --force, and land whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import results_io  # noqa: E402
+
+
+def test_existing_results_need_force(tmp_path):
+    stem = results_io.result_stem(str(tmp_path), "x", "t", force=False)
+    results_io.write_results(stem, {".json": "{}", ".md": "# x\n"})
+    assert (tmp_path / "x_t.md").read_text() == "# x\n" and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit, match="x_t.json/.md exist; pass --force"):
+        results_io.result_stem(str(tmp_path), "x", "t", force=False)
+    assert results_io.result_stem(str(tmp_path), "x", "t", force=True) == str(tmp_path / "x_t")
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    stem = str(tmp_path / "y_t")
+    results_io.write_results(stem, {".md": "old\n"})
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results_io.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        results_io.write_results(stem, {".md": "new\n"})
+    assert (tmp_path / "y_t.md").read_text() == "old\n"
