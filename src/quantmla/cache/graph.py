@@ -76,13 +76,16 @@ class CapturedDecode:
         for v in views:
             v.planned_length = cap
         self.model, self.cache, self.views, self.capacity = model, cache, views, cap
-        self.length = lens[0]
         dev = store.device
-        B = store.batch
-        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.position = torch.full((1,), self.length, dtype=torch.long, device=dev)  # cache_position
+        self.ids = torch.zeros(store.batch, 1, dtype=torch.long, device=dev)
+        self.position = torch.full((1,), lens[0], dtype=torch.long, device=dev)  # cache_position
         self.graph = torch.cuda.CUDAGraph()
         self._capture()
+
+    @property
+    def length(self) -> int:
+        """Tokens every sequence holds (the host mirror of the cache's lengths)."""
+        return self.views[0].lengths()[0]
 
     def _forward(self) -> torch.Tensor:
         pos_ids = self.position[None].expand(self.ids.shape[0], 1)
@@ -114,11 +117,6 @@ class CapturedDecode:
             if device:
                 v.seq_lens.sub_(1)
 
-    @property
-    def remaining(self) -> int:
-        """Tokens the sequences may still grow by."""
-        return self.capacity - self.length
-
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Write the tokens ``input_ids [B, 1]`` and return the next-token logits ``[B, V]`` (fp32)."""
         if tuple(input_ids.shape) != tuple(self.ids.shape):
@@ -130,7 +128,6 @@ class CapturedDecode:
         self.position.add_(1)
         for v in self.views:
             v.advance_host(1)
-        self.length += 1
         return self.logits.float().clone()
 
 

@@ -314,18 +314,22 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev_index)
         side.wait_stream(cur)
-        if buffers_first and "buffers" in parts:
-            with torch.cuda.stream(side):
-                attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
+
+        def buffers() -> None:
+            if "buffers" in parts:
+                with torch.cuda.stream(side):
+                    attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
+
+        if buffers_first:
+            buffers()
         if "pages" in parts:
             err = lib.qmla_decode(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, plan.ns, B,
                                   ctypes.c_void_p(stream))  # fmt: skip
             if err != 0:
                 cur.wait_stream(side)
                 raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        if not buffers_first and "buffers" in parts:
-            with torch.cuda.stream(side):
-                attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
+        if not buffers_first:
+            buffers()
         cur.wait_stream(side)
         if "combine" in parts:
             out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
