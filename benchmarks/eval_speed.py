@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
+from results_io import write_results  # noqa: E402
 
 
 def log(*a) -> None:
@@ -116,23 +117,19 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['format']} | {r['wall_s']:.2f} | {r['samples']} + {r['ppl_windows']} "
                      f"| {r['s_per_unit']:.3f} | {r['x_bf16']} | {r['ppl']} | {r['retrieval']} |")  # fmt: skip
-    outputs = ((".json", json.dumps({"meta": meta, "rows": rows}, indent=1)), (".md", "\n".join(lines) + "\n"))
-    for suffix, text in outputs:
-        tmp = stem + suffix + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, stem + suffix)
+    write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
     if args.profile:
-        write_profile(stem + "_profile.txt", model, tok, args, lengths)
+        write_profile(stem, model, tok, args, lengths)
     print(json.dumps({r["format"]: r["x_bf16"] for r in rows}))
     return 0
 
 
-def write_profile(path: str, model, tok, args, lengths) -> None:
+def write_profile(stem: str, model, tok, args, lengths) -> None:
     """A slice of the run per format under torch.profiler (CPU + CUDA): one sample per task at the longest needle
     length and one perplexity window (the whole run under the profiler took > 3 min per format on the H200,
     2026-12-01), its operator table sorted by self device time (CUDA) or self CPU time, so the formats' extra
-    costs can be read side by side. The file is rewritten after each format: a timeout keeps what was done."""
+    costs can be read side by side -> ``<stem>_profile.txt``, rewritten after each format: a timeout keeps what
+    was done."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
@@ -145,10 +142,7 @@ def write_profile(path: str, model, tok, args, lengths) -> None:
                      f"{lengths[-1]} tokens, one perplexity window)\n"
                      + prof.key_averages().table(sort_by=key, row_limit=25))  # fmt: skip
         log(f"profiled {fmt}")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write("\n\n".join(parts) + "\n")
-        os.replace(tmp, path)
+        write_results(stem, {"_profile.txt": "\n\n".join(parts) + "\n"})
 
 
 if __name__ == "__main__":
