@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
-from results_io import write_results  # noqa: E402
+from results_io import result_stem, write_results  # noqa: E402
 
 
 def log(*a) -> None:
@@ -74,9 +74,7 @@ def main() -> int:
         args.device, args.formats, args.lengths, args.samples = "cpu", "bf16,c4r4", "256", 1
         args.ppl_tokens, args.ppl_context, args.tasks = 256, 128, "ppl,passkey"
     tag = args.tag or ("smoke" if args.smoke else "h200")
-    stem = os.path.join(args.out, f"eval_speed_{tag}")
-    if not args.force and any(os.path.exists(stem + s) for s in (".json", ".md")):
-        raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite")
+    stem = result_stem(args.out, "eval_speed", tag, args.force)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA GPU is available")
     from quantmla.models.names import resolve_model
@@ -107,7 +105,6 @@ def main() -> int:
             "command": " ".join(sys.argv), "model": args.model, "dtype": dtype, "tasks": args.tasks,
             "lengths": lengths, "samples_per_cell": args.samples, "ppl_tokens": args.ppl_tokens,
             "ppl_context": args.ppl_context, "target": "quantized <= 1.5x BF16 per sample"}  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     lines = [f"# quantmla eval speed per sample, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`: {args.model} ({dtype}), tasks {args.tasks}, needle lengths {args.lengths} "
              f"({args.samples} per task and length), perplexity {args.ppl_tokens} tokens in windows of "

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from results_io import write_results  # benchmarks/: the one temp-file-and-rename
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
 KERNEL = "decode_mla_sm90"
@@ -161,9 +163,6 @@ def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path
             for n, rs in results.items() for k, us in ((key(r), r["us"]) for r in rs)]  # fmt: skip
     rows += [{"variant": "flashmla-bf16", "heads": h, "batch": b, "context": n, "impl": "flashmla-bf16", "us": us}
              for (h, b, n), us in fm.items()]  # fmt: skip
-    tmp = out / f"kernel_variants_{tag}.json.tmp"
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    tmp.replace(out / f"kernel_variants_{tag}.json")
     lines = [f"# Hopper kernel variants, {meta['device']}, {meta['date']}, commit {commit}", "",
              f"`{meta['command']}`; each variant's bench_decode.py run checks it first, then times CUDA-graph "
              "replays after an L2 flush (median of 20). Cells: us (speed-up over base).", "",
@@ -183,9 +182,8 @@ def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path
             us = {key(r): r["us"] for r in rs}
             cells = [f"{fm[c[:3]] / us[c]:.2f}x" if c in us and c[:3] in fm else "-" for c in cols]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    tmp = out / f"kernel_variants_{tag}.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out / f"kernel_variants_{tag}.md")
+    write_results(str(out / f"kernel_variants_{tag}"),
+                  {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
     print("\n".join(lines), flush=True)
 
 
