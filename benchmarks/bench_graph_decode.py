@@ -28,18 +28,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
-from quantmla.cache.graph import CapturedDecode  # noqa: E402
-from quantmla.compat import with_cache  # noqa: E402
+from quantmla.cache.graph import CapturedDecode, decode_step  # noqa: E402
 from quantmla.mla.spec import MLASpec  # noqa: E402
 from results_io import parse_gpu_args, write_results  # noqa: E402
 
 
 def eager_step(model, cache, ids: torch.Tensor, position: int) -> torch.Tensor:
-    pos = torch.tensor([position], device=ids.device)
     with torch.no_grad():
-        out = model(input_ids=ids, cache_position=pos, position_ids=pos[None].expand(ids.shape[0], 1),
-                    use_cache=True, logits_to_keep=1, **with_cache(cache))  # fmt: skip
-    return out.logits[:, -1].float()
+        return decode_step(model, cache, ids, torch.tensor([position], device=ids.device)).float()
 
 
 def check(model, fmt: str, B: int = 2, n: int = 300, steps: int = 8) -> dict:

@@ -4,7 +4,7 @@ tokens and logits are the eager step's, step after step, across page and local-w
 import pytest
 import torch
 
-from quantmla.cache.graph import CapturedDecode
+from quantmla.cache.graph import CapturedDecode, decode_step
 from quantmla.cache.hf import QuantMLACache
 from quantmla.compat import with_cache
 from quantmla.mla.attention import enable_absorbed_attention
@@ -59,10 +59,8 @@ def test_gpu_captured_steps_equal_eager_steps(fmt):
     tok_g = tok_e = first.argmax(-1, keepdim=True)
     for step in range(40):
         lg = graph.step(tok_g)
-        pos = torch.tensor([40 + step], device="cuda")
         with torch.no_grad():
-            le = model(input_ids=tok_e, cache_position=pos, position_ids=pos[None].expand(2, 1), use_cache=True,
-                       logits_to_keep=1, **with_cache(cache_e)).logits[:, -1].float()  # fmt: skip
+            le = decode_step(model, cache_e, tok_e, torch.tensor([40 + step], device="cuda")).float()
         assert torch.allclose(lg, le, atol=1e-4, rtol=1e-4), (step, float((lg - le).abs().max()))
         tok_g, tok_e = lg.argmax(-1, keepdim=True), le.argmax(-1, keepdim=True)
         assert torch.equal(tok_g, tok_e), step

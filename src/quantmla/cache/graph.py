@@ -29,6 +29,15 @@ import torch
 from quantmla.compat import with_cache
 
 
+def decode_step(model, cache, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One decode forward of ``ids [B, 1]`` at ``position`` (a one-element device tensor: every sequence's cache
+    position) -> the logits ``[B, V]``: what :class:`CapturedDecode` captures, and its eager reference."""
+    pos_ids = position[None].expand(ids.shape[0], 1)
+    out = model(input_ids=ids, cache_position=position, position_ids=pos_ids, use_cache=True, logits_to_keep=1,
+                **with_cache(cache))  # fmt: skip
+    return out.logits[:, -1]
+
+
 def _check_kernels(views) -> None:
     """Refuse layers whose decode or write would run the torch reference: it loops over the host's lengths, which a
     captured step would freeze at capture time (a silent wrong result on every later step)."""
@@ -88,10 +97,7 @@ class CapturedDecode:
         return self.views[0].lengths()[0]
 
     def _forward(self) -> torch.Tensor:
-        pos_ids = self.position[None].expand(self.ids.shape[0], 1)
-        out = self.model(input_ids=self.ids, cache_position=self.position, position_ids=pos_ids, use_cache=True,
-                         logits_to_keep=1, **with_cache(self.cache))  # fmt: skip
-        return out.logits[:, -1]
+        return decode_step(self.model, self.cache, self.ids, self.position)
 
     def _capture(self) -> None:
         slot = [self.length % v.n_local if v.n_local else None for v in self.views]
