@@ -97,3 +97,23 @@ def test_gpu_capacity_and_shape_errors():
     graph.step(tok)
     with pytest.raises(ValueError, match="reached max_length=42"):
         graph.step(tok)
+
+
+def test_trusted_causal_mask_is_trusted_only_after_the_first_write():
+    """While a step is captured its layers trust the decode mask (the warm-up step checked it: a capture cannot read
+    the mask on the host); a first write, which learns the padding from the mask, is checked whatever the flag."""
+    _, cache, _ = _prefilled("c4r4", "cpu", max_length=64)
+    layer = cache.layers[0].mla
+    B, T, S = 2, 1, 41
+    causal = torch.ones(B, 1, T, S, dtype=torch.bool)
+    hole = causal.clone()
+    hole[:, :, :, 7] = False  # not plain causal attention
+    assert layer._pads_and_causal(causal, B, T, S, first=False) == ([0, 0], True)
+    assert layer.last_mask_causal is True
+    assert layer._pads_and_causal(hole, B, T, S, first=False) == ([0, 0], False)
+    assert layer.last_mask_causal is False
+    layer.trust_causal_mask = True
+    assert layer._pads_and_causal(hole, B, T, S, first=False) == ([0, 0], True)
+    assert layer._pads_and_causal(hole, B, T, S, first=True)[1] is False
+    with pytest.raises(ValueError, match="attention mask must be bool"):
+        layer._pads_and_causal(causal[:, :, :, :-1], B, T, S, first=False)  # shapes are checked even when trusted

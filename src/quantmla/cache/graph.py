@@ -8,8 +8,9 @@ overhead, so the cache's speed shows in the time per token.
 What makes the step capturable (nothing in it may read device values on the host, or change shape):
 
 * the batch, every sequence at the same length, no padding: one ``cache_position`` for all, which lives in a
-  device tensor advanced after every replay, and no attention mask (transformers passes none to a one-token
-  query without padding);
+  device tensor advanced after every replay; the attention mask the model builds for a one-token query (none, or
+  the plain causal one, depending on the transformers version) is checked on the host by the eager warm-up step
+  and trusted while capturing (:meth:`quantmla.cache.layer.PagedCacheLayer._pads_and_causal`);
 * every page a sequence can reach is reserved before the capture (the block table never changes) and the decode
   kernels plan their splits for the capacity (:attr:`~quantmla.kernels.paged.PagedMLACache.planned_length`),
   not for today's length: one captured launch serves every later length, the splits past the end do nothing;
@@ -104,17 +105,35 @@ class CapturedDecode:
         saved = [None if s is None else v.local[:, s].clone() for v, s in zip(self.views, slot)]
         side = torch.cuda.Stream(device=self.position.device)
         side.wait_stream(torch.cuda.current_stream())
+        layers = [layer.mla for layer in self.cache.layers]
+        for layer in layers:
+            layer.last_mask_causal = None
         with torch.no_grad(), torch.cuda.stream(side):
             self._forward()  # eager: builds, workspaces; writes one token (undone below)
         torch.cuda.current_stream().wait_stream(side)
         self._rollback(device=True)
-        with torch.no_grad(), torch.cuda.graph(self.graph):
-            self.logits = self._forward()  # recorded, not run: only the host mirrors moved
+        odd = [i for i, layer in enumerate(layers) if layer.last_mask_causal is not True]
+        if odd:
+            self._restore_ring(slot, saved)
+            raise ValueError(f"layers {odd} saw an attention mask other than plain causal attention in a decode step "
+                             "(or were not called): such a step cannot be captured; decode it eagerly")  # fmt: skip
+        try:
+            for layer in layers:
+                layer.trust_causal_mask = True  # the mask of every replay is the warm-up's, checked just now
+            with torch.no_grad(), torch.cuda.graph(self.graph):
+                self.logits = self._forward()  # recorded, not run: only the host mirrors moved
+        finally:
+            for layer in layers:
+                layer.trust_causal_mask = False
         self._rollback(device=False)
+        self._restore_ring(slot, saved)
+        torch.cuda.current_stream().synchronize()
+
+    def _restore_ring(self, slot, saved) -> None:
+        """Put back the local-ring slot of each layer that the warm-up step wrote."""
         for v, s, x in zip(self.views, slot, saved):
             if s is not None:
                 v.local[:, s].copy_(x)
-        torch.cuda.current_stream().synchronize()
 
     def _rollback(self, device: bool) -> None:
         """Undo one step's length bookkeeping (host mirrors; with ``device`` the device lengths too)."""

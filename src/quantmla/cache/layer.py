@@ -49,6 +49,8 @@ class PagedCacheLayer:
     def __init__(self, store: PagedStore, idx: int):
         self.store, self.idx = store, idx
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # written, not yet stored (see attend)
+        self.last_mask_causal: bool | None = None  # what the last attend found its mask to be (None: no call yet)
+        self.trust_causal_mask = False  # set by quantmla.cache.graph while capturing: see _pads_and_causal
 
     @property
     def fmt(self):
@@ -156,12 +158,20 @@ class PagedCacheLayer:
     # -- attention ------------------------------------------------------------------------------
     def _pads_and_causal(self, mask, B: int, T: int, S: int, first: bool) -> tuple[list[int], bool]:
         """Leading pad positions per sequence (first write only) and whether ``mask`` is plain causal attention
-        over each sequence's real tokens (so the kernels' fast paths apply)."""
+        over each sequence's real tokens (so the kernels' fast paths apply).
+
+        The check reads the mask on the host, which a CUDA graph capture forbids: while
+        :class:`~quantmla.cache.graph.CapturedDecode` captures its step it sets ``trust_causal_mask``, after the
+        eager warm-up step of the same shapes found the mask plain causal in this layer (``last_mask_causal``);
+        a first write (which learns the padding) is checked always."""
         if mask is None:
+            self.last_mask_causal = True
             return [0] * B, True
         m = mask.to(torch.bool)
         if m.dim() != 4 or m.shape[-2:] != (T, S) or m.shape[0] not in (1, B):
             raise ValueError(f"attention mask must be bool [B, 1 or H, T={T}, S={S}], got {tuple(mask.shape)}")
+        if self.trust_causal_mask and not first:
+            return [0] * B, True
         m = m.expand(B, m.shape[1], T, S)
         skip = [0] * B
         if first:
@@ -176,6 +186,7 @@ class PagedCacheLayer:
         want = (j >= pads) & (j <= qpos)  # [B, T, S]
         real = qpos >= pads  # [B, T, 1] queries of real tokens
         causal = not bool(((m != want[:, None]) & real[:, None]).any())
+        self.last_mask_causal = causal
         return skip, causal
 
     attends_per_head = True  # attend(..., heads=...) is understood (quantmla.mla.attention asks)
