@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(
     [("decode_mla", "80", ()), ("decode_mla", "80", ("-DQMLA_Q_VEC=0",)), ("decode_mla", "90", ()),
      ("decode_mla_sm90", "90a", ()),
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
-     ("decode_mla_sm90_h64", "90a", ())],
+     ("decode_mla_sm90", "90a", ("-DQMLA_PDL=1",)), ("decode_mla_sm90_h64", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -84,3 +85,24 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
     if kernel == "mma":
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path
+
+
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_path):
+    """QMLA_PDL=1: every page kernel lets its dependents launch (griddepcontrol.launch_dependents -> PREEXIT) and
+    every split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK); with 0 (the
+    default) neither instruction is in the library."""
+    cubin = tmp_path / "k.cubin"
+    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}", "-cubin", "-o",
+           str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sass = subprocess.run([str(Path(NVCC).parent / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    funcs = re.split(r"\n\s*Function : ", sass)[1:]
+    pages = [f for f in funcs if "decode_kernel" in f.split("\n", 1)[0]]
+    merges = [f for f in funcs if "combine_kernel" in f.split("\n", 1)[0]]
+    assert len(pages) >= 8 and len(merges) == 3
+    assert all(("PREEXIT" in f) == bool(pdl) for f in pages)
+    assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
+    assert not any("ACQBULK" in f for f in pages)

@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   float* smax = reinterpret_cast<float*>(smem + kStages * C::STAGE + C::PART + C::QFRAG);  // [head][warp]
   float* soff = smax + kHeads * kWarps;  // [group][head][slice]
 
+  pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;

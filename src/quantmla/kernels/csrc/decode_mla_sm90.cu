@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   float* roff = reinterpret_cast<float*>(smem + C::ROFF);  // [group][head][warp]
   float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
+  pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;

@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_h64(const Params p)
   constexpr bool kBf16 = CB == 16;
   static_assert(kBf16 ? RB == 16 : ((CB == 2 || CB == 4 || CB == 8) && (RB == 4 || RB == 8)), "bits");
   extern __shared__ __align__(128) uint8_t smem[];
+  pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;

@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict
             grp = tid >> kShift;
   __shared__ float red[CW * kCombineGroups / 32];
   __shared__ float racc[kCombineGroups][CW], rws[kCombineGroups][CW];
+  pdl_wait();  // launched early (QMLA_PDL): the page kernel's partials are complete and visible from here on
   const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
   float mx = -INFINITY;
   for (int s = tid; s < ns; s += CW * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);

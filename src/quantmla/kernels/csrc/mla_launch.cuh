@@ -98,21 +98,46 @@ int ctas_per_sm_bits(int cbits, int rbits, int H) {
   return -1;
 }
 
+// One launch of the split merge; with QMLA_PDL on an sm_90+ device a programmatic dependent launch (its CTAs may
+// start while the page kernel finishes; combine_kernel waits for it before reading).
+template <int G, int CW>
+int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out, float* lse, int ns, int H,
+                        cudaStream_t stream) {
+#if QMLA_PDL
+  static int major = -1;  // of the device current at the first call (a library is built for one architecture)
+  if (major < 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))
+      major = 0;
+  }
+  if (major >= 9) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(CW * G);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, combine_kernel<G, kDc, CW>, po, pl, out, lse, ns, H);
+  }
+#endif
+  combine_kernel<G, kDc, CW><<<grid, CW * G, 0, stream>>>(po, pl, out, lse, ns, H);
+  return (int)cudaGetLastError();
+}
+
 // Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
 inline int launch_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
                           cudaStream_t stream) {
   const dim3 grid(kDc / 128, H, B);
 #if QMLA_COMBINE_WIDE
-  if (ns >= 128) {  // 32-channel blocks, 32 split groups (mla_combine.cuh)
-    combine_kernel<32, kDc, 32><<<dim3(kDc / 32, H, B), 1024, 0, stream>>>(po, pl, out, lse, ns, H);
-    return (int)cudaGetLastError();
-  }
+  if (ns >= 128)  // 32-channel blocks, 32 split groups (mla_combine.cuh)
+    return launch_combine_grid<32, 32>(dim3(kDc / 32, H, B), po, pl, out, lse, ns, H, stream);
 #endif
-  if (ns >= 64)
-    combine_kernel<4, kDc><<<grid, 512, 0, stream>>>(po, pl, out, lse, ns, H);
-  else
-    combine_kernel<1, kDc><<<grid, 128, 0, stream>>>(po, pl, out, lse, ns, H);
-  return (int)cudaGetLastError();
+  if (ns >= 64) return launch_combine_grid<4, 128>(grid, po, pl, out, lse, ns, H, stream);
+  return launch_combine_grid<1, 128>(grid, po, pl, out, lse, ns, H, stream);
 }
 
 }  // namespace qmla

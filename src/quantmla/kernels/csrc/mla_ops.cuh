@@ -36,6 +36,23 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {  // .
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
+// Programmatic dependent launch (sm_90+; mla_launch.cuh launches the split merge with it when QMLA_PDL is 1): a page
+// kernel lets its dependent grid launch early, the merge waits for every prerequisite grid's completion and memory
+// before its first read. Both are no-ops for a grid launched without the attribute, and off sm_90.
+#ifndef QMLA_PDL
+#define QMLA_PDL 0
+#endif
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if QMLA_PDL && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if QMLA_PDL && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

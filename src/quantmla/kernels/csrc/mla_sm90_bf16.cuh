@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
   constexpr int kHeads = C::kHeads, kThreads = C::kThreads, kKBlock = C::kKBlock;
   extern __shared__ __align__(128) uint8_t smem[];
   float* red = reinterpret_cast<float*>(smem + C::RED);  // [head][warp]
+  pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;
