@@ -40,7 +40,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -150,6 +150,16 @@ case $CALL in
     tests_wgmma
     tests_mma
     part breakdown 240 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
+    ;;
+  change)  # after a kernel change: its GPU tests, then PREV_SRC's sources (e.g. `git archive` of the last commit's
+    # csrc, carried) side by side with today's beside FlashMLA (carry .fmbuild), then the new call's timeline
+    tests_wgmma
+    tests_mma
+    FM=()
+    [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
+    part variants 240 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
+      --variants "prev=${PREV_SRC:?PREV_SRC=dir of the previous sources},base" "${FM[@]}"
+    part trace 100 python benchmarks/decode_trace.py --out "$R" --tag "h200_${TAG:-next}" --force
     ;;
   trace)  # the device timeline of a decode call (decode_trace.py), default sources, then with QMLA_PDL=1; then the
     # pdl variant's wgmma tests and its time beside base and FlashMLA (kernel_variants.py, carry .fmbuild)

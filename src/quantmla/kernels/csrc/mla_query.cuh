@@ -48,12 +48,18 @@ __device__ __forceinline__ __nv_bfloat162 scaled_q_pair_nb(const Params& p, int 
 // shared-memory stores from the global loads (generic pointers), so interleaved, each load waits for the one before
 // (ncu 2026-12-01: 8% of the wgmma kernel's stall samples at B32 x 32K, one global round trip per pair). The mma
 // kernel keeps the interleaved form: on sm_80, under its 168-register cap, the in-flight one spills.
-template <int HEADS, int THREADS, bool IN_FLIGHT = false>
+// ROW: qst's row stride in elements (>= 576, a multiple of 8; 576 + 8 puts the rows of 8 heads on distinct banks for
+// 16-byte reads across heads, as the Hopper kernel's stage_qt does).
+template <int HEADS, int THREADS, bool IN_FLIGHT = false, int ROW = kDc + kDr>
 __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const Params& p, int b, int h0) {
   constexpr int kPairs = HEADS * (kDc + kDr) / 2, kPerThread = kPairs / THREADS, kWarpsQ = THREADS / 32;
   static_assert(kPairs % THREADS == 0 && kWarpsQ == 4, "q pairs per thread, four warps");
+  static_assert(ROW >= kDc + kDr && ROW % 8 == 0, "q row stride");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   __nv_bfloat162* qst2 = reinterpret_cast<__nv_bfloat162*>(qst);
+  auto at2 = [](int f) {  // flat channel pair f (head-major, 288 per head) -> its bf16x2 slot in qst
+    return ROW == kDc + kDr ? f : f / ((kDc + kDr) / 2) * (ROW / 2) + f % ((kDc + kDr) / 2);
+  };
   float amax = 0.f;
 #if QMLA_Q_VEC
   // bf16 q with 16-byte aligned rows: 8 channels of one head per load, kChunks / THREADS loads per thread, all in
@@ -88,7 +94,7 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
         amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
         w[j] = *reinterpret_cast<const uint32_t*>(&v);
       }
-      *reinterpret_cast<uint4*>(qst + hh * (kDc + kDr) + ch) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(qst + hh * ROW + ch) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   } else
 #endif
@@ -102,7 +108,7 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       amax = fmaxf(amax, fmaxf(fabsf(__low2float(v[k])), fabsf(__high2float(v[k]))));
-      qst2[tid + THREADS * k] = v[k];
+      qst2[at2(tid + THREADS * k)] = v[k];
     }
   } else {
 #pragma unroll
@@ -110,7 +116,7 @@ __device__ __forceinline__ int stage_q(__nv_bfloat16* qst, float* scratch, const
       const int f = tid + THREADS * k, hh = f / ((kDc + kDr) / 2), ch = 2 * (f % ((kDc + kDr) / 2));
       const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + hh, ch);
       amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-      qst2[f] = v;
+      qst2[at2(f)] = v;
     }
   }
 #pragma unroll

@@ -14,6 +14,7 @@
 
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
+#include "mla_query.cuh"
 #include "mla_wgmma.cuh"
 
 namespace qmla {
@@ -99,43 +100,46 @@ __device__ __forceinline__ void score_frags(const uint32_t (&R)[4], uint32_t (&a
   score_frag<B>(R, 1, a[1]);
 }
 
-// qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][576] (mla_query.cuh); qb: [2][5][4 t][HEADS / 4] floats
-// (accumulator starts -(1024 sum q + the symmetric offset), then q sums in 2^-e units), slot of head h =
-// group * HEADS + head_slot(h). Ends with a CTA barrier.
-template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS>
+// qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][ROW] (mla_query.cuh stage_q; ROW = 584 puts the rows
+// of 8 heads on distinct banks); qb: [2][5][4 t][HEADS / 4] floats (accumulator starts -(1024 sum q + the symmetric
+// offset), then q sums in 2^-e units), slot of head h = group * HEADS + head_slot(h). Ends with a CTA barrier.
+template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS, int ROW = kDc + kDr>
 __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, float q_down, float* qb) {
   using C = PageCfg<CB, RB>;
   constexpr int F = C::F, PS = C::PS, RF = C::RF, RPS = C::RPS, kKBlock = HEADS * 32;
   static_assert(HEADS == 16 || HEADS == 32, "16 or 32 heads (N of the products)");
+  static_assert(ROW % 8 == 0, "16-byte aligned q rows");
   const int tid = threadIdx.x;
-  for (int r = tid; r < 36 * HEADS * 2; r += THREADS) {  // one 16-byte row (head h, k-half kh) of k-block kb
-    const int kb = r / (2 * HEADS), h = (r >> 1) % HEADS, kh = r & 1;
-    int ch0, c, pl, bits;
+  // k-block kb of head h: its 16 channels (chan_k: 16 c + PS p + 4 i + 2 j + kh for k = 8 kh + 2 i + j) are
+  // contiguous in q, two 16-byte reads; the k-half kh is every other one (word 2 i + j, low half for kh = 0): both
+  // 16-byte rows of the operand from one read (the 2-byte gathers before: 16 per read, 16-way bank conflicts at
+  // ROW = 576, and a division per row -- ncu 2026-12-01: ~28% of a one-page CTA's stall samples)
+  for (int r = tid; r < 36 * HEADS; r += THREADS) {
+    const int kb = r / HEADS, h = r % HEADS;
+    int ch, bits, pl;
     if (kb < 32) {
-      ch0 = kGroup * (kb >> 3);
-      c = (kb & 7) / F;
       pl = (kb & 7) % F;
+      ch = kGroup * (kb >> 3) + 16 * ((kb & 7) / F) + PS * pl;
       bits = CB;
     } else {
-      ch0 = kDc;
-      c = (kb - 32) / RF;
       pl = (kb - 32) % RF;
+      ch = kDc + 16 * ((kb - 32) / RF) + RPS * pl;
       bits = RB;
     }
-    const float pf = q_down / (float)(1 << (bits * pl));
-    uint32_t w[4];
+    const float pf = q_down * exp2i(-bits * pl);  // 2^(-e - b p): the product is exact, as the division was
+    const uint4* src = reinterpret_cast<const uint4*>(qst + h * ROW + ch);
+    const uint4 v0 = src[0], v1 = src[1];
+    const uint32_t x[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // channel pairs (2m, 2m + 1)
+    uint32_t lo[4], hi[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float v[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int kk = 8 * kh + 2 * i + j;
-        const int ch = ch0 + (kb < 32 ? chan_k<PS>(c, pl, kk) : chan_k<RPS>(c, pl, kk));
-        v[j] = __bfloat162float(qst[h * (kDc + kDr) + ch]) * pf;
-      }
-      w[i] = pack_f16(v[0], v[1]);
+      lo[i] = pack_f16(__uint_as_float(x[2 * i] << 16) * pf, __uint_as_float(x[2 * i + 1] << 16) * pf);
+      hi[i] = pack_f16(__uint_as_float(x[2 * i] & 0xFFFF0000u) * pf,
+                       __uint_as_float(x[2 * i + 1] & 0xFFFF0000u) * pf);
     }
-    *reinterpret_cast<uint4*>(qt + kb * kKBlock + kblock_offset(8 * kh, h)) = make_uint4(w[0], w[1], w[2], w[3]);
+    uint8_t* dst = qt + kb * kKBlock;
+    *reinterpret_cast<uint4*>(dst + kblock_offset(0, h)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    *reinterpret_cast<uint4*>(dst + kblock_offset(8, h)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
   }
   fence_proxy_async();
   __syncthreads();
