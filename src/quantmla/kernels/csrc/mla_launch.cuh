@@ -16,6 +16,9 @@
 #ifndef QMLA_COMBINE_WIDE  // 1: the wide merge for >= 128 splits (mla_combine.cuh); default since 2026-12-01
 #define QMLA_COMBINE_WIDE 1  // (H200, B1 x 128K: 5% faster end to end: kernel_variants_h200_s12.md)
 #endif
+#ifndef QMLA_COMBINE_V4  // 1: the split merge with 16-byte accesses (combine4_kernel), every split count
+#define QMLA_COMBINE_V4 0
+#endif
 #include "mla_page.cuh"
 
 namespace qmla {
@@ -98,11 +101,11 @@ int ctas_per_sm_bits(int cbits, int rbits, int H) {
   return -1;
 }
 
-// One launch of the split merge; with QMLA_PDL on an sm_90+ device a programmatic dependent launch (its CTAs may
-// start while the page kernel finishes; combine_kernel waits for it before reading).
-template <int G, int CW>
-int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out, float* lse, int ns, int H,
-                        cudaStream_t stream) {
+// One launch of the split merge kernel KF (threads per CTA: NT); with QMLA_PDL on an sm_90+ device a programmatic
+// dependent launch (its CTAs may start while the page kernel finishes; the merge waits for it before reading).
+template <typename KF>
+int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, float* out, float* lse, int ns, int H,
+                 cudaStream_t stream) {
 #if QMLA_PDL
   static int major = -1;  // of the device current at the first call (a library is built for one architecture)
   if (major < 0) {
@@ -116,22 +119,42 @@ int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out,
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(CW * G);
+    cfg.blockDim = dim3(nt);
     cfg.dynamicSmemBytes = 0;
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, combine_kernel<G, kDc, CW>, po, pl, out, lse, ns, H);
+    return (int)cudaLaunchKernelEx(&cfg, kf, po, pl, out, lse, ns, H);
   }
 #endif
-  combine_kernel<G, kDc, CW><<<grid, CW * G, 0, stream>>>(po, pl, out, lse, ns, H);
+  kf<<<grid, nt, 0, stream>>>(po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();
+}
+
+template <int G, int CW>
+int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out, float* lse, int ns, int H,
+                        cudaStream_t stream) {
+  return launch_merge(combine_kernel<G, kDc, CW>, grid, CW * G, po, pl, out, lse, ns, H, stream);
+}
+
+template <int W>
+int launch_combine4(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
+                    cudaStream_t stream) {
+  return launch_merge(combine4_kernel<W, kDc>, dim3(kDc / 128, H, B), 32 * W, po, pl, out, lse, ns, H, stream);
 }
 
 // Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
 inline int launch_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
                           cudaStream_t stream) {
   const dim3 grid(kDc / 128, H, B);
+#if QMLA_COMBINE_V4  // W warps per 128-channel chunk: the fewest (a power of two, <= 32) with <= 8 splits each
+  if (ns <= 8) return launch_combine4<1>(po, pl, out, lse, B, ns, H, stream);
+  if (ns <= 16) return launch_combine4<2>(po, pl, out, lse, B, ns, H, stream);
+  if (ns <= 32) return launch_combine4<4>(po, pl, out, lse, B, ns, H, stream);
+  if (ns <= 64) return launch_combine4<8>(po, pl, out, lse, B, ns, H, stream);
+  if (ns <= 128) return launch_combine4<16>(po, pl, out, lse, B, ns, H, stream);
+  return launch_combine4<32>(po, pl, out, lse, B, ns, H, stream);
+#endif
 #if QMLA_COMBINE_WIDE
   if (ns >= 128)  // 32-channel blocks, 32 split groups (mla_combine.cuh)
     return launch_combine_grid<32, 32>(dim3(kDc / 32, H, B), po, pl, out, lse, ns, H, stream);
