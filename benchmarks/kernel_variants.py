@@ -46,7 +46,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "qpairs": {"QMLA_Q_VEC": 0},  # q staged with 2-byte loads (72 per thread; 16-byte ones are the default)
     "off3": {"QMLA_SM90_PV_F16": 0, "QMLA_COMBINE_WIDE": 0, "QMLA_Q_VEC": 0},  # the kernel of 811e7c4
     "pdl": {"QMLA_PDL": 1},  # the split merge as a programmatic dependent launch (starts while the page kernel ends)
-    "merge4": {"QMLA_COMBINE_V4": 1},  # the split merge with 16-byte accesses, W warps per 128-channel chunk
+    "merge4": {"QMLA_COMBINE_V4": 1, "QMLA_COMBINE_WIDE": 0},  # the 16-byte split merge at every split count
+    "merge1": {"QMLA_COMBINE_V4": 0},  # the scalar merge below 128 splits (the default until 2026-12-01)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

@@ -102,8 +102,8 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
                           text=True, check=True).stdout  # fmt: skip
     funcs = re.split(r"\n\s*Function : ", sass)[1:]
     pages = [f for f in funcs if "decode_kernel" in f.split("\n", 1)[0]]
-    merges = [f for f in funcs if "combine_kernel" in f.split("\n", 1)[0]]
-    assert len(pages) >= 8 and len(merges) == 3
+    merges = [f for f in funcs if "combine" in f.split("\n", 1)[0]]  # scalar (3) and 16-byte (6) split merges
+    assert len(pages) >= 8 and len(merges) == 9
     assert all(("PREEXIT" in f) == bool(pdl) for f in pages)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
     assert not any("ACQBULK" in f for f in pages)

@@ -16,9 +16,10 @@
 #ifndef QMLA_COMBINE_WIDE  // 1: the wide merge for >= 128 splits (mla_combine.cuh); default since 2026-12-01
 #define QMLA_COMBINE_WIDE 1  // (H200, B1 x 128K: 5% faster end to end: kernel_variants_h200_s12.md)
 #endif
-#ifndef QMLA_COMBINE_V4  // 1: the split merge with 16-byte accesses (combine4_kernel), every split count
-#define QMLA_COMBINE_V4 0
-#endif
+#ifndef QMLA_COMBINE_V4  // 1: the split merge with 16-byte accesses (combine4_kernel) below 128 splits (with
+#define QMLA_COMBINE_V4 1  // QMLA_COMBINE_WIDE; every count without); default since 2026-12-01 (H200, C4R4: B32 x 4K
+#endif                     // 1.05x, B32 x 32K / B8 x 128K 1.01x, B1 x 128K 0.99x -- there the wide one stays:
+                           // kernel_variants_h200_s13m4.md)
 #include "mla_page.cuh"
 
 namespace qmla {
@@ -152,8 +153,10 @@ inline int launch_combine(const float* po, const float* pl, float* out, float* l
   if (ns <= 16) return launch_combine4<2>(po, pl, out, lse, B, ns, H, stream);
   if (ns <= 32) return launch_combine4<4>(po, pl, out, lse, B, ns, H, stream);
   if (ns <= 64) return launch_combine4<8>(po, pl, out, lse, B, ns, H, stream);
-  if (ns <= 128) return launch_combine4<16>(po, pl, out, lse, B, ns, H, stream);
-  return launch_combine4<32>(po, pl, out, lse, B, ns, H, stream);
+  if (ns < 128 || !QMLA_COMBINE_WIDE) {
+    if (ns <= 128) return launch_combine4<16>(po, pl, out, lse, B, ns, H, stream);
+    return launch_combine4<32>(po, pl, out, lse, B, ns, H, stream);
+  }
 #endif
 #if QMLA_COMBINE_WIDE
   if (ns >= 128)  // 32-channel blocks, 32 split groups (mla_combine.cuh)
