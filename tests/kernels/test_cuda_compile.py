@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ()),
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
      ("decode_mla_sm90", "90a", ("-DQMLA_PDL=1", "-DQMLA_COMBINE_V4=1", "-DQMLA_SM90_ST2=1")),
-     ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)), ("decode_mla_sm90_h64", "90a", ())],
+     ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)), ("decode_mla_sm90", "90a", ("-DQMLA_SM90_QPREP=1",)),
+     ("decode_mla_sm90_h64", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -107,3 +108,28 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
     assert all(("PREEXIT" in f) == bool(pdl) for f in pages)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
     assert not any("ACQBULK" in f for f in pages)
+
+
+@pytest.mark.parametrize("qprep", [0, 1])
+def test_q_preparation_entry_points_answer_without_a_gpu(qprep, tmp_path, monkeypatch):
+    """The sm90 library says how many workspace bytes per (sequence, head group) its page kernel reads (0: it stages q
+    in every CTA, the default), and cuda_decode's plan sizes the workspace from that; without a GPU the prep launch
+    returns a CUDA error code, not a crash; a format without a prep kernel (BF16 pages) is refused."""
+    import ctypes
+
+    import torch
+
+    from quantmla.kernels.cuda_build import build
+    from quantmla.kernels.cuda_decode import _Params
+
+    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build("decode_mla_sm90", "90a", extra=(f"-DQMLA_SM90_QPREP={qprep}",))))
+    lib.qmla_qprep_bytes.restype = lib.qmla_qprep.restype = ctypes.c_int
+    lib.qmla_params_size.restype = ctypes.c_int
+    assert lib.qmla_params_size() == ctypes.sizeof(_Params)
+    # 36 k-blocks x 16 heads x 16 fp16 + 2 x 5 x 16 floats + e, rounded up to 128 bytes
+    assert lib.qmla_qprep_bytes() == (36 * 16 * 16 * 2 + 2 * 5 * 16 * 4 + 128 if qprep else 0)
+    p = _Params()
+    assert lib.qmla_qprep(ctypes.byref(p), 16, 16, 1, 1, None) != 0  # BF16 pages: no prep kernel
+    if not torch.cuda.is_available():
+        assert lib.qmla_qprep(ctypes.byref(p), 4, 4, 1, 1, None) != 0

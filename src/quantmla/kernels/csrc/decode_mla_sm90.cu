@@ -34,6 +34,7 @@
 #include "mla_query.cuh"
 #include "mla_sm90_bf16.cuh"
 #include "mla_sm90_cfg.cuh"
+#include "mla_sm90_qprep.cuh"
 #include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
@@ -89,14 +90,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // stalled every tile's copy issue: ncu 2026-12-01)
   int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;
 
-  // ---- q: bf16(q * qk_scale) staged from stage 1 on (coalesced pairs), the CTA's largest |q| -> e
+  // ---- q: bf16(q * qk_scale) staged from stage 1 on (coalesced pairs), the CTA's largest |q| -> e; then q^T as the
+  // B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh); or all of it prepared once
+  // per sequence and head group (mla_sm90_qprep.cuh)
+#if QMLA_SM90_QPREP
+  const int e = load_prepared_q(smem + C::QT, qb, p, b, hg);
+#else
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][QROW], over stage 1 and PT
   const int e = stage_q<kHeads, kThreads, true, C::QROW>(qst, red, p, b, h0);
-  const float q_down = exp2i(-e), two_e = exp2i(e);
-
-  // ---- q^T as the B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh)
+  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, C::QROW>(smem + C::QT, qst, exp2i(-e), qb);
+#endif
+  const float two_e = exp2i(e);
   const uint32_t qt_u = smem_u32(smem + C::QT);
-  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, C::QROW>(smem + C::QT, qst, q_down, qb);
 
   const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
 

@@ -35,6 +35,7 @@ struct Params {
   int H, ns_total, pps, sink, local;
   float qk_scale;  // softmax_scale * log2(e)
   int q_fp32;      // 1: q tensors are fp32, 0: bf16
+  uint8_t* q_ws;   // prepared q per (sequence, head group) (mla_sm90_qprep.cuh; null unless the library uses it)
 };
 
 template <int CB, int RB = 4>  // bits of a content code (2, 4 or 8) and of a RoPE code (4 or 8)
