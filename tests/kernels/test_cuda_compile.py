@@ -89,25 +89,30 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path
 
 
-@pytest.mark.parametrize("pdl", [0, 1])
-def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_path):
+@pytest.mark.parametrize("pdl,qprep", [(0, 0), (1, 0), (1, 1)])
+def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, qprep, tmp_path):
     """QMLA_PDL=1: every page kernel lets its dependents launch (griddepcontrol.launch_dependents -> PREEXIT) and
-    every split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK); with 0 (the
+    every split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK); with the q
+    prep kernel as well (QMLA_SM90_QPREP=1) the packed page kernels wait too (they read its workspace), the prep
+    kernels let them launch, and the BF16 page kernel (no prep, launched normally) never waits. With 0 (the
     default) neither instruction is in the library."""
     cubin = tmp_path / "k.cubin"
-    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}", "-cubin", "-o",
-           str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
+    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}",
+           f"-DQMLA_SM90_QPREP={qprep}", "-cubin", "-o", str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
     sass = subprocess.run([str(Path(NVCC).parent / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
                           text=True, check=True).stdout  # fmt: skip
-    funcs = re.split(r"\n\s*Function : ", sass)[1:]
-    pages = [f for f in funcs if "decode_kernel" in f.split("\n", 1)[0]]
-    merges = [f for f in funcs if "combine" in f.split("\n", 1)[0]]  # scalar (3) and 16-byte (6) split merges
-    assert len(pages) >= 8 and len(merges) == 9
-    assert all(("PREEXIT" in f) == bool(pdl) for f in pages)
+    funcs = {f.split("\n", 1)[0].strip(): f for f in re.split(r"\n\s*Function : ", sass)[1:]}
+    packed = [f for n, f in funcs.items() if "decode_kernel_sm90I" in n]
+    bf16 = [f for n, f in funcs.items() if "decode_kernel_sm90_bf16" in n]
+    merges = [f for n, f in funcs.items() if "combine" in n]  # scalar (3) and 16-byte (6) split merges
+    preps = [f for n, f in funcs.items() if "qprep_kernel" in n]
+    assert len(packed) == 16 and len(bf16) == 1 and len(merges) == 9 and len(preps) == (16 if qprep else 0)
+    assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16 + preps)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
-    assert not any("ACQBULK" in f for f in pages)
+    assert all(("ACQBULK" in f) == bool(pdl and qprep) for f in packed)
+    assert not any("ACQBULK" in f for f in bf16 + preps)
 
 
 @pytest.mark.parametrize("qprep", [0, 1])

@@ -498,6 +498,11 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
 };
 
 }  // namespace sm90
+
+template <>  // the page kernel waits for the q prep kernel only where it reads the prepared q (mla_sm90_qprep.cuh)
+struct ProgrammaticLaunch<sm90::WgmmaKernel> {
+  static constexpr bool value = QMLA_SM90_QPREP && QMLA_PDL;
+};
 }  // namespace qmla
 
 // The same C entry points as decode_mla.cu (a separate library); grid (head_ctas(H), splits, B).

@@ -26,6 +26,14 @@ namespace qmla {
 
 using KernelFn = void (*)(Params);
 
+// Whether kernel family K's packed-page kernels are launched as programmatic dependent launches (they then wait,
+// griddepcontrol.wait, before reading what the kernel just before them wrote; only the Hopper kernel with its q
+// prepared by a prep kernel does: mla_sm90_qprep.cuh). BF16 pages never are.
+template <typename K>
+struct ProgrammaticLaunch {
+  static constexpr bool value = false;
+};
+
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 cudaError_t configure(int nh) {
@@ -50,6 +58,19 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
   const int nh = K::heads_per_cta(p.H, CB);
   const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>(nh);
   if (e != cudaSuccess) return (int)e;
+  if constexpr (ProgrammaticLaunch<K>::value && CB != 16) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(K::kThreads);
+    cfg.dynamicSmemBytes = K::template smem<CB, RB>(nh);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, K::template fn<CB, RB, CSYM, RSYM>(nh), p);
+  }
   K::template fn<CB, RB, CSYM, RSYM>(nh)<<<grid, K::kThreads, K::template smem<CB, RB>(nh), stream>>>(p);
   return (int)cudaGetLastError();
 }

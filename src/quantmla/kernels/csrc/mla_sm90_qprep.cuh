@@ -5,7 +5,9 @@
 // made cheaper). With QMLA_SM90_QPREP a small kernel (grid (head groups, 1, B)) runs exactly that code once and
 // writes the result to a workspace (Params::q_ws, kQPrepBytes per sequence and head group); the page kernel reads it
 // with 16-byte loads into the same shared-memory regions. The bytes are the same, so the results are bit for bit
-// those of the default path.
+// those of the default path. With QMLA_PDL as well the page kernel is a programmatic dependent launch of the prep
+// kernel (mla_launch.cuh ProgrammaticLaunch): its CTAs start, read the block table and issue their first pages while
+// the prep kernel runs, and wait for it only before reading the workspace.
 //
 // Workspace block: [0, 18432) the q^T k-blocks (fp16, the QT region), [18432, 19072) the accumulator starts and q
 // sums (the QB region, [2][5][4 t][4] floats), [19072, 19076) e (int); blocks kQPrepBytes apart.
@@ -38,6 +40,7 @@ template <int CB, int RB, bool CSYM, bool RSYM>
 __global__ void __launch_bounds__(kThreads) qprep_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(128) uint8_t smem[];
+  pdl_launch_dependents();  // QMLA_PDL: the page kernel may start now (it waits for this grid before reading q_ws)
   const int hg = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + kPrepQst);
   float* qb = reinterpret_cast<float*>(smem + kPrepQb);
@@ -56,6 +59,7 @@ __global__ void __launch_bounds__(kThreads) qprep_kernel_sm90(const Params p) {
 __device__ __forceinline__ int load_prepared_q(uint8_t* qt, float* qb, const Params& p, int b, int hg) {
   const int tid = threadIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(p.q_ws + ((long long)b * gridDim.x + hg) * kQPrepBytes);
+  pdl_wait();  // launched programmatically after the prep kernel (QMLA_PDL): its workspace is complete from here
   uint4 r[9];
 #pragma unroll
   for (int k = 0; k < 9; ++k) r[k] = __ldg(src + tid + kThreads * k);
