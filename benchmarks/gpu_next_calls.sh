@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 13:30), most important
-# first: `kernels_breakdown` (~4 min: the wgmma and the mma + Triton GPU tests -- the latter now include C2R4 at
-# SmolLM2's latent 256 through the Triton kernel, never run on a GPU yet, and the host side was split into
-# plan_decode / launch_decode -- then decode_breakdown.py: what the ~32 us fixed part of every C4R4 call is, the
-# lever for B1 x 128K and B32 x 4K), then `gpu_session_issue10.sh /root/issue10 tests,stepprof,graph` (~8 min: the
-# cache GPU tests incl. the captured decode step's, one V2-Lite decode step under the profiler -- launches vs device
-# time -- and bench_graph_decode.py: eager vs captured time per token, every format), then issue 10's kit steps
-# (`gpu_session_issue10.sh /root/issue10 smollm2,evalspeed,devices`: C2R4's decode and eval speed on the Triton
-# path, the eval profile), then kernel variants of whatever is written next (`variants`). The kit travels in
-# three parts, one a call: carry .gpucarry_1 / _2 with the first two calls and prefix their commands with
-# `bash benchmarks/device_carry.sh collect;` (the parts wait in /root), the SmolLM2 steps go with .gpucarry_3. Every
-# part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s, under the
-# device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
-# returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 15:00), most important
+# first: (1) `variants` with VARIANTS=base,qprep,qprep_pdl,st2 VARIANT_TESTS=1, carry .fmbuild (~5 min: the three
+# kernel changes written on 2026-12-01 and compiled, never run -- each variant's wgmma GPU tests first, then C4R4 at
+# the four shapes beside FlashMLA); make the winners default (their macros in mla_sm90_cfg.cuh / mla_sm90_qprep.cuh /
+# mla_ops.cuh) and re-run `kernels` on the new default; (2) `trace` (decode_trace.py: the device timeline, with a
+# q-prep column) to see what is left of the fixed part; (3) issue 10's SmolLM2 kit steps (C2R4 on the Triton path,
+# never timed: `gpu_session_issue10.sh /root/issue10 smollm2,evalspeed,devices`; the kit travels in three parts:
+# carry .gpucarry_1 / _2 with two other calls prefixed `bash benchmarks/device_carry.sh collect;`, the SmolLM2 steps
+# go with .gpucarry_3). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S
+# (default 560 s, under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every
+# part (the device tool returns at most 8 files, and a killed command still returns what was done) plus
+# $OUT/<call>_summary.txt.
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
 #       micro (wgmma conventions), GPU tests of the three CUDA decode kernels (each in a process of its own),
