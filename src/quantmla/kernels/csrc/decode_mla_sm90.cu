@@ -435,41 +435,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     if (warp == 0 && g == 0 && h0 + h < p.H)
       p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
-#if QMLA_SM90_ST2
-  // rows ri = 0, 1 of a thread are channels ch, ch + 1 (ch even): one 8-byte store per pair, whole sectors per warp
-#pragma unroll
-  for (int gi = 0; gi < NG; ++gi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int ch = kC8 ? kGroup * gi + 16 * (warp + 4 * hh) + 2 * g
-                         : kGroup * gi + 16 * (warp % CPG) + 2 * g + PS * (2 * (warp / CPG) + hh);
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const int h = h0 + head_of(c, t);
-        if (h < p.H)
-          *reinterpret_cast<float2*>(p.po + (row0 + h) * kDc + ch) =
-              make_float2(fmaf(oacc[2 * gi + hh][acc_idx(0, c)], o_down, corr[gi][c]) * inv_l[c],
-                          fmaf(oacc[2 * gi + hh][acc_idx(1, c)], o_down, corr[gi][c]) * inv_l[c]);
-      }
-    }
-#else
-#pragma unroll
-  for (int gi = 0; gi < NG; ++gi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const int gr = gi;
-        const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
-                           : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const int h = h0 + head_of(c, t);
-          if (h < p.H)
-            p.po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
-        }
-      }
-#endif
+  store_partial<kC8, CPG, PS, NG, NC, NH>(p.po, row0, p.H, h0, oacc, o_down, corr, inv_l, warp, g, t);
 #endif
 }
 

@@ -15,6 +15,7 @@
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
 #include "mla_query.cuh"
+#include "mla_sm90_cfg.cuh"
 #include "mla_wgmma.cuh"
 
 namespace qmla {
@@ -162,6 +163,51 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
     qb[5 * HEADS + slot] = qs;
   }
   __syncthreads();
+}
+
+// The CTA's normalized partial output, po[(row0 + h) * 512 + channel] for this thread's output rows (channels: see
+// the kernel's header) and heads: (O^T o_down + corr) / l. QMLA_SM90_ST2: rows ri = 0, 1 are channels ch, ch + 1,
+// stored as one 8-byte pair.
+template <bool kC8, int CPG, int PS, int NG, int NC, int NH>
+__device__ __forceinline__ void store_partial(float* po, long long row0, int H, int h0,
+                                              const float (&oacc)[2 * NG][NH / 2], float o_down,
+                                              const float (&corr)[NG][NC], const float (&inv_l)[NC], int warp, int g,
+                                              int t) {
+#if QMLA_SM90_ST2
+  // rows ri = 0, 1 of a thread are channels ch, ch + 1 (ch even): one 8-byte store per pair, whole sectors per warp
+#pragma unroll
+  for (int gi = 0; gi < NG; ++gi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int ch = kC8 ? kGroup * gi + 16 * (warp + 4 * hh) + 2 * g
+                         : kGroup * gi + 16 * (warp % CPG) + 2 * g + PS * (2 * (warp / CPG) + hh);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const int h = h0 + head_of(c, t);
+        if (h < H)
+          *reinterpret_cast<float2*>(po + (row0 + h) * kDc + ch) =
+              make_float2(fmaf(oacc[2 * gi + hh][acc_idx(0, c)], o_down, corr[gi][c]) * inv_l[c],
+                          fmaf(oacc[2 * gi + hh][acc_idx(1, c)], o_down, corr[gi][c]) * inv_l[c]);
+      }
+    }
+#else
+#pragma unroll
+  for (int gi = 0; gi < NG; ++gi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const int gr = gi;
+        const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
+                           : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const int h = h0 + head_of(c, t);
+          if (h < H)
+            po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
+        }
+      }
+#endif
 }
 
 }  // namespace qmla
