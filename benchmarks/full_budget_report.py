@@ -1,0 +1,144 @@
+"""The report of ``benchmarks/full_budget.py``: the methods it compares and their labels, and its results written as
+JSON, a markdown table per (variant, format) with per-seed spreads and the share of RTN's gap QuantMLA closes, and a
+bar plot of KL to full precision (temp file, then rename, like every result here)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = {"a": "smollm2-mla", "b": "smollm2-mla-b-healed"}
+METHODS = {  # label -> (CalibrationConfig.method, overrides)
+    "rtn": ("rtn", {}),
+    "quantmla": ("quantmla", {}),
+    "smoothquant": ("smoothquant", {}),
+    "quarot": ("quarot", {}),
+    "quantmla-attnw": ("quantmla", {"rope_weighting": "attention"}),
+}
+LABELS = {"rtn": "RTN", "quantmla": "QuantMLA", "smoothquant": "SmoothQuant-MLA", "quarot": "QuaRot-MLA",
+          "quantmla-attnw": "QuantMLA, attention-weighted RoPE objective (ablation)"}  # fmt: skip
+
+
+def _rows(results: dict, args) -> dict:
+    """(variant, format) -> method label -> list of per-seed ppl results; plus retrieval by method."""
+    table: dict = {}
+    for r in results["units"].values():
+        if r["kind"] not in ("ppl", "niah"):
+            continue
+        cell = table.setdefault((r["variant"], r["format"]), {}).setdefault(r["method"] or "bf16", {"ppl": {},
+                                                                                                  "niah": None})
+        if r["kind"] == "ppl":
+            cell["ppl"][r["seed"]] = r["result"]
+        else:
+            cell["niah"] = r["result"]
+    return table
+
+
+def _fmt_seeds(vals: list[float], scale: float = 1.0, digits: int = 3) -> str:
+    if not vals:
+        return "-"
+    m = sum(vals) / len(vals)
+    if len(vals) == 1:
+        return f"{scale * m:.{digits}f}"
+    return f"{scale * m:.{digits}f} ± {scale * (max(vals) - min(vals)) / 2:.{digits}f}"
+
+
+def write(results: dict, stem: str, args) -> None:
+    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the device's tree has no .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()  # fmt: skip
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results.update(date=date, commit=commit, command=args.command, args={k: v for k, v in vars(args).items()})
+    table = _rows(results, args)
+    devices = sorted({r.get("device", "?") for r in results["units"].values()})
+    lines = [f"# QuantMLA at the {args.preset} calibration budget vs baselines, SmolLM2-MLA ({date}, commit {commit})",
+             "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
+             f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
+             f"{args.ppl_context}, cache policy sink 4 / local 128; QuantMLA rows: mean ± half-range over seeds "
+             f"{args.seeds}. " + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed "
+                                  f"{args.seeds[0]}." if args.tasks else "No retrieval."),
+             ""]  # fmt: skip
+    niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
+                       key=lambda k: (k.split("@")[0], int(k.split("@")[1])))  # fmt: skip
+    order = {f: i for i, f in enumerate(args.formats)}
+    for (v, f), cells in sorted(table.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], -1))):
+        if f == "bf16":
+            continue
+        lines += [f"## variant {v} ({VARIANTS[v]}), {f.upper()}", ""]
+        head = ["method"] + [f"{c} {m}" for c in args.corpora for m in ("ppl", "KL", "top-1")] + niah_keys
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        ordered = [("BF16", table.get((v, "bf16"), {}).get("bf16"))] + [
+            (LABELS[m], cells.get(m)) for m in METHODS if m in cells]  # fmt: skip
+        for label, cell in ordered:
+            if cell is None:
+                continue
+            row = [label]
+            seeds = list(cell["ppl"].values())
+            for c in args.corpora:
+                row += [_fmt_seeds([s[c]["ppl"] for s in seeds if c in s]),
+                        _fmt_seeds([max(s[c]["kl"], 0.0) for s in seeds if c in s], 1e3, 2),
+                        _fmt_seeds([s[c]["top1"] for s in seeds if c in s])]  # fmt: skip
+            row += [f"{cell['niah'][k][0]}/{cell['niah'][k][1]}" if cell["niah"] and k in cell["niah"] else "-"
+                    for k in niah_keys]  # fmt: skip
+            lines.append("| " + " | ".join(row) + " |")
+        lines += _summary(table, v, f, args) + [""]
+    out = {"json": json.dumps(results, indent=1, default=str), "md": "\n".join(lines) + "\n"}
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    for ext, text in out.items():
+        with open(f"{stem}.{ext}.tmp", "w") as fh:
+            fh.write(text)
+        os.replace(f"{stem}.{ext}.tmp", f"{stem}.{ext}")
+    _plot(table, stem + ".png", args)
+
+
+def _mean(cell, corpus, key):
+    vals = [s[corpus][key] for s in cell["ppl"].values() if corpus in s] if cell else []
+    return sum(vals) / len(vals) if vals else None
+
+
+def _summary(table, v, f, args) -> list[str]:
+    cells, bf = table.get((v, f), {}), table.get((v, "bf16"), {}).get("bf16")
+    out = []
+    for c in args.corpora:
+        rtn, qm, b = (_mean(cells.get("rtn"), c, "kl"), _mean(cells.get("quantmla"), c, "kl"), _mean(bf, c, "ppl"))
+        rp, qp = _mean(cells.get("rtn"), c, "ppl"), _mean(cells.get("quantmla"), c, "ppl")
+        if None in (rtn, qm, rp, qp, b):
+            continue
+        gap = (rp - qp) / (rp - b) if rp > b else float("nan")
+        best = all(_mean(cells.get("quantmla"), c, "kl") <= _mean(cells[m], c, "kl") for m in cells
+                   if m in ("rtn", "smoothquant", "quarot") and _mean(cells[m], c, "kl") is not None)  # fmt: skip
+        out.append(f"- {c}: QuantMLA removes {100 * (1 - qm / rtn):.0f}% of RTN's KL and closes {100 * gap:.0f}% of "
+                   f"its perplexity gap; lowest KL of all methods: {'yes' if best else 'no'}.")  # fmt: skip
+    return [""] + out if out else []
+
+
+def _plot(table, path, args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted(k for k in table if k[1] != "bf16")
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    c = args.corpora[0]
+    for ax, (v, f) in zip(axes[0], keys):
+        cells = table[(v, f)]
+        names = [m for m in METHODS if m in cells]
+        for i, m in enumerate(names):
+            vals = [1e3 * s[c]["kl"] for s in cells[m]["ppl"].values() if c in s]
+            if vals:
+                ax.bar(i, sum(vals) / len(vals), yerr=(max(vals) - min(vals)) / 2 if len(vals) > 1 else 0, capsize=3)
+        ax.set_xticks(range(len(names)), [LABELS[m].split(",")[0] + ("*" if m.endswith("attnw") else "")
+                                          for m in names], rotation=30, fontsize=7)  # fmt: skip
+        ax.set_title(f"variant {v}, {f.upper()}: KL to full precision ({c})", fontsize=8)
+        ax.set_ylabel("KL, 1e-3 nats/token")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
