@@ -88,12 +88,17 @@ def setup(fmt: str, H: int, B: int, N: int, kernel: str, splits: int | None, see
                   "ok": rel <= REL_TOL and le <= LSE_TOL and same}  # fmt: skip
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_call_args(ap, shapes: str, doc: str) -> None:
+    """The arguments that say which decode calls to set up (``setup``): formats, heads, kernel, shapes."""
     ap.add_argument("--formats", default="c4r4,c8r8")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kernel", default="auto", help="mma, wgmma, wgmma64 or auto (default)")
-    ap.add_argument("--shapes", default="1x131072,32x4096,8x32768,32x32768", help="BxN,... for the parts")
+    ap.add_argument("--shapes", default=shapes, help=doc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_call_args(ap, "1x131072,32x4096,8x32768,32x32768", "BxN,... for the parts")
     ap.add_argument("--sweep-batch", type=int, default=32)
     ap.add_argument("--splits", type=int, default=8, help="splits per sequence in the per-CTA sweep")
     ap.add_argument("--pages", default="1,2,4,8,16,32", help="pages per CTA in the sweep")

@@ -92,13 +92,10 @@ def trace_call(plan, reps: int) -> list[tuple[str, float, float]]:
 def main() -> int:
     import torch
 
-    from decode_breakdown import setup  # the breakdown's cache, plan and check
+    from decode_breakdown import add_call_args, setup  # the breakdown's arguments, cache, plan and check
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="c4r4,c8r8")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kernel", default="auto", help="mma, wgmma, wgmma64 or auto (default)")
-    ap.add_argument("--shapes", default="1x131072,32x4096,8x32768,32x32768,32x512", help="BxN,...")
+    add_call_args(ap, "1x131072,32x4096,8x32768,32x32768,32x512", "BxN,...")
     ap.add_argument("--reps", type=int, default=30)
     args, stem = parse_gpu_args(ap, "decode_trace", "decode_trace.py profiles CUDA kernels")
     from bench_prefill import commit_id
