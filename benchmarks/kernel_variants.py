@@ -51,6 +51,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "st2": {"QMLA_SM90_ST2": 1},  # the partial output stored as 8-byte channel pairs (written 2026-12-01, unmeasured)
     "qprep": {"QMLA_SM90_QPREP": 1},  # q staged once per sequence and head group by a prep kernel (unmeasured)
     "qprep_pdl": {"QMLA_SM90_QPREP": 1, "QMLA_PDL": 1},  # + the page kernel launched programmatically after it
+    "score2": {"QMLA_SM90_SCORE2": 1},  # scores as offsets then one FMA chain (written 2026-12-01, unmeasured)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

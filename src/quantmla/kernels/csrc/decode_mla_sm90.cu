@@ -224,11 +224,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
+#if QMLA_SM90_SCORE2  // the offset terms first, then one FMA chain: 10 instructions per score instead of 14
+        float s = RSYM ? 0.f : ro * qsv[4][c];
+#pragma unroll
+        for (int gr = 0; gr < 4; ++gr) s = CSYM ? s : fmaf(ov[gr][ri], qsv[gr][c], s);
+        s = fmaf(rs, sacc[4][acc_idx(ri, c)], s);
+#pragma unroll
+        for (int gr = 0; gr < 4; ++gr) s = fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], s);
+#else
         float s = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4][c]);
 #pragma unroll
         for (int gr = 0; gr < 4; ++gr)
           s += CSYM ? sv[gr][ri] * sacc[gr][acc_idx(ri, c)]
                     : fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], ov[gr][ri] * qsv[gr][c]);
+#endif
         sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
       }
     }
