@@ -92,11 +92,12 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
 
 @pytest.mark.parametrize("pdl,qprep", [(0, 0), (1, 0), (1, 1)])
 def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, qprep, tmp_path):
-    """QMLA_PDL=1: every page kernel lets its dependents launch (griddepcontrol.launch_dependents -> PREEXIT) and
-    every split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK); with the q
-    prep kernel as well (QMLA_SM90_QPREP=1) the packed page kernels wait too (they read its workspace), the prep
-    kernels let them launch, and the BF16 page kernel (no prep, launched normally) never waits. With 0 (the
-    default) neither instruction is in the library."""
+    """QMLA_PDL=1: every page kernel lets its dependents launch (griddepcontrol.launch_dependents -> PREEXIT), every
+    split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK), and the packed
+    page kernels, launched programmatically themselves, wait for the kernel before them (at the start, at the end
+    after the buffer kernel, or before reading the q prep kernel's workspace with QMLA_SM90_QPREP=1, whose prep
+    kernels let them launch); the BF16 page kernel (launched normally) never waits. With 0 (the default) neither
+    instruction is in the library."""
     cubin = tmp_path / "k.cubin"
     cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}",
            f"-DQMLA_SM90_QPREP={qprep}", "-cubin", "-o", str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
@@ -112,7 +113,7 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, qpre
     assert len(packed) == 16 and len(bf16) == 1 and len(merges) == 9 and len(preps) == (16 if qprep else 0)
     assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16 + preps)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
-    assert all(("ACQBULK" in f) == bool(pdl and qprep) for f in packed)
+    assert all(("ACQBULK" in f) == bool(pdl) for f in packed)
     assert not any("ACQBULK" in f for f in bf16 + preps)
 
 

@@ -62,6 +62,7 @@ class _Params(ctypes.Structure):
         ("qk_scale", ctypes.c_float),
         ("q_fp32", ctypes.c_int),
         ("q_ws", ctypes.c_void_p),
+        ("pdl_late", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -167,8 +168,9 @@ def _lib(device, kernel: str = "mma"):
         lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.qmla_error_string.restype = ctypes.c_char_p
         lib.qmla_error_string.argtypes = [ctypes.c_int]
-        if hasattr(lib, "qmla_qprep_bytes"):  # the sm90 library: q prepared once per sequence and head group
-            lib.qmla_qprep_bytes.restype = ctypes.c_int
+        if hasattr(lib, "qmla_qprep_bytes"):  # the sm90 library: q prepared once per sequence and head group,
+            lib.qmla_qprep_bytes.restype = ctypes.c_int  # programmatic launches (qmla_pdl)
+            lib.qmla_pdl.restype = ctypes.c_int
             lib.qmla_qprep.restype = ctypes.c_int
             lib.qmla_qprep.argtypes = [ctypes.POINTER(_Params)] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
         if lib.qmla_params_size() != ctypes.sizeof(_Params):
@@ -238,6 +240,7 @@ class DecodePlan:
     po: torch.Tensor
     pl: torch.Tensor
     q_ws: torch.Tensor | None = None  # prepared q per (sequence, head group), when the library prepares it once
+    one_stream: bool = False  # the buffer kernel just before the page kernel on one stream (programmatic launches)
 
 
 def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
@@ -280,6 +283,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
     qprep = lib.qmla_qprep_bytes() if cbits != 16 and hasattr(lib, "qmla_qprep_bytes") else 0
     q_ws = torch.empty(B * hg * qprep, dtype=torch.uint8, device=dev) if qprep else None
+    one_stream = cbits != 16 and not qprep and hasattr(lib, "qmla_pdl") and lib.qmla_pdl() == 1
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
@@ -293,7 +297,8 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
         q_ws=None if q_ws is None else q_ws.data_ptr(),
     )  # fmt: skip
-    return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl, q_ws)
+    return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl, q_ws,
+                      one_stream)  # fmt: skip
 
 
 PARTS = ("pages", "buffers", "combine")
@@ -319,17 +324,23 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
     out = lse = None
     with torch.cuda.device(dev):
         # the BF16 sink/local buffers (Triton, a few CTAs) run beside the page kernel on a side stream: they
-        # write other partial slots, and the combine waits for both (also inside a CUDA graph: fork and join)
+        # write other partial slots, and the combine waits for both (also inside a CUDA graph: fork and join).
+        # With programmatic launches (plan.one_stream) they run on this stream just before the page kernel, which
+        # starts at once and waits for them only at its end; the merge then follows the page kernel directly.
         cur = torch.cuda.current_stream(dev)
-        side = _side_stream(dev_index)
-        side.wait_stream(cur)
+        one = plan.one_stream and "buffers" in parts and "pages" in parts and plan.ns_total > plan.ns
+        plan.params.pdl_late = int(one)
+        side = cur if one else _side_stream(dev_index)
+        if not one:
+            side.wait_stream(cur)
 
         def buffers() -> None:
             if "buffers" in parts:
                 with torch.cuda.stream(side):
-                    attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns)
+                    attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns,
+                                   launch_dependents=one)  # fmt: skip
 
-        if buffers_first:
+        if buffers_first or one:
             buffers()
         if "pages" in parts and plan.q_ws is not None:  # q prepared once per sequence and head group, first
             err = lib.qmla_qprep(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, B,
@@ -343,9 +354,10 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
             if err != 0:
                 cur.wait_stream(side)
                 raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        if not buffers_first:
+        if not (buffers_first or one):
             buffers()
-        cur.wait_stream(side)
+        if not one:
+            cur.wait_stream(side)
         if "combine" in parts:
             out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
             lse = torch.empty(B, H, dtype=torch.float32, device=dev)

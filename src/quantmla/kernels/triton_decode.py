@@ -165,13 +165,16 @@ def _buffers_kernel(
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_sb, stride_lb,
     H, NS_TOTAL, SP,
     BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
-    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr,
+    SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """The BF16 sink + local-window tokens of a quantized cache: one program per (sequence, 64-token tile), tile 0
-    the sink buffer, tiles 1.. the local ring; tile ``t`` writes partial slot ``SP + t``.
+    the sink buffer, tiles 1.. the local ring; tile ``t`` writes partial slot ``SP + t``. ``GDC``: let the next
+    kernel of the stream start at once (programmatic dependent launch, sm_90; it waits for this one itself).
 
     Row-major tiles (heads along M): a transposed, unrolled variant and a 16-token sink tile made Triton 3.6 read
     out of bounds of shared memory (seen with compute-sanitizer)."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     SUB: tl.constexpr = DC // 4
     b = tl.program_id(0)
     n = tl.load(LENS + b)
@@ -377,8 +380,11 @@ def finish_partials(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int):
     return out, lse
 
 
-def attend_buffers(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int) -> None:
-    """Attention over the BF16 sink/local buffers into partial slots ``ns ..`` of ``po`` / ``pl``."""
+def attend_buffers(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int, *, launch_dependents: bool = False
+                   ) -> None:  # fmt: skip
+    """Attention over the BF16 sink/local buffers into partial slots ``ns ..`` of ``po`` / ``pl``.
+    ``launch_dependents`` (sm_90 only): the next kernel of the stream, launched programmatically, may start at once
+    (:func:`quantmla.kernels.cuda_decode.launch_decode`'s one-stream order)."""
     B, ns_total, H, Dc = po.shape
     Dr = q_pe.shape[-1]
     if cache.n_sink > 64:
@@ -390,5 +396,5 @@ def attend_buffers(q_lat, q_pe, cache, softmax_scale: float, po, pl, ns: int) ->
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.sink.stride(0),
             cache.local.stride(0), H, ns_total, ns,
             BLOCK_N=64, DC=Dc, DR=Dr, BLOCK_H=max(16, triton.next_power_of_2(H)), SINK=cache.n_sink,
-            LOCAL=cache.n_local, INTERP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=8,
+            LOCAL=cache.n_local, INTERP=os.environ.get("TRITON_INTERPRET") == "1", GDC=launch_dependents, num_warps=8,
         )  # fmt: skip

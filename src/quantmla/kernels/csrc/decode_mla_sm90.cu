@@ -67,6 +67,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
   pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
+#if QMLA_PDL && !QMLA_SM90_QPREP  // a programmatic launch (mla_launch.cuh): the kernel before it must be complete
+  if (!p.pdl_late) pdl_wait();    // before the first read, unless it is the buffer kernel (then: at the end)
+#endif
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hg * kHeads;
@@ -445,6 +448,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
   store_partial<kC8, CPG, PS, NG, NC, NH>(p.po, row0, p.H, h0, oacc, o_down, corr, inv_l, warp, g, t);
+#if QMLA_PDL && !QMLA_SM90_QPREP
+  if (p.pdl_late) pdl_wait();  // this grid completes after the buffer kernel: the merge's wait then covers both
+#endif
 #endif
 }
 
@@ -474,10 +480,15 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
 
 }  // namespace sm90
 
-template <>  // the page kernel waits for the q prep kernel only where it reads the prepared q (mla_sm90_qprep.cuh)
-struct ProgrammaticLaunch<sm90::WgmmaKernel> {
-  static constexpr bool value = QMLA_SM90_QPREP && QMLA_PDL;
+template <>  // with QMLA_PDL the packed page kernel is a programmatic launch: it waits for the kernel before it
+struct ProgrammaticLaunch<sm90::WgmmaKernel> {  // (the q prep kernel, the buffer kernel or any other) itself
+  static constexpr bool value = QMLA_PDL;
 };
+
+// 1 when the library launches programmatically (QMLA_PDL): cuda_decode.py then runs the buffer kernel on the same
+// stream just before the page kernel (Params::pdl_late) instead of on a side stream, so that nothing joins
+// between the page kernel and the merge.
+extern "C" int qmla_pdl() { return QMLA_PDL; }
 }  // namespace qmla
 
 // The same C entry points as decode_mla.cu (a separate library); grid (head_ctas(H), splits, B).

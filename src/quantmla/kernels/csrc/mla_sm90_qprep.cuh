@@ -7,7 +7,8 @@
 // with 16-byte loads into the same shared-memory regions. The bytes are the same, so the results are bit for bit
 // those of the default path. With QMLA_PDL as well the page kernel is a programmatic dependent launch of the prep
 // kernel (mla_launch.cuh ProgrammaticLaunch): its CTAs start, read the block table and issue their first pages while
-// the prep kernel runs, and wait for it only before reading the workspace.
+// the prep kernel runs, and wait for it only before reading the workspace (the prep kernel itself is an ordinary
+// launch: everything before it is complete when it starts, so the pages the page kernel reads first are too).
 //
 // Workspace block: [0, 18432) the q^T k-blocks (fp16, the QT region), [18432, 19072) the accumulator starts and q
 // sums (the QB region, [2][5][4 t][4] floats), [19072, 19076) e (int); blocks kQPrepBytes apart.
