@@ -53,6 +53,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "qprep": {"QMLA_SM90_QPREP": 1},  # q staged once per sequence and head group by a prep kernel (unmeasured)
     "qprep_pdl": {"QMLA_SM90_QPREP": 1, "QMLA_PDL": 1},  # + the page kernel launched programmatically after it
     "score2": {"QMLA_SM90_SCORE2": 1},  # scores as offsets then one FMA chain (written 2026-12-01, unmeasured)
+    "meta_early": {"QMLA_SM90_META_EARLY": 1},  # meta rows read before the score product's last wait (unmeasured)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
      ("decode_mla_sm90", "90a", ("-DQMLA_PDL=1", "-DQMLA_COMBINE_V4=1", "-DQMLA_SM90_ST2=1")),
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
-     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_QPREP=1", "-DQMLA_SM90_SCORE2=1")),
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_QPREP=1", "-DQMLA_SM90_SCORE2=1", "-DQMLA_SM90_META_EARLY=1")),
      ("decode_mla_sm90_h64", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):

@@ -200,6 +200,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     }
+    float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
+#if QMLA_SM90_META_EARLY  // the meta rows read while the score product's last batches run (their latency hidden)
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) load_meta<CSYM, RSYM, M>(meta, 16 * warp + g + 8 * ri, ri, sv, ov, rsv, rov);
+#endif
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
 #pragma unroll
@@ -208,20 +213,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
 
     // ---- (2) scores of this thread's tokens 16w + g + 8 ri and head columns c
-    float sv[4][2], ov[4][2];  // content scales / offsets [group][ri]
     float sc[2][NC];
     bool tok_ok[2] = {true, true};
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       const int tau = 16 * warp + g + 8 * ri;
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
-      const float rs = __half2float(meta[M::RS * kPage + tau]);
-      const float ro = RSYM ? 0.f : __half2float(meta[M::RO * kPage + tau]);
-#pragma unroll
-      for (int gr = 0; gr < 4; ++gr) {
-        sv[gr][ri] = __half2float(meta[(M::CS + gr) * kPage + tau]);
-        ov[gr][ri] = CSYM ? 0.f : __half2float(meta[(M::CO + gr) * kPage + tau]);
-      }
+#if !QMLA_SM90_META_EARLY
+      load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
+#endif
+      const float rs = rsv[ri], ro = rov[ri];
       float qsv[5][NC];
 #pragma unroll
       for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);

@@ -210,4 +210,18 @@ __device__ __forceinline__ void store_partial(float* po, long long row0, int H, 
 #endif
 }
 
+// The meta of token tau of a staged page (fp16 rows, mla_page.cuh MetaRows M) into slot ri: content scales and
+// offsets per group, RoPE scale and offset (0 for a symmetric path).
+template <bool CSYM, bool RSYM, typename M>
+__device__ __forceinline__ void load_meta(const __half* meta, int tau, int ri, float (&sv)[4][2], float (&ov)[4][2],
+                                          float (&rsv)[2], float (&rov)[2]) {
+  rsv[ri] = __half2float(meta[M::RS * kPage + tau]);
+  rov[ri] = RSYM ? 0.f : __half2float(meta[M::RO * kPage + tau]);
+#pragma unroll
+  for (int gr = 0; gr < 4; ++gr) {
+    sv[gr][ri] = __half2float(meta[(M::CS + gr) * kPage + tau]);
+    ov[gr][ri] = CSYM ? 0.f : __half2float(meta[(M::CO + gr) * kPage + tau]);
+  }
+}
+
 }  // namespace qmla
