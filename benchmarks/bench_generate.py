@@ -47,6 +47,9 @@ from quantmla.kernels.dispatch import force_impl
 from quantmla.mla.attention import disable_absorbed_attention, enable_absorbed_attention
 from quantmla.quant.formats import CachePolicy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate_report import write_outputs  # noqa: E402 - the JSON, markdown tables and plot
+
 # DeepSeek-V2-Lite's config.json (public), the fields transformers' DeepseekV2Config reads.
 V2_LITE = dict(
     vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
@@ -191,8 +194,14 @@ def fits(model, fmt: str, batch: int, n: int, device: str, margin: float = 1.15)
     return need * margin + (2 << 30) < free, need / 2**30
 
 
-def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, device: str) -> dict:
-    cache = new_cache(model, fmt, n + steps + warmup + 1)
+def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, device: str,
+                graph: bool = False) -> dict:  # fmt: skip
+    """Median time per output token of eager decode steps; with ``graph`` (CUDA, our cache) also of the same step
+    captured in a CUDA graph and replayed (:class:`quantmla.cache.graph.CapturedDecode`), on the same cache after
+    the eager steps."""
+    graph = graph and fmt != "hf"
+    cap = n + steps + warmup + 1 + (steps + 2 if graph else 0)
+    cache = new_cache(model, fmt, cap)
     from quantmla.mla.spec import MLASpec
 
     fill(cache, MLASpec.from_config(model.config), batch, n, device, model.dtype)
@@ -207,6 +216,19 @@ def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, de
             times.append(time.perf_counter() - t0)
     tpot = statistics.median(times)
     row = {"tpot_ms": 1e3 * tpot, "tok_s": batch / tpot}
+    if graph:
+        from quantmla.cache.graph import CapturedDecode
+
+        step = CapturedDecode(model, cache, max_length=cap)
+        replays = []
+        for _ in range(steps + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            ids = step.step(ids).argmax(-1, keepdim=True)
+            sync(device)
+            replays.append(time.perf_counter() - t0)
+        g = statistics.median(replays[1:])
+        row.update(graph_tpot_ms=1e3 * g, graph_tok_s=batch / g)
     if isinstance(cache, QuantMLACache):
         row["cache_bytes"] = cache.memory_report()["allocated_bytes"]
     return row
@@ -299,7 +321,7 @@ def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> t
                     rows.append({**base, "skipped": f"needs ~{gib:.1f} GiB for the cache, more than is free"})
                     continue
                 try:
-                    r = time_decode(model, f, b, n, args.steps, args.warmup, device)
+                    r = time_decode(model, f, b, n, args.steps, args.warmup, device, graph=args.graph)
                 except torch.OutOfMemoryError:
                     r = {"skipped": "out of memory"}
                 rows.append({**base, **r})
@@ -322,96 +344,6 @@ def run_model(name: str, args, device: str, rows: list[dict] | None = None) -> t
     return info, rows
 
 
-def write_outputs(out_dir: str, tag: str, meta: dict, models: list[dict], rows: list[dict]) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"generate_{tag}")
-    paths = [base + ".json", base + ".md"]
-    with open(paths[0] + ".tmp", "w") as f:
-        json.dump({"meta": meta, "models": models, "rows": rows}, f, indent=1)
-    os.replace(paths[0] + ".tmp", paths[0])
-    with open(paths[1] + ".tmp", "w") as f:
-        f.write(markdown(meta, models, rows))
-    os.replace(paths[1] + ".tmp", paths[1])
-    try:
-        paths.append(plot(base + ".png", rows))
-    except ImportError:
-        log("matplotlib missing: no plot")
-    return paths
-
-
-def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
-    L = [f"# Generation through QuantMLACache, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
-         f"Command: `{meta['command']}`", "", "Sink 4 / local 128 / page 64; absorbed attention over the cache, "
-         "`decode_attention(impl=\"auto\")`; `hf` = transformers' DynamicCache with the model's own attention.", ""]
-    if meta.get("partial"):
-        L += [f"**Partial run: {meta['partial']}; the rows below are what was measured before.**", ""]
-    for m in models:
-        name = m["model"]
-        mine = [r for r in rows if r["model"] == name]
-        fmts = list(dict.fromkeys(r["format"] for r in mine if r["kind"] == "decode"))
-        L += [f"## {name}: {m['description']} ({m['params'] / 1e9:.2f}B parameters, {m['dtype']})", ""]
-        L += ["Check against the fp32 torch references (logits, relative L2 / top-1):", ""]
-        for r in (r for r in mine if r["kind"] == "check"):
-            L.append(f"- {r['format']}: prefill {r['prefill_rel_l2']:.2e} / {r['prefill_top1']:.3f}, decode "
-                     f"{r['decode_rel_l2']:.2e} / {r['decode_top1']:.3f}{'' if r['ok'] else '  **FAILED: not timed**'}")
-        L += ["", "Decode, time per output token in ms (tokens/s), ratio to `bf16`:", "",
-              "| batch | context | " + " | ".join(fmts) + " |", "|---|---|" + "---|" * len(fmts)]
-        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in mine if r["kind"] == "decode"))
-        for b, n in shapes:
-            cell = {r["format"]: r for r in mine if r["kind"] == "decode" and (r["batch"], r["context"]) == (b, n)}
-            ref = cell.get("bf16", {}).get("tpot_ms")
-            out = []
-            for f in fmts:
-                r = cell.get(f, {})
-                if "tpot_ms" not in r:
-                    out.append("does not fit" if "skipped" in r else "-")
-                    continue
-                ratio = f", {r['tpot_ms'] / ref:.2f}x" if ref and f != "bf16" else ""
-                out.append(f"{r['tpot_ms']:.2f} ({r['tok_s']:.0f}/s{ratio})")
-            L.append(f"| {b} | {n} | " + " | ".join(out) + " |")
-        pre = [r for r in mine if r["kind"] == "prefill" and "seconds" in r]
-        if pre:
-            how = f"forwards of {pre[0]['chunk']} tokens" if pre[0].get("chunk") else "one forward"
-            L += ["", f"Prompt ingestion (batch 1, {how} into a fresh cache):", "",
-                  "| context | format | seconds | prompt tokens/s |", "|---|---|---|---|"]
-            L += [f"| {r['context']} | {r['format']} | {r['seconds']:.3f} | {r['prompt_tok_s']:.0f} |" for r in pre]
-        bud = [r for r in mine if r["kind"] == "budget"]
-        if bud:
-            ref = next((r["max_batch"] for r in bud if r["format"] == "bf16"), None)
-            L += ["", f"Largest batch whose cache fits {bud[0]['budget_bytes'] / 2**30:.3g} GiB at "
-                  f"{bud[0]['context']} tokens:", "", "| format | bytes / sequence | max batch | vs bf16 | confirmed |",
-                  "|---|---|---|---|---|"]
-            for r in bud:
-                vs = f"{r['max_batch'] / ref:.2f}x" if ref else "-"
-                L.append(f"| {r['format']} | {r['per_sequence_bytes']:,} | {r['max_batch']} | {vs} | "
-                         f"{r.get('fits', 'not allocated')} |")
-        L.append("")
-    return "\n".join(L) + "\n"
-
-
-def plot(path: str, rows: list[dict]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dec = [r for r in rows if r["kind"] == "decode" and "tpot_ms" in r]
-    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in dec))
-    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.5 * max(1, len(keys)), 3.6), squeeze=False)
-    for ax, (m, b) in zip(axes[0], keys):
-        for f in dict.fromkeys(r["format"] for r in dec):
-            pts = sorted((r["context"], r["tpot_ms"]) for r in dec
-                         if (r["model"], r["batch"], r["format"]) == (m, b, f))  # fmt: skip
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f)
-        ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms per output token", title=f"{m}, batch {b}")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -430,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-gib", type=float, help="cache budget for the largest batch, default 40")
     ap.add_argument("--budget-context", type=int, help="tokens per sequence for the budget, default 131072")
     ap.add_argument("--hf-max-tokens", type=int, default=32 * 32768, help="largest batch x context for `hf` decode")
+    ap.add_argument("--graph", action="store_true", help="also time each decode shape with the step captured in a "
+                    "CUDA graph (quantmla.cache.graph; our cache formats, --device cuda)")
     # the check runs the same BF16 model twice, fast kernels vs the fp32 torch attention: on the random-weight
     # V2-Lite (27 layers) even the BF16 cache's kernels differ by 3.9-4.1% in logits (H200, 2026-12-01, top-1 all
     # equal), so the gate is 10% and top-1 >= 0.9; a broken kernel gives errors of order 1
@@ -443,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--force", action="store_true", help="overwrite existing results with this tag")
     args = ap.parse_args(argv)
+    if args.graph and args.device != "cuda":
+        raise SystemExit(f"error: --graph captures the decode step in a CUDA graph: it needs --device cuda, got "
+                         f"--device {args.device}")  # fmt: skip
     for k, v in (TINY if args.tiny else DEFAULTS).items():  # what the command line leaves out
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -10,7 +10,8 @@
 # in the order below, whatever STEPS said). Estimated times on one H200 (2026-12-01 with warm builds: tests 40 s,
 # v2lite 81 s, v2lite128k 37 s, devices 209 s, smollm2 88 s; nvcc/Triton builds are included in `tests`):
 #   tests       pytest -m gpu tests/cache tests/kernels/test_prefill.py                        ~1.5 min (cap 200 s)
-#   v2lite      bench_generate v2-lite: checks, budget rows at 128K / 40 GiB, decode B1/8/32 x 4K/32K,
+#   v2lite      bench_generate v2-lite: checks, budget rows at 128K / 40 GiB, decode B1/8/32 x 4K/32K (eager and
+#               captured in a CUDA graph: --graph),
 #               prefill 4K/32K in chunks of 8192 (each chunk timed), formats hf,bf16,c8r8,c4r4,c2r4
 #               (tag h200_v2lite_32k)                                                          ~4.5 min (cap 330 s)
 #   v2lite128k  bench_generate v2-lite: decode B1/5/8 x 128K (B5 = Table 10's decode batch), budget again
@@ -170,11 +171,11 @@ bundle
 PY=${PY:-python3}  # PY=echo: what --dry-run does
 run_tests() { step tests 200 $PY -m pytest -m gpu tests/cache tests/kernels/test_prefill.py -q -rs -p no:cacheprovider; }
 run_v2lite() {
-  step v2lite 330 $PY benchmarks/bench_generate.py --models v2-lite --contexts 4096,32768 \
+  step v2lite 330 $PY benchmarks/bench_generate.py --models v2-lite --contexts 4096,32768 --graph \
     --prefill-contexts 4096,32768 --prefill-chunk 8192 --steps 8 --warmup 2 --tag h200_v2lite_32k --out "$RES" --force
 }
 run_v2lite128k() {
-  step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 1,5,8 --contexts 131072 \
+  step v2lite128k 420 $PY benchmarks/bench_generate.py --models v2-lite --batches 1,5,8 --contexts 131072 --graph \
     --prefill-contexts "" --steps 8 --warmup 2 --tag h200_v2lite_128k --out "$RES" --force
 }
 run_costs() {

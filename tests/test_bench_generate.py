@@ -109,3 +109,27 @@ def test_chunked_prefill_times_every_chunk(tmp_path, capsys):
     assert pre["chunk"] == 64 and len(pre["chunk_seconds"]) == 4 and all(t > 0 for t in pre["chunk_seconds"])
     assert pre["seconds"] == pytest.approx(sum(pre["chunk_seconds"]))
     assert "forwards of 64 tokens" in (tmp_path / "generate_tiny.md").read_text()
+
+
+def test_graph_needs_cuda_and_writes_nothing(tmp_path):
+    bench = _bench()
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        bench.main(["--tiny", "--graph", "--device", "cpu", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_has_the_captured_table_with_ratios_to_bf16():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_generate_report", BENCH.parent / "bench_generate_report.py")
+    rep = iu.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    rows = [{"model": "m", "kind": "decode", "format": f, "batch": 8, "context": 4096, "tpot_ms": e, "tok_s": 8e3 / e,
+             "graph_tpot_ms": g, "graph_tok_s": 8e3 / g} for f, e, g in (("bf16", 90.0, 20.0), ("c4r4", 80.0, 15.0))]
+    rows.append({"model": "m", "kind": "decode", "format": "hf", "batch": 8, "context": 4096, "tpot_ms": 500.0,
+                 "tok_s": 16.0})  # fmt: skip
+    meta = {"device": "d", "date": "t", "commit": "c", "command": "x"}
+    md = rep.markdown(meta, [{"model": "m", "description": "tiny", "params": 1e9, "dtype": "bf16"}], rows)
+    captured = md.split("captured in a CUDA graph")[1]
+    assert "| batch | context | bf16 | c4r4 |" in captured  # hf (transformers' cache) is never captured
+    assert f"| 8 | 4096 | 20.00 (400/s) | 15.00 (533/s, {15.0 / 20.0:.2f}x) |" in captured
