@@ -46,22 +46,14 @@ def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
         for r in (r for r in mine if r["kind"] == "check"):
             L.append(f"- {r['format']}: prefill {r['prefill_rel_l2']:.2e} / {r['prefill_top1']:.3f}, decode "
                      f"{r['decode_rel_l2']:.2e} / {r['decode_top1']:.3f}{'' if r['ok'] else '  **FAILED: not timed**'}")
-        L += ["", "Decode, time per output token in ms (tokens/s), ratio to `bf16`:", "",
-              "| batch | context | " + " | ".join(fmts) + " |", "|---|---|" + "---|" * len(fmts)]
         shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in mine if r["kind"] == "decode"))
-        for b, n in shapes:
-            cell = {r["format"]: r for r in mine if r["kind"] == "decode" and (r["batch"], r["context"]) == (b, n)}
-            ref = cell.get("bf16", {}).get("tpot_ms")
-            out = []
-            for f in fmts:
-                r = cell.get(f, {})
-                if "tpot_ms" not in r:
-                    out.append("does not fit" if "skipped" in r else "-")
-                    continue
-                ratio = f", {r['tpot_ms'] / ref:.2f}x" if ref and f != "bf16" else ""
-                out.append(f"{r['tpot_ms']:.2f} ({r['tok_s']:.0f}/s{ratio})")
-            L.append(f"| {b} | {n} | " + " | ".join(out) + " |")
-        L += _captured(mine, fmts, shapes)
+        L += ["", "Decode, time per output token in ms (tokens/s), ratio to `bf16`:", ""]
+        L += _tpot_table(mine, fmts, shapes, "")
+        captured = [f for f in fmts if any("graph_tpot_ms" in r for r in mine if r["format"] == f)]
+        if captured:  # --graph
+            L += ["", "Decode with the step captured in a CUDA graph and replayed (`--graph`, `quantmla.cache.graph`), "
+                  "same caches after the eager steps: time per output token in ms (tokens/s), ratio to `bf16`:", ""]
+            L += _tpot_table(mine, captured, shapes, "graph_")
         pre = [r for r in mine if r["kind"] == "prefill" and "seconds" in r]
         if pre:
             how = f"forwards of {pre[0]['chunk']} tokens" if pre[0].get("chunk") else "one forward"
@@ -82,25 +74,21 @@ def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
     return "\n".join(L) + "\n"
 
 
-def _captured(mine: list[dict], fmts: list[str], shapes: list[tuple]) -> list[str]:
-    """The decode table again for the step captured in a CUDA graph (rows with ``graph_tpot_ms``: ``--graph``)."""
-    fmts = [f for f in fmts if any("graph_tpot_ms" in r for r in mine if r["kind"] == "decode" and r["format"] == f)]
-    if not fmts:
-        return []
-    L = ["", "Decode with the step captured in a CUDA graph and replayed (`--graph`, `quantmla.cache.graph`), same "
-         "caches after the eager steps: time per output token in ms (tokens/s), ratio to `bf16`:", "",
-         "| batch | context | " + " | ".join(fmts) + " |", "|---|---|" + "---|" * len(fmts)]  # fmt: skip
+def _tpot_table(mine: list[dict], fmts: list[str], shapes: list[tuple], key: str) -> list[str]:
+    """Rows ``batch x context`` by format of ``<key>tpot_ms`` (``<key>tok_s``, ratio to bf16); ``key`` "" for the
+    eager steps, "graph_" for the captured ones."""
+    L = ["| batch | context | " + " | ".join(fmts) + " |", "|---|---|" + "---|" * len(fmts)]
     for b, n in shapes:
         cell = {r["format"]: r for r in mine if r["kind"] == "decode" and (r["batch"], r["context"]) == (b, n)}
-        ref = cell.get("bf16", {}).get("graph_tpot_ms")
+        ref = cell.get("bf16", {}).get(key + "tpot_ms")
         out = []
         for f in fmts:
             r = cell.get(f, {})
-            if "graph_tpot_ms" not in r:
-                out.append("-")
+            if key + "tpot_ms" not in r:
+                out.append("does not fit" if "skipped" in r else "-")
                 continue
-            ratio = f", {r['graph_tpot_ms'] / ref:.2f}x" if ref and f != "bf16" else ""
-            out.append(f"{r['graph_tpot_ms']:.2f} ({r['graph_tok_s']:.0f}/s{ratio})")
+            ratio = f", {r[key + 'tpot_ms'] / ref:.2f}x" if ref and f != "bf16" else ""
+            out.append(f"{r[key + 'tpot_ms']:.2f} ({r[key + 'tok_s']:.0f}/s{ratio})")
         L.append(f"| {b} | {n} | " + " | ".join(out) + " |")
     return L
 
