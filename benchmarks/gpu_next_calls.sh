@@ -7,11 +7,12 @@
 # `trace` (decode_trace.py: the device timeline, with a q-prep column) to see what is left of the fixed part; (3) issue
 # 10's SmolLM2 kit steps (C2R4 on the Triton path, never timed: `gpu_session_issue10.sh /root/issue10
 # smollm2,evalspeed,devices`; the kit travels in three parts: carry .gpucarry_1 / _2 with two other calls prefixed `bash
-# benchmarks/device_carry.sh collect;`, the SmolLM2 steps go with .gpucarry_3); (4) `mutation` (the wgmma kernel's tests
-# must still catch its mutations after 2026-12-01's q^T staging change) and `bench` (every format beside FlashMLA at the
-# new defaults). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560
-# s, under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device
-# tool returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
+# benchmarks/device_carry.sh collect;`, the SmolLM2 steps go with .gpucarry_3) and its `v2lite` step, now with
+# `bench_generate --graph` (item 4's table with the step captured); (4) `mutation` (the wgmma kernel's tests must still
+# catch its mutations after 2026-12-01's q^T staging change) and `bench` (every format beside FlashMLA at the new
+# defaults). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
+# under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
+# returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
 #       micro (wgmma conventions), GPU tests of the three CUDA decode kernels (each in a process of its own),
