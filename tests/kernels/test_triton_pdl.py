@@ -38,3 +38,21 @@ def test_buffer_kernel_lets_the_next_kernel_launch_only_when_asked():
     res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"False": False, "True": True}
+
+
+def test_one_stream_order_only_when_the_buffer_kernel_comes_right_before():
+    """The page kernel may wait for its predecessor only at its end when that predecessor is the buffer kernel (it
+    writes nothing the page kernel reads); any other way -- no programmatic library, the buffer kernel not launched,
+    or launching nothing because there are no buffer tiles -- it must wait at its start (pdl_late stays 0)."""
+    import dataclasses
+
+    from quantmla.kernels.cuda_decode import PARTS, DecodePlan, one_stream_order
+
+    fields = {f.name: None for f in dataclasses.fields(DecodePlan)}
+    plan = DecodePlan(**{**fields, "ns": 8, "ns_total": 10, "one_stream": True})
+    assert one_stream_order(plan, PARTS)
+    assert one_stream_order(plan, ("buffers", "pages"))
+    assert not one_stream_order(plan, ("pages", "combine"))
+    assert not one_stream_order(plan, ("buffers", "combine"))
+    assert not one_stream_order(dataclasses.replace(plan, ns_total=8), PARTS)  # no buffer tiles: nothing launched
+    assert not one_stream_order(dataclasses.replace(plan, one_stream=False), PARTS)

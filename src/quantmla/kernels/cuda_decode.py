@@ -304,6 +304,14 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
 PARTS = ("pages", "buffers", "combine")
 
 
+def one_stream_order(plan: DecodePlan, parts: tuple[str, ...] = PARTS) -> bool:
+    """Whether :func:`launch_decode` runs the buffer kernel on the caller's stream right before the page kernel, which
+    then waits for it only at its end (``Params.pdl_late``): only with a library built for programmatic launches
+    (``plan.one_stream``), when both kernels are launched and the buffer kernel has tiles at all -- after any other
+    kernel the page kernel must wait at its start, before it reads what that kernel wrote."""
+    return bool(plan.one_stream and "buffers" in parts and "pages" in parts and plan.ns_total > plan.ns)
+
+
 def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_first: bool = False):
     """Launch ``plan`` on the current stream -> ``(out [B, H, Dc] fp32, lse [B, H])``: the page kernel, the BF16
     sink/local buffers (Triton, on a side stream beside it), the split merge. ``parts``: a subset of :data:`PARTS`
@@ -328,7 +336,7 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
         # With programmatic launches (plan.one_stream) they run on this stream just before the page kernel, which
         # starts at once and waits for them only at its end; the merge then follows the page kernel directly.
         cur = torch.cuda.current_stream(dev)
-        one = plan.one_stream and "buffers" in parts and "pages" in parts and plan.ns_total > plan.ns
+        one = one_stream_order(plan, parts)
         plan.params.pdl_late = int(one)
         side = cur if one else _side_stream(dev_index)
         if not one:
