@@ -139,6 +139,37 @@ def test_cuda_decode_planned_for_capacity(fmt, cuda_kernel):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4", "c8r8"])
+def test_cuda_decode_one_stream_order_gives_the_side_stream_bits(fmt, cuda_kernel):
+    """A library built for programmatic launches (QMLA_PDL, kernel_variants.py's `pdl`) runs the buffer kernel, the
+    page kernel and the merge on one stream, the page kernel waiting for the buffer kernel only at its end: the
+    same kernels as the side-stream order on the same partial slots, so the same bits -- partials read before they
+    were written would not be. Also captured in a CUDA graph, replayed twice. Skipped for a library without it."""
+    from quantmla.kernels.cuda_decode import launch_decode, one_stream_order, plan_decode
+
+    if cuda_kernel == "mma" and fmt == "c8r8":
+        pytest.skip("the mma kernel has no 8-bit path")
+    cache, q_lat, q_pe = make(fmt, [3000, 700, 130, 20000], 16, seed=31)
+    plan = plan_decode(q_lat, q_pe, cache, SCALE)
+    if not one_stream_order(plan):
+        pytest.skip("this kernel library launches on a side stream (built without QMLA_PDL)")
+    import dataclasses
+
+    side = launch_decode(dataclasses.replace(plan, one_stream=False))
+    one = launch_decode(plan)
+    assert all(torch.equal(a, b) for a, b in zip(one, side))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch_decode(plan)
+    for _ in range(2):
+        captured[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], side[0]) and torch.equal(captured[1], side[1])
+    check(cache, q_lat, q_pe)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 def test_cuda_decode_splits_and_ragged(splits):
     cache, q_lat, q_pe = make("c4r4", [9000, 65, 20000, 1, 4500], 16, seed=5)
