@@ -99,9 +99,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #if QMLA_SM90_QPREP
   const int e = load_prepared_q(smem + C::QT, qb, p, b, hg);
 #else
-  __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][QROW], over stage 1 and PT
-  const int e = stage_q<kHeads, kThreads, true, C::QROW>(qst, red, p, b, h0);
-  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, C::QROW>(smem + C::QT, qst, exp2i(-e), qb);
+  __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][kQRow], over stage 1 and PT
+  const int e = stage_q<kHeads, kThreads, true, kQRow>(qst, red, p, b, h0);
+  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow>(smem + C::QT, qst, exp2i(-e), qb);
 #endif
   const float two_e = exp2i(e);
   const uint32_t qt_u = smem_u32(smem + C::QT);

@@ -27,12 +27,29 @@ namespace qmla {
 using KernelFn = void (*)(Params);
 
 // Whether kernel family K's packed-page kernels are launched as programmatic dependent launches (they then wait,
-// griddepcontrol.wait, before reading what the kernel just before them wrote; only the Hopper kernel with its q
-// prepared by a prep kernel does: mla_sm90_qprep.cuh). BF16 pages never are.
+// griddepcontrol.wait, for the kernel just before them themselves: only the Hopper kernel with QMLA_PDL,
+// decode_mla_sm90.cu). BF16 pages never are.
 template <typename K>
 struct ProgrammaticLaunch {
   static constexpr bool value = false;
 };
+
+// Launch kf<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch: it may start before the
+// kernel before it in the stream ends (and must wait for it, griddepcontrol.wait, before reading what it wrote).
+template <typename KF, typename... Args>
+int launch_programmatic(KF kf, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, kf, args...);
+}
 
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
@@ -58,19 +75,9 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
   const int nh = K::heads_per_cta(p.H, CB);
   const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>(nh);
   if (e != cudaSuccess) return (int)e;
-  if constexpr (ProgrammaticLaunch<K>::value && CB != 16) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(K::kThreads);
-    cfg.dynamicSmemBytes = K::template smem<CB, RB>(nh);
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, K::template fn<CB, RB, CSYM, RSYM>(nh), p);
-  }
+  if constexpr (ProgrammaticLaunch<K>::value && CB != 16)
+    return launch_programmatic(K::template fn<CB, RB, CSYM, RSYM>(nh), grid, dim3(K::kThreads),
+                               K::template smem<CB, RB>(nh), stream, p);
   K::template fn<CB, RB, CSYM, RSYM>(nh)<<<grid, K::kThreads, K::template smem<CB, RB>(nh), stream>>>(p);
   return (int)cudaGetLastError();
 }
@@ -135,19 +142,7 @@ int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, flo
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))
       major = 0;
   }
-  if (major >= 9) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(nt);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, kf, po, pl, out, lse, ns, H);
-  }
+  if (major >= 9) return launch_programmatic(kf, grid, dim3(nt), 0, stream, po, pl, out, lse, ns, H);
 #endif
   kf<<<grid, nt, 0, stream>>>(po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();

@@ -36,9 +36,10 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {  // .
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
-// Programmatic dependent launch (sm_90+; mla_launch.cuh launches the split merge with it when QMLA_PDL is 1): a page
-// kernel lets its dependent grid launch early, the merge waits for every prerequisite grid's completion and memory
-// before its first read. Both are no-ops for a grid launched without the attribute, and off sm_90.
+// Programmatic dependent launch (sm_90+; with QMLA_PDL mla_launch.cuh launches the split merge and the Hopper page
+// kernel with it): a kernel lets its dependent grid launch early, and a programmatically launched one waits for
+// every prerequisite grid's completion and memory before it reads what they wrote. Both are no-ops for a grid
+// launched without the attribute, and off sm_90.
 #ifndef QMLA_PDL
 #define QMLA_PDL 0
 #endif

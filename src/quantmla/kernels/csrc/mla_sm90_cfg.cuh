@@ -31,6 +31,7 @@ namespace sm90 {
 #endif
 
 constexpr int kThreads = 128;  // one warpgroup
+constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
 constexpr int kStages = 2;
 constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
@@ -43,8 +44,7 @@ struct Cfg : PageCfg<CB, RB> {
   static_assert(NH == 16, "16 heads per CTA");
   static constexpr int KB = NH * 32;                  // bytes of one 16 x NH operand k-block (16-bit elements)
   static constexpr int NG = 4;                         // content groups of the output product
-  static constexpr int QROW = kDc + kDr + 8;           // q row stride (elements): 8 heads' rows on distinct banks
-  static constexpr int QSTAGE = NH * QROW * 2;         // bf16 q of the CTA's heads, once, from stage 1 on
+  static constexpr int QSTAGE = NH * kQRow * 2;        // bf16 q of the CTA's heads, once, from stage 1 on
   static constexpr int PTB = NG * 4 * KB;             // (P s_g)^T k-blocks [group][k-step][k-block]
   static constexpr int PTR = (QSTAGE - STAGE > PTB ? QSTAGE - STAGE + 127 : PTB) / 128 * 128;  // (q staging too)
   static constexpr int PT = kStages * STAGE;          // bf16 P tiles (fp16: C8)

@@ -31,8 +31,7 @@ namespace sm90 {
 constexpr int kQtBytes = kQkBlocks * 16 * 32;        // 36 k-blocks of 16 heads x 16 fp16
 constexpr int kQbBytes = 2 * 5 * 16 * 4;             // accumulator starts and q sums
 constexpr int kQPrepBytes = kQtBytes + kQbBytes + 128;  // + e, rounded to 128 bytes
-constexpr int kQRowP = kDc + kDr + 8;                // q row stride of the prep kernel's staging (as Cfg::QROW)
-constexpr int kPrepQst = 0, kPrepQt = 16 * kQRowP * 2, kPrepQb = kPrepQt + kQtBytes, kPrepRed = kPrepQb + kQbBytes;
+constexpr int kPrepQst = 0, kPrepQt = 16 * kQRow * 2, kPrepQb = kPrepQt + kQtBytes, kPrepRed = kPrepQb + kQbBytes;
 constexpr int kPrepSmem = kPrepRed + 16 * 4 * 4;
 static_assert(kPrepQt % 128 == 0 && kPrepQb % 16 == 0 && kQtBytes / 16 == 9 * kThreads, "prep layout");
 
@@ -45,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) qprep_kernel_sm90(const Params p) {
   const int hg = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + kPrepQst);
   float* qb = reinterpret_cast<float*>(smem + kPrepQb);
-  const int e = stage_q<16, kThreads, true, kQRowP>(qst, reinterpret_cast<float*>(smem + kPrepRed), p, b, hg * 16);
-  stage_qt<CB, RB, CSYM, RSYM, 16, kThreads, kQRowP>(smem + kPrepQt, qst, exp2i(-e), qb);
+  const int e = stage_q<16, kThreads, true, kQRow>(qst, reinterpret_cast<float*>(smem + kPrepRed), p, b, hg * 16);
+  stage_qt<CB, RB, CSYM, RSYM, 16, kThreads, kQRow>(smem + kPrepQt, qst, exp2i(-e), qb);
   uint8_t* dst = p.q_ws + ((long long)b * gridDim.x + hg) * kQPrepBytes;
   const uint4* src = reinterpret_cast<const uint4*>(smem + kPrepQt);  // QT then QB: contiguous here
   for (int i = tid; i < (kQtBytes + kQbBytes) / 16; i += kThreads) reinterpret_cast<uint4*>(dst)[i] = src[i];

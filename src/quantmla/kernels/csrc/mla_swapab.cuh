@@ -173,41 +173,33 @@ __device__ __forceinline__ void store_partial(float* po, long long row0, int H, 
                                               const float (&oacc)[2 * NG][NH / 2], float o_down,
                                               const float (&corr)[NG][NC], const float (&inv_l)[NC], int warp, int g,
                                               int t) {
-#if QMLA_SM90_ST2
-  // rows ri = 0, 1 of a thread are channels ch, ch + 1 (ch even): one 8-byte store per pair, whole sectors per warp
+  auto value = [&](int gi, int hh, int ri, int c) {
+    return fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
+  };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int ch = kC8 ? kGroup * gi + 16 * (warp + 4 * hh) + 2 * g
+      const int ch = kC8 ? kGroup * gi + 16 * (warp + 4 * hh) + 2 * g  // row ri = 0's channel (even); ri = 1: + 1
                          : kGroup * gi + 16 * (warp % CPG) + 2 * g + PS * (2 * (warp / CPG) + hh);
+#if QMLA_SM90_ST2  // one 8-byte store per pair, whole sectors per warp
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const int h = h0 + head_of(c, t);
         if (h < H)
           *reinterpret_cast<float2*>(po + (row0 + h) * kDc + ch) =
-              make_float2(fmaf(oacc[2 * gi + hh][acc_idx(0, c)], o_down, corr[gi][c]) * inv_l[c],
-                          fmaf(oacc[2 * gi + hh][acc_idx(1, c)], o_down, corr[gi][c]) * inv_l[c]);
+              make_float2(value(gi, hh, 0, c), value(gi, hh, 1, c));
       }
-    }
 #else
 #pragma unroll
-  for (int gi = 0; gi < NG; ++gi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const int gr = gi;
-        const int ch = kC8 ? kGroup * gr + 16 * (warp + 4 * hh) + 2 * g + ri
-                           : kGroup * gr + 16 * (warp % CPG) + 2 * g + ri + PS * (2 * (warp / CPG) + hh);
+      for (int ri = 0; ri < 2; ++ri)
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           const int h = h0 + head_of(c, t);
-          if (h < H)
-            po[(row0 + h) * kDc + ch] = fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
+          if (h < H) po[(row0 + h) * kDc + ch + ri] = value(gi, hh, ri, c);
         }
-      }
 #endif
+    }
 }
 
 // The meta of token tau of a staged page (fp16 rows, mla_page.cuh MetaRows M) into slot ri: content scales and
