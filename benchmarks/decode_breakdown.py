@@ -7,17 +7,17 @@ both. Fitted over the benchmark shapes of ``bench_decode.py``, C4R4's time is ~3
 CTA (H200, 2026-12-01, ``decode_vs_flashmla_h200_s12.md``): the fixed part is most of B1 x 128K and B32 x 4K. This
 script measures it instead of fitting it:
 
-* **parts**: at each shape, the whole call, each launch alone, the page kernel + merge and the whole call with the
-  buffer kernel launched first (``launch_decode(buffers_first=True)``), each captured in a CUDA graph and timed
-  like ``bench_decode.py`` (replay after an L2 flush, median of ``--reps``), beside an empty graph (a one-element
-  add: the timer's floor);
+* **parts**: at each shape, the whole call, each launch alone and the page kernel + merge, each captured in a CUDA
+  graph and timed like ``bench_decode.py`` (replay after an L2 flush, median of ``--reps``), beside an empty graph
+  (a one-element add: the timer's floor);
 * **per CTA**: at a fixed grid (``--splits`` splits of ``--sweep-batch`` sequences), contexts of ``k`` pages per
   CTA for each ``k`` in ``--pages``; least squares ``t = a + b k`` for the whole call and for the page kernel alone:
   ``a`` is what a CTA costs before and after its pages (plus the launches), ``b`` the cost of a page;
 * **splits**: the whole call at other split counts than the heuristic's (``--split-sweep``).
 
 Every configuration is checked first against the fp32 torch reference of the same bytes (relative L2 <= 5e-3,
-LSE <= 2e-2), and the buffers-first order against the default bit for bit. Writes
+LSE <= 2e-2). (Its first run, ``decode_breakdown_h200_s13.md``, also timed the buffer kernel launched first: never
+faster, since removed.) Writes
 ``decode_breakdown_<tag>.{json,md}`` to ``--out``. GPU only::
 
     PYTHONPATH=src python benchmarks/decode_breakdown.py --out benchmarks/results --tag h200
@@ -42,7 +42,6 @@ from quantmla.kernels.reference import decode_attention_torch  # noqa: E402
 
 PARTS = {"all": ("pages", "buffers", "combine"), "pages": ("pages",), "buffers": ("buffers",),
          "combine": ("combine",), "pages+combine": ("pages", "combine")}  # fmt: skip
-FIRST = "all, buffers first"  # the whole call with the buffer kernel launched before the page kernel
 
 
 def fit(ks: list[int], ts: list[float]) -> tuple[float, float]:
@@ -63,8 +62,6 @@ def timer_floor(timer: Timer, reps: int) -> float:
 def time_parts(plan, timer: Timer, reps: int, names) -> dict[str, float]:
     """us of each named part set of :data:`PARTS` for ``plan``."""
     runs = {name: (lambda parts=PARTS[name]: launch_decode(plan, parts)) for name in names if name in PARTS}
-    if FIRST in names:
-        runs[FIRST] = lambda: launch_decode(plan, buffers_first=True)
     return {f"{name}_us": timer(fn, reps) for name, fn in runs.items()}
 
 
@@ -82,10 +79,7 @@ def setup(fmt: str, H: int, B: int, N: int, kernel: str, splits: int | None, see
     qr_lat, qr_pe = q_as_kernel_rounds(q_lat, "cuda"), q_as_kernel_rounds(q_pe, "cuda")
     ref, ref_lse = decode_attention_torch(qr_lat, qr_pe, cache, SCALE, return_lse=True)
     rel, le = rel_err(out, ref), lse_err(lse, ref_lse)
-    out2, lse2 = launch_decode(plan, buffers_first=True)  # the same kernels on the same slots: the same bits
-    same = bool(torch.equal(out, out2) and torch.equal(lse, lse2))
-    return plan, {"rel": rel, "lse_err": le, "buffers_first_same": same,
-                  "ok": rel <= REL_TOL and le <= LSE_TOL and same}  # fmt: skip
+    return plan, {"rel": rel, "lse_err": le, "ok": rel <= REL_TOL and le <= LSE_TOL}
 
 
 def add_call_args(ap, shapes: str, doc: str) -> None:
@@ -118,7 +112,7 @@ def main() -> int:
             ok_all &= chk["ok"]
             row = {"format": fmt, "heads": H, "batch": B, "context": N, "kernel": plan.kernel, "splits": plan.ns,
                    "buffer_tiles": plan.ns_total - plan.ns, **chk}  # fmt: skip
-            row.update(time_parts(plan, timer, args.reps, (*PARTS, FIRST)))
+            row.update(time_parts(plan, timer, args.reps, tuple(PARTS)))
             parts_rows.append(row)
             print(json.dumps(row), flush=True)
             plan = None
@@ -164,12 +158,12 @@ def write(stem: str, meta: dict, parts_rows: list, sweep_rows: list, fits: list,
              f"`{meta['command']}`: each part captured in a CUDA graph and replayed after an L2 flush (median); "
              f"an empty graph times {meta['timer_floor_us']:.1f} us. Every configuration checked first "
              f"({'all passed' if meta['ok'] else 'SOME FAILED'}).", "",
-             "| format | B x context | kernel | splits | all | pages | buffers | combine | pages + combine "
-             "| all, buffers first |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| format | B x context | kernel | splits | all | pages | buffers | combine | pages + combine |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in parts_rows:
         lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']} "
                      f"| {r['all_us']:.1f} | {r['pages_us']:.1f} | {r['buffers_us']:.1f} | {r['combine_us']:.1f} "
-                     f"| {r['pages+combine_us']:.1f} | {r.get(FIRST + '_us', float('nan')):.1f} |")  # fmt: skip
+                     f"| {r['pages+combine_us']:.1f} |")  # fmt: skip
     lines += ["", "Per CTA: a fixed grid, contexts of k pages per CTA (us):", "",
               "| format | B | splits | pages per CTA | all | pages |", "|---|---|---|---|---|---|"]
     for r in sweep_rows:

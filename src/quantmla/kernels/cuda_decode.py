@@ -312,12 +312,12 @@ def one_stream_order(plan: DecodePlan, parts: tuple[str, ...] = PARTS) -> bool:
     return bool(plan.one_stream and "buffers" in parts and "pages" in parts and plan.ns_total > plan.ns)
 
 
-def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_first: bool = False):
+def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
     """Launch ``plan`` on the current stream -> ``(out [B, H, Dc] fp32, lse [B, H])``: the page kernel, the BF16
     sink/local buffers (Triton, on a side stream beside it), the split merge. ``parts``: a subset of :data:`PARTS`
     for timing them apart (``benchmarks/decode_breakdown.py``); without ``"combine"`` it returns ``(None, None)``.
-    ``buffers_first``: launch the buffer kernel before the page kernel (its few CTAs then get SM slots at once
-    instead of after the page kernel's full wave; measured by decode_breakdown before it becomes the default)."""
+    (The buffer kernel launched before the page kernel on the side stream was never faster: H200, 2026-12-01,
+    ``decode_breakdown_h200_s13.md``.)"""
     from quantmla.kernels.triton_decode import attend_buffers
 
     if not set(parts) <= set(PARTS):
@@ -348,7 +348,7 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
                     attend_buffers(plan.q_lat, plan.q_pe, plan.cache, plan.softmax_scale, plan.po, plan.pl, plan.ns,
                                    launch_dependents=one)  # fmt: skip
 
-        if buffers_first or one:
+        if one:
             buffers()
         if "pages" in parts and plan.q_ws is not None:  # q prepared once per sequence and head group, first
             err = lib.qmla_qprep(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, B,
@@ -362,7 +362,7 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS, *, buffers_f
             if err != 0:
                 cur.wait_stream(side)
                 raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
-        if not (buffers_first or one):
+        if not one:
             buffers()
         if not one:
             cur.wait_stream(side)
