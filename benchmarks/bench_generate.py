@@ -158,6 +158,19 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def median_seconds(step, steps: int, warmup: int, device: str) -> float:
+    """Median wall seconds of ``steps`` synchronized calls of ``step()``, after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def check(model, fmt: str, device: str, n: int = 300) -> dict:
     """Fast path vs the fp32 torch references: a prompt of ``n`` tokens (batch 2) and one decode step."""
     g = torch.Generator().manual_seed(1)
@@ -205,30 +218,25 @@ def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, de
     from quantmla.mla.spec import MLASpec
 
     fill(cache, MLASpec.from_config(model.config), batch, n, device, model.dtype)
-    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
-    times = []
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        ids = forward(model, ids, cache).argmax(-1, keepdim=True)
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    tpot = statistics.median(times)
+    ids = [torch.randint(0, model.config.vocab_size, (batch, 1), device=device)]  # the next tokens, step to step
+
+    def eager() -> None:
+        ids[0] = forward(model, ids[0], cache).argmax(-1, keepdim=True)
+
+    tpot = median_seconds(eager, steps, warmup, device)
     row = {"tpot_ms": 1e3 * tpot, "tok_s": batch / tpot}
     if graph:
         from quantmla.cache.graph import CapturedDecode
 
-        step = CapturedDecode(model, cache, max_length=cap)
-        replays = []
-        for _ in range(steps + 1):
-            sync(device)
-            t0 = time.perf_counter()
-            ids = step.step(ids).argmax(-1, keepdim=True)
-            sync(device)
-            replays.append(time.perf_counter() - t0)
-        g = statistics.median(replays[1:])
-        row.update(graph_tpot_ms=1e3 * g, graph_tok_s=batch / g)
+        t0 = time.perf_counter()
+        captured = CapturedDecode(model, cache, max_length=cap)
+        capture_s = time.perf_counter() - t0
+
+        def replay() -> None:
+            ids[0] = captured.step(ids[0]).argmax(-1, keepdim=True)
+
+        g = median_seconds(replay, steps, 1, device)
+        row.update(graph_tpot_ms=1e3 * g, graph_tok_s=batch / g, capture_s=capture_s)
     if isinstance(cache, QuantMLACache):
         row["cache_bytes"] = cache.memory_report()["allocated_bytes"]
     return row

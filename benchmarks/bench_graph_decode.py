@@ -5,8 +5,8 @@ The eager step of the DeepSeek-V2-Lite-shaped model is bound by its launches (``
 every format at B32 x 32K while its attention kernels take 6-9 ms. Replaying the captured step shows what the cache
 formats change. Checked first, on a small batch: the captured step's greedy tokens and logits against the eager
 step's on a copy of the same cache planned for the same capacity (tokens equal, logits within 1e-2 relative:
-bf16 activations). Then, per format and shape: a cache of ``B x N`` random latents (``bench_generate.fill``),
-``--steps`` eager steps timed, the step captured, ``--steps`` replays timed (median, synchronized).
+bf16 activations). Then, per format and shape, ``bench_generate.time_decode(graph=True)``: a cache of ``B x N``
+random latents, ``--steps`` eager steps timed, the step captured, ``--steps`` replays timed (median, synchronized).
 
 Writes ``graph_decode_<tag>.{json,md}`` to ``--out``. GPU only::
 
@@ -19,9 +19,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -60,32 +58,10 @@ def check(model, fmt: str, B: int = 2, n: int = 300, steps: int = 8) -> dict:
 
 
 def time_format(model, fmt: str, B: int, n: int, steps: int) -> dict:
-    spec = MLASpec.from_config(model.config)
-    cap = n + 2 * steps + 4
-    cache = bg.new_cache(model, fmt, cap)
-    bg.fill(cache, spec, B, n, "cuda", model.dtype)
-    ids = torch.zeros(B, 1, dtype=torch.long, device="cuda")
-    eager = []
-    for i in range(steps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        ids = eager_step(model, cache, ids, n + i).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        if i:
-            eager.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    graph = CapturedDecode(model, cache, max_length=cap)
-    capture_s = time.perf_counter() - t0
-    replay = []
-    for _ in range(steps - 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        ids = graph.step(ids).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        replay.append(time.perf_counter() - t0)
-    e, r = statistics.median(eager), statistics.median(replay)
-    return {"format": fmt, "batch": B, "context": n, "eager_ms": 1e3 * e, "graph_ms": 1e3 * r, "speedup": e / r,
-            "capture_s": capture_s, "tok_s": B / r}  # fmt: skip
+    """bench_generate's eager and captured time per token of one shape, as this table's row."""
+    r = bg.time_decode(model, fmt, B, n, steps, 1, "cuda", graph=True)
+    return {"format": fmt, "batch": B, "context": n, "eager_ms": r["tpot_ms"], "graph_ms": r["graph_tpot_ms"],
+            "speedup": r["tpot_ms"] / r["graph_tpot_ms"], "capture_s": r["capture_s"], "tok_s": r["graph_tok_s"]}
 
 
 def main() -> int:

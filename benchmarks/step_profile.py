@@ -24,9 +24,7 @@ import collections
 import datetime as dt
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -65,21 +63,18 @@ def profile_format(model, fmt: str, batch: int, n: int, steps: int, device: str)
 
     cache = bg.new_cache(model, fmt, n + steps + 3)
     bg.fill(cache, MLASpec.from_config(model.config), batch, n, device, model.dtype)
-    ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
-    times = []
-    for i in range(steps + 1):
-        bg.sync(device)
-        t0 = time.perf_counter()
-        ids = bg.forward(model, ids, cache).argmax(-1, keepdim=True)
-        bg.sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+    ids = [torch.randint(0, model.config.vocab_size, (batch, 1), device=device)]
+
+    def step() -> None:
+        ids[0] = bg.forward(model, ids[0], cache).argmax(-1, keepdim=True)
+
+    wall = bg.median_seconds(step, steps, 1, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
-        ids = bg.forward(model, ids, cache).argmax(-1, keepdim=True)
+        step()
         bg.sync(device)
     ops = top_level_ops(prof.events())
-    row = {"format": fmt, "batch": batch, "context": n, "wall_ms": 1e3 * statistics.median(times),
+    row = {"format": fmt, "batch": batch, "context": n, "wall_ms": 1e3 * wall,
            "cpu_ops": sum(ops.values()), "top_ops": ops.most_common(8)}  # fmt: skip
     if device == "cuda":
         ks = device_kernels(prof)
