@@ -161,16 +161,8 @@ case $CALL in
       --variants "prev=${PREV_SRC:?PREV_SRC=dir of the previous sources},base" "${FM[@]}"
     part trace 100 python benchmarks/decode_trace.py --out "$R" --tag "h200_${TAG:-next}" --force
     ;;
-  trace)  # the device timeline of a decode call (decode_trace.py), default sources, then with QMLA_PDL=1; then the
-    # pdl variant's wgmma tests and its time beside base and FlashMLA (kernel_variants.py, carry .fmbuild)
+  trace)  # the device timeline of a decode call (decode_trace.py) on the default sources (programmatic launches on)
     part trace 120 python benchmarks/decode_trace.py --out "$R" --tag "h200_${TAG:-next}" --force
-    rm -rf "$R/pdl_src" && cp -r src/quantmla/kernels/csrc "$R/pdl_src" && sed -i '1i #define QMLA_PDL 1' "$R"/pdl_src/*.cu
-    part trace_pdl 120 env QUANTMLA_CUDA_SRC="$R/pdl_src" python benchmarks/decode_trace.py --out "$R" \
-      --tag "h200_${TAG:-next}_pdl" --force
-    FM=()
-    [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
-    part variants 330 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_pdl" \
-      --variants "base,pdl" --tests "${FM[@]}"
     ;;
   heads)
     flashmla_args

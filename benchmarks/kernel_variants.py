@@ -45,8 +45,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "combine4": {"QMLA_COMBINE_WIDE": 0},  # >= 128 splits merged in 128-channel blocks x 4 split groups
     "qpairs": {"QMLA_Q_VEC": 0},  # q staged with 2-byte loads (72 per thread; 16-byte ones are the default)
     "off3": {"QMLA_SM90_PV_F16": 0, "QMLA_COMBINE_WIDE": 0, "QMLA_Q_VEC": 0},  # the kernel of 811e7c4
-    "pdl": {"QMLA_PDL": 1},  # programmatic launches on one stream: buffer kernel, page kernel, merge (1.00x on
-    # 2026-12-01 when only the merge was one and the buffer kernel ran on a side stream)
+    "nopdl": {"QMLA_PDL": 0},  # no programmatic launches, the buffer kernel on a side stream (the default until
+    # 2026-12-01: 1.08x at B1 x 128K and B32 x 4K with them, 1.00x at the large shapes; kernel_variants_h200_s14a.md)
     "merge4": {"QMLA_COMBINE_V4": 1, "QMLA_COMBINE_WIDE": 0},  # the 16-byte split merge at every split count
     "merge1": {"QMLA_COMBINE_V4": 0},  # the scalar merge below 128 splits (the default until 2026-12-01)
     "st2": {"QMLA_SM90_ST2": 1},  # the partial output stored as 8-byte channel pairs (written 2026-12-01, unmeasured)

@@ -39,9 +39,10 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 // Programmatic dependent launch (sm_90+; with QMLA_PDL mla_launch.cuh launches the split merge and the Hopper page
 // kernel with it): a kernel lets its dependent grid launch early, and a programmatically launched one waits for
 // every prerequisite grid's completion and memory before it reads what they wrote. Both are no-ops for a grid
-// launched without the attribute, and off sm_90.
+// launched without the attribute, and off sm_90. Default on since 2026-12-01: C4R4 1.08x at B1 x 128K and B32 x 4K,
+// 1.00x at B32 x 32K and B8 x 128K (H200, benchmarks/results/kernel_variants_h200_s14a.md); -DQMLA_PDL=0 turns it off.
 #ifndef QMLA_PDL
-#define QMLA_PDL 0
+#define QMLA_PDL 1
 #endif
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if QMLA_PDL && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
