@@ -18,7 +18,7 @@ namespace sm90 {
 #define QMLA_SM90_MIN_CTAS 2
 #endif
 #ifndef QMLA_SM90_ST2  // 1: the partial output written as 8-byte channel pairs (ncu 2026-12-01: the epilogue was
-#define QMLA_SM90_ST2 0  // ~16% of a one-page CTA's stall samples); off until measured (variant st2)
+#define QMLA_SM90_ST2 1  // ~16% of a one-page CTA's stall samples); 1.00-1.02x, never slower (kernel_variants_h200_s14b)
 #endif
 #ifndef QMLA_SM90_SCORE2  // 1: a score as the offset terms, then one FMA chain over the scaled group products (fp32
 #define QMLA_SM90_SCORE2 0  // sums in another order; ~32 fewer instructions per warp and tile); off until measured
