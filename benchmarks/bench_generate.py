@@ -242,6 +242,20 @@ def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, de
     return row
 
 
+def ingest(model, ids: torch.Tensor, cache, chunk: int, device: str) -> list[float]:
+    """Feed the prompt ``ids`` [B, n] into ``cache`` in forwards of ``chunk`` tokens (one forward when 0): the
+    synchronized wall seconds of each forward."""
+    step = chunk if chunk > 0 else ids.shape[1]
+    times = []
+    for s in range(0, ids.shape[1], step):
+        sync(device)
+        t0 = time.perf_counter()
+        forward(model, ids[:, s : s + step], cache)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def time_prefill(model, fmt: str, n: int, device: str, reps: int = 2, chunk: int = 0) -> dict:
     """One ``n``-token prompt into a fresh cache (best of ``reps``); ``chunk`` > 0: in forwards of ``chunk`` tokens
     (a serving engine's chunked prefill), each timed: ``chunk_seconds[i]`` is the chunk at ``i * chunk`` cached."""
@@ -249,13 +263,8 @@ def time_prefill(model, fmt: str, n: int, device: str, reps: int = 2, chunk: int
     step = chunk if chunk > 0 else n
     best: list[float] = []
     for _ in range(reps):
-        cache, times = new_cache(model, fmt, n + 1), []
-        for s in range(0, n, step):
-            sync(device)
-            t0 = time.perf_counter()
-            forward(model, ids[:, s : s + step], cache)
-            sync(device)
-            times.append(time.perf_counter() - t0)
+        cache = new_cache(model, fmt, n + 1)
+        times = ingest(model, ids, cache, step, device)
         del cache
         best = times if not best or sum(times) < sum(best) else best
     row = {"seconds": sum(best), "prompt_tok_s": n / sum(best)}

@@ -23,8 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import parse_gpu_args, write_results  # noqa: E402
 
-ROLES = (("qprep", ("qprep_kernel",)), ("pages", ("decode_kernel",)), ("buffers", ("_buffers_kernel",)),
-         ("combine", ("combine",)))  # fmt: skip
+ROLES = (("pages", ("decode_kernel",)), ("buffers", ("_buffers_kernel",)), ("combine", ("combine",)))
 
 
 def role(name: str) -> str | None:
@@ -123,14 +122,16 @@ def write(stem: str, meta: dict, rows: list) -> None:
     lines = [f"# Decode call timeline, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`: the whole call captured in a CUDA graph, replayed after an L2 flush under "
              "torch.profiler; each kernel's own device time (median over replays), the span from the first "
-             "kernel's start to the last one's end, and the gap from the page kernel's end to the merge's start. "
+             "kernel's start to the last one's end, and the gap from the page kernel's end to the merge's start (with "
+             "programmatic launches, the default since 2026-12-01, the merge starts early and waits: its time then "
+             "includes the wait and the gap is negative). "
              f"Every configuration checked first ({'all passed' if meta['ok'] else 'SOME FAILED'}).", "",
-             "| format | B x context | kernel | splits | q prep | pages | buffers | combine | gap pages -> combine "
-             "| span |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| format | B x context | kernel | splits | pages | buffers | combine | gap pages -> combine "
+             "| span |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     nan = float("nan")
     for r in rows:
         lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']} "
-                     f"| {r.get('qprep_us', nan):.1f} | {r.get('pages_us', nan):.1f} | {r.get('buffers_us', nan):.1f} "
+                     f"| {r.get('pages_us', nan):.1f} | {r.get('buffers_us', nan):.1f} "
                      f"| {r.get('combine_us', nan):.1f} | {r['gap_us']:.1f} | {r['span_us']:.1f} |")  # fmt: skip
     write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
 

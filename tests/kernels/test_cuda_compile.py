@@ -33,9 +33,8 @@ pytestmark = pytest.mark.skipif(
     [("decode_mla", "80", ()), ("decode_mla", "80", ("-DQMLA_Q_VEC=0",)), ("decode_mla", "90", ()),
      ("decode_mla_sm90", "90a", ()),
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
-     ("decode_mla_sm90", "90a", ("-DQMLA_PDL=1", "-DQMLA_COMBINE_V4=1", "-DQMLA_SM90_ST2=1")),
+     ("decode_mla_sm90", "90a", ("-DQMLA_PDL=0", "-DQMLA_COMBINE_V4=1", "-DQMLA_SM90_ST2=0")),
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
-     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_QPREP=1", "-DQMLA_SM90_SCORE2=1", "-DQMLA_SM90_META_EARLY=1")),
      ("decode_mla_sm90_h64", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
@@ -90,17 +89,16 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path
 
 
-@pytest.mark.parametrize("pdl,qprep", [(0, 0), (1, 0), (1, 1)])
-def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, qprep, tmp_path):
-    """QMLA_PDL=1: every page kernel lets its dependents launch (griddepcontrol.launch_dependents -> PREEXIT), every
-    split merge waits for its prerequisite grids before reading (griddepcontrol.wait -> ACQBULK), and the packed
-    page kernels, launched programmatically themselves, wait for the kernel before them (at the start, at the end
-    after the buffer kernel, or before reading the q prep kernel's workspace with QMLA_SM90_QPREP=1, whose prep
-    kernels let them launch); the BF16 page kernel (launched normally) never waits. With 0 (the default) neither
-    instruction is in the library."""
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_path):
+    """QMLA_PDL=1 (the default): every page kernel lets its dependents launch (griddepcontrol.launch_dependents ->
+    PREEXIT); every split merge waits for its prerequisite grids (griddepcontrol.wait -> ACQBULK) before its first
+    global load, so no load of the partials can be moved above the wait; the packed page kernels, launched
+    programmatically themselves, wait for the kernel before them (at the start, or at the end after the buffer
+    kernel); the BF16 page kernel (launched normally) never waits. With 0 neither instruction is in the library."""
     cubin = tmp_path / "k.cubin"
-    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}",
-           f"-DQMLA_SM90_QPREP={qprep}", "-cubin", "-o", str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
+    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}", "-cubin",
+           "-o", str(cubin), str(CSRC / "decode_mla_sm90.cu")]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
     sass = subprocess.run([str(Path(NVCC).parent / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
@@ -109,34 +107,11 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, qpre
     packed = [f for n, f in funcs.items() if "decode_kernel_sm90I" in n]
     bf16 = [f for n, f in funcs.items() if "decode_kernel_sm90_bf16" in n]
     merges = [f for n, f in funcs.items() if "combine" in n]  # scalar (3) and 16-byte (6) split merges
-    preps = [f for n, f in funcs.items() if "qprep_kernel" in n]
-    assert len(packed) == 16 and len(bf16) == 1 and len(merges) == 9 and len(preps) == (16 if qprep else 0)
-    assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16 + preps)
+    assert len(packed) == 16 and len(bf16) == 1 and len(merges) == 9
+    assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
-    assert all(("ACQBULK" in f) == bool(pdl) for f in packed)
-    assert not any("ACQBULK" in f for f in bf16 + preps)
-
-
-@pytest.mark.parametrize("qprep", [0, 1])
-def test_q_preparation_entry_points_answer_without_a_gpu(qprep, tmp_path, monkeypatch):
-    """The sm90 library says how many workspace bytes per (sequence, head group) its page kernel reads (0: it stages q
-    in every CTA, the default), and cuda_decode's plan sizes the workspace from that; without a GPU the prep launch
-    returns a CUDA error code, not a crash; a format without a prep kernel (BF16 pages) is refused."""
-    import ctypes
-
-    import torch
-
-    from quantmla.kernels.cuda_build import build
-    from quantmla.kernels.cuda_decode import _Params
-
-    monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build("decode_mla_sm90", "90a", extra=(f"-DQMLA_SM90_QPREP={qprep}",))))
-    lib.qmla_qprep_bytes.restype = lib.qmla_qprep.restype = ctypes.c_int
-    lib.qmla_params_size.restype = ctypes.c_int
-    assert lib.qmla_params_size() == ctypes.sizeof(_Params)
-    # 36 k-blocks x 16 heads x 16 fp16 + 2 x 5 x 16 floats + e, rounded up to 128 bytes
-    assert lib.qmla_qprep_bytes() == (36 * 16 * 16 * 2 + 2 * 5 * 16 * 4 + 128 if qprep else 0)
-    p = _Params()
-    assert lib.qmla_qprep(ctypes.byref(p), 16, 16, 1, 1, None) != 0  # BF16 pages: no prep kernel
-    if not torch.cuda.is_available():
-        assert lib.qmla_qprep(ctypes.byref(p), 4, 4, 1, 1, None) != 0
+    assert all(f.count("ACQBULK") == 2 * pdl for f in packed)  # at the start or at the end (Params.pdl_late)
+    assert not any("ACQBULK" in f for f in bf16)
+    if pdl:
+        for f in merges:
+            assert re.search(r"\bLDG\b", f) and f.index("ACQBULK") < re.search(r"\bLDG\b", f).start()

@@ -25,6 +25,8 @@ stores padding like any token.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from quantmla.cache.store import PagedStore
@@ -41,6 +43,12 @@ def _shift(x: torch.Tensor, skip: list[int], dim: int, left: bool) -> torch.Tens
         src = x[b].narrow(dim - 1, s if left else 0, T - s)
         out[b].narrow(dim - 1, 0 if left else s, T - s).copy_(src)
     return out
+
+
+def _profiled(name: str):
+    """A ``torch.profiler`` range named ``name`` while a profiler records (``benchmarks/step_profile.py --prefill``
+    attributes device time with them), else nothing: not even the range's own dispatch (~5 us) outside profiling."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class PagedCacheLayer:
@@ -223,8 +231,10 @@ class PagedCacheLayer:
             raise ValueError(f"{T} queries but only {S} cached tokens: write the new tokens before attending")
         if self.store.started and B != self.store.batch or staged is not None and staged[0].shape[0] != B:
             raise ValueError(f"{B} query sequences for a cache of batch {self.batch or staged[0].shape[0]}")
-        skip, causal = self._pads_and_causal(mask, B, T, S, first=S0 == 0 and staged is not None)
-        n_new, recent = self._store(*staged, skip=skip, want_recent=True) if staged is not None else ([T] * B, None)
+        with _profiled("quantmla.mask"):
+            skip, causal = self._pads_and_causal(mask, B, T, S, first=S0 == 0 and staged is not None)
+        with _profiled("quantmla.store"):
+            n_new, recent = self._store(*staged, skip=skip, want_recent=True) if staged is not None else ([T] * B, None)
         view = self.view
         ql, qp = _shift(q_lat, skip, 2, left=True), _shift(q_pe, skip, 2, left=True)
         if causal and T == 1:
@@ -234,12 +244,16 @@ class PagedCacheLayer:
         elif causal and heads is not None:
             q_nope, w_uk, w_uv = heads
             qn = _shift(q_nope, skip, 2, left=True)
-            o = prefill_attention_heads(qn, qp, view, w_uk, w_uv, scale, n_new, recent=recent)  # [B, H, T, Dv]
+            with _profiled("quantmla.prefill_attention"):
+                o = prefill_attention_heads(qn, qp, view, w_uk, w_uv, scale, n_new, recent=recent)  # [B, H, T, Dv]
             return _shift(o, skip, 2, left=False)
-        elif causal:
-            o = prefill_attention(ql, qp, view, scale, n_new, recent=recent)
         else:
-            o = prefill_attention_torch(ql, qp, view, scale, n_new, recent=recent, mask=self._cache_mask(mask, skip))
+            with _profiled("quantmla.prefill_attention"):
+                if causal:
+                    o = prefill_attention(ql, qp, view, scale, n_new, recent=recent)
+                else:
+                    o = prefill_attention_torch(ql, qp, view, scale, n_new, recent=recent,
+                                                mask=self._cache_mask(mask, skip))  # fmt: skip
         if heads is not None:
             o = torch.einsum("bhtc,hvc->bhtv", o, heads[2].to(o.dtype))  # [B, H, T, Dv]
         return _shift(o, skip, 2, left=False)

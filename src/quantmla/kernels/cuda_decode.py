@@ -61,7 +61,6 @@ class _Params(ctypes.Structure):
         ("local", ctypes.c_int),
         ("qk_scale", ctypes.c_float),
         ("q_fp32", ctypes.c_int),
-        ("q_ws", ctypes.c_void_p),
         ("pdl_late", ctypes.c_int),
     ]  # fmt: skip
 
@@ -168,11 +167,8 @@ def _lib(device, kernel: str = "mma"):
         lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.qmla_error_string.restype = ctypes.c_char_p
         lib.qmla_error_string.argtypes = [ctypes.c_int]
-        if hasattr(lib, "qmla_qprep_bytes"):  # the sm90 library: q prepared once per sequence and head group,
-            lib.qmla_qprep_bytes.restype = ctypes.c_int  # programmatic launches (qmla_pdl)
+        if hasattr(lib, "qmla_pdl"):  # the sm90 library: whether it was built for programmatic launches
             lib.qmla_pdl.restype = ctypes.c_int
-            lib.qmla_qprep.restype = ctypes.c_int
-            lib.qmla_qprep.argtypes = [ctypes.POINTER(_Params)] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
         if lib.qmla_params_size() != ctypes.sizeof(_Params):
             raise CudaBuildError(
                 f"Params layout mismatch: library {lib.qmla_params_size()} B, ctypes {ctypes.sizeof(_Params)} B"
@@ -239,7 +235,6 @@ class DecodePlan:
     softmax_scale: float
     po: torch.Tensor
     pl: torch.Tensor
-    q_ws: torch.Tensor | None = None  # prepared q per (sequence, head group), when the library prepares it once
     one_stream: bool = False  # the buffer kernel just before the page kernel on one stream (programmatic launches)
 
 
@@ -281,9 +276,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     ns_total = ns + buffer_tiles(cache)
     po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
-    qprep = lib.qmla_qprep_bytes() if cbits != 16 and hasattr(lib, "qmla_qprep_bytes") else 0
-    q_ws = torch.empty(B * hg * qprep, dtype=torch.uint8, device=dev) if qprep else None
-    one_stream = cbits != 16 and not qprep and hasattr(lib, "qmla_pdl") and lib.qmla_pdl() == 1
+    one_stream = cbits != 16 and hasattr(lib, "qmla_pdl") and lib.qmla_pdl() == 1
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
@@ -295,9 +288,8 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         lens=cache.seq_lens.data_ptr(), po=po.data_ptr(), pl=pl.data_ptr(),
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
-        q_ws=None if q_ws is None else q_ws.data_ptr(),
     )  # fmt: skip
-    return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl, q_ws,
+    return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl,
                       one_stream)  # fmt: skip
 
 
@@ -350,12 +342,6 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
 
         if one:
             buffers()
-        if "pages" in parts and plan.q_ws is not None:  # q prepared once per sequence and head group, first
-            err = lib.qmla_qprep(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, B,
-                                 ctypes.c_void_p(stream))  # fmt: skip
-            if err != 0:
-                cur.wait_stream(side)
-                raise RuntimeError(f"CUDA q preparation kernel launch failed: {lib.qmla_error_string(err).decode()}")
         if "pages" in parts:
             err = lib.qmla_decode(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, plan.ns, B,
                                   ctypes.c_void_p(stream))  # fmt: skip

@@ -34,7 +34,6 @@
 #include "mla_query.cuh"
 #include "mla_sm90_bf16.cuh"
 #include "mla_sm90_cfg.cuh"
-#include "mla_sm90_qprep.cuh"
 #include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
@@ -67,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   float* smx = reinterpret_cast<float*>(smem + C::SMX);    // [warp]
 
   pdl_launch_dependents();  // the split merge may launch now (QMLA_PDL; it waits for this grid to finish)
-#if QMLA_PDL && !QMLA_SM90_QPREP  // a programmatic launch (mla_launch.cuh): the kernel before it must be complete
+#if QMLA_PDL  // a programmatic launch (mla_launch.cuh): the kernel before it must be complete
   if (!p.pdl_late) pdl_wait();    // before the first read, unless it is the buffer kernel (then: at the end)
 #endif
   const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
@@ -94,15 +93,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;
 
   // ---- q: bf16(q * qk_scale) staged from stage 1 on (coalesced pairs), the CTA's largest |q| -> e; then q^T as the
-  // B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh); or all of it prepared once
-  // per sequence and head group (mla_sm90_qprep.cuh)
-#if QMLA_SM90_QPREP
-  const int e = load_prepared_q(smem + C::QT, qb, p, b, hg);
-#else
+  // B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh). (Staging q once per sequence
+  // and head group in a prep kernel instead was 0.96-0.98x at B32 x 32K / B8 x 128K: kernel_variants_h200_s14a.md.)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][kQRow], over stage 1 and PT
   const int e = stage_q<kHeads, kThreads, true, kQRow>(qst, red, p, b, h0);
   stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow>(smem + C::QT, qst, exp2i(-e), qb);
-#endif
   const float two_e = exp2i(e);
   const uint32_t qt_u = smem_u32(smem + C::QT);
 
@@ -201,10 +196,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
-#if QMLA_SM90_META_EARLY  // the meta rows read while the score product's last batches run (their latency hidden)
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) load_meta<CSYM, RSYM, M>(meta, 16 * warp + g + 8 * ri, ri, sv, ov, rsv, rov);
-#endif
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
 #pragma unroll
@@ -219,29 +210,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int ri = 0; ri < 2; ++ri) {
       const int tau = 16 * warp + g + 8 * ri;
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
-#if !QMLA_SM90_META_EARLY
       load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
-#endif
       const float rs = rsv[ri], ro = rov[ri];
       float qsv[5][NC];
 #pragma unroll
       for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-#if QMLA_SM90_SCORE2  // the offset terms first, then one FMA chain: 10 instructions per score instead of 14
-        float s = RSYM ? 0.f : ro * qsv[4][c];
-#pragma unroll
-        for (int gr = 0; gr < 4; ++gr) s = CSYM ? s : fmaf(ov[gr][ri], qsv[gr][c], s);
-        s = fmaf(rs, sacc[4][acc_idx(ri, c)], s);
-#pragma unroll
-        for (int gr = 0; gr < 4; ++gr) s = fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], s);
-#else
         float s = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4][c]);
 #pragma unroll
         for (int gr = 0; gr < 4; ++gr)
           s += CSYM ? sv[gr][ri] * sacc[gr][acc_idx(ri, c)]
                     : fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], ov[gr][ri] * qsv[gr][c]);
-#endif
         sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
       }
     }
@@ -449,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }
   store_partial<kC8, CPG, PS, NG, NC, NH>(p.po, row0, p.H, h0, oacc, o_down, corr, inv_l, warp, g, t);
-#if QMLA_PDL && !QMLA_SM90_QPREP
+#if QMLA_PDL
   if (p.pdl_late) pdl_wait();  // this grid completes after the buffer kernel: the merge's wait then covers both
 #endif
 #endif

@@ -35,7 +35,6 @@ struct Params {
   int H, ns_total, pps, sink, local;
   float qk_scale;  // softmax_scale * log2(e)
   int q_fp32;      // 1: q tensors are fp32, 0: bf16
-  uint8_t* q_ws;   // prepared q per (sequence, head group) (mla_sm90_qprep.cuh; null unless the library uses it)
   int pdl_late;    // QMLA_PDL, Hopper kernel: 1 when the kernel before it is the BF16 buffer kernel, which writes
                    // nothing it reads: wait for it at the end only (else at the start, before any read)
 };
