@@ -154,7 +154,7 @@ def profile_format(model, fmt: str, batch: int, n: int, steps: int, device: str)
     if device == "cuda":
         ks = kernel_summary(prof, device)
         row.update(gpu_ms=ks.pop("device_ms"), **ks)
-    return row
+    return {**row, "ranges": range_times(prof.events())}
 
 
 def profile_prefill(model, fmt: str, n: int, chunk: int, steps: int, device: str) -> dict:
@@ -246,44 +246,39 @@ def write(stem: str, meta: dict, rows: list[dict]) -> None:
             cells += f" | {r['kernels']} | {r['gpu_ms']:.2f} | {r['ours_ms']:.2f} | {r['gpu_ms'] / r['wall_ms']:.2f}"
         lines.append(cells + " |")
     for r in rows:
-        lines += ["", f"{r['format']}: most frequent operators {r['top_ops']}"]
+        at = f"{r['format']} B{r['batch']} x {r['context']}"
+        lines += ["", f"{at}: most frequent operators {r['top_ops']}"]
         if gpu:
-            lines.append(f"{r['format']}: top kernels by device time (name, launches, ms) {r['top_kernels']}")
+            lines.append(f"{at}: top kernels by device time (name, launches, ms) {r['top_kernels']}")
     write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
-
-
-def _range_ms(r: dict, name: str) -> str:
-    got = r.get("ranges", {}).get(name)
-    return "-" if got is None else f"{got['device_ms' if 'ours_ms' in r else 'cpu_ms']:.1f}"
 
 
 def write_prefill(stem: str, meta: dict, rows: list[dict]) -> None:
     clk = meta["clock"]
+    key = "device_ms" if clk == "GPU" else "cpu_ms"  # of a range: the kernels launched inside it / its host time
+    what = ("`kernels` / `GPU ms` = device kernels of the profiled ingestion and their summed device time; `ours` = "
+            "quantmla's writer/attention kernels; a range's ms = the device time of the kernels launched inside it"
+            if clk == "GPU" else "`kernels` / `CPU ms` = aten operators and their self CPU time; a range's ms = the "
+            "CPU time inside it")  # fmt: skip
     lines = [f"# Prompt ingestion profiled, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`: {meta['model']}, {meta['layers']} layers, torch {meta['torch']}. One prompt of "
              "`context` tokens (batch 1) in forwards of `chunk` tokens into a fresh cache. `wall` = median "
              "synchronized ingestion (outside the profiler, after one warm-up); `aten ops` = top-level operators "
-             "dispatched; " + ("`kernels` / `GPU ms` = device kernels of the profiled ingestion and their summed "
-             "device time; `ours` = quantmla's writer/attention kernels; the range columns are the device time of "
-             "the kernels launched inside each range (`attention` / `MLP`: every decoder layer's attention and MLP "
-             "module; `prefill attn`, `store`, `mask`: inside our cache's attend: quantmla.cache.layer)"
-             if clk == "GPU" else "`kernels` / `CPU ms` = aten operators and their self CPU time; the range "
-             "columns are the CPU time inside each range (`attention` / `MLP` modules; `prefill attn`, `store`, "
-             "`mask` inside our cache's attend)") + ".", "",
+             f"dispatched; {what}, nested ranges included (`attention` / `MLP`: every decoder layer's attention and "
+             "MLP module; `prefill attn`, `store`, `mask`: inside our cache's attend, quantmla.cache.layer).", "",
              f"| format | context | chunk | wall s | aten ops | kernels | {clk} ms | ours ms | attention ms | MLP ms | "
              f"prefill attn ms | store ms | mask ms | {clk} / wall |", "|---" * 14 + "|"]  # fmt: skip
     for r in rows:
-        ours = f"{r['ours_ms']:.1f}" if "ours_ms" in r else "-"
+        ranges = [f"{r['ranges'][k][key]:.1f}" if k in r["ranges"] else "-" for k in RANGES]
         cells = [r["format"], r["context"], r["chunk"], f"{r['wall_s']:.3f}", r["cpu_ops"], r["kernels"],
-                 f"{r['device_ms']:.1f}", ours, *(_range_ms(r, k) for k in RANGES),
+                 f"{r['device_ms']:.1f}", f"{r['ours_ms']:.1f}" if "ours_ms" in r else "-", *ranges,
                  f"{r['device_ms'] / (1e3 * r['wall_s']):.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     for r in rows:
         at = f"{r['format']} x {r['context']}"
+        spans = "; ".join(f"{k} {v['calls']}, {v['cpu_ms']:.1f}, {v[key]:.1f}" for k, v in r["ranges"].items())
         lines += ["", f"{at}: chunk seconds {r['chunk_s']}; cached tokens per layer {r['cached_tokens']}",
-                  f"{at}: ranges (calls, host ms, {clk} ms) " + "; ".join(
-                      f"{k} {v['calls']}, {v['cpu_ms']:.1f}, {v['device_ms' if clk == 'GPU' else 'cpu_ms']:.1f}"
-                      for k, v in r["ranges"].items()),
+                  f"{at}: ranges (calls, host ms, {clk} ms) {spans}",
                   f"{at}: top kernels by {clk} time (name, launches, ms) {r['top_kernels']}",
                   f"{at}: most frequent operators {r['top_ops']}"]  # fmt: skip
     write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
