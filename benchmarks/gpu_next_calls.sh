@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 15:00), most important
-# first: (1) `variants` with VARIANTS=base,pdl,qprep,qprep_pdl,st2,score2,meta_early VARIANT_TESTS=1, carry .fmbuild (~8
-# min: safer as two calls of half each, base in both; the kernel changes written on 2026-12-01 and compiled, never run
-# -- each variant's wgmma GPU tests first, then C4R4 at the four shapes beside FlashMLA); make the winners default
-# (their macros in mla_sm90_cfg.cuh / mla_sm90_qprep.cuh / mla_ops.cuh) and re-run `kernels` on the new default; (2)
-# `trace` (decode_trace.py: the device timeline, with a q-prep column) to see what is left of the fixed part; (3) issue
-# 10's SmolLM2 kit steps (C2R4 on the Triton path, never timed: `gpu_session_issue10.sh /root/issue10
-# smollm2,evalspeed,devices`; the kit travels in three parts: carry .gpucarry_1 / _2 with two other calls prefixed `bash
-# benchmarks/device_carry.sh collect;`, the SmolLM2 steps go with .gpucarry_3) and its `v2lite` step, now with
-# `bench_generate --graph` (item 4's table with the step captured); (4) `mutation` (the wgmma kernel's tests must still
-# catch its mutations after 2026-12-01's q^T staging change) and `bench` (every format beside FlashMLA at the new
-# defaults). Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 17:30): nothing of the
+# kernels is unmeasured (session 14 measured and settled every variant written on 2026-12-01). Most important first:
+# (1) `mutation` alone with QUANTMLA_GPU_BUDGET_S=560 (it needs ~5 min: 285 s covered 7 of its 8 cases at 78f7ed7);
+# (2) `bench` (every format beside FlashMLA at the new defaults, carry .flashmla) and `heads`; (3) issue 10's
+# `prefprof` and `v2lite128k` steps (gpu_session_issue10.sh; the prefill profile says where a prompt's ~3x over
+# transformers' own path goes; v2lite128k now times the captured step at 128K too); (4) issue 12's full-budget units
+# (`python benchmarks/full_budget.py --device cuda --resume --ship --tag paper --carry-in/--carry-out`) with the
+# rest. A new kernel change: `variants` with VARIANT_TESTS=1 (each variant's wgmma GPU tests, then C4R4 at four
+# shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
+# Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
 # under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
 # returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
 #
@@ -28,7 +26,7 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
 #       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~4 min: the wgmma kernel's tests can fail
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~5 min (a call of its own): the wgmma kernel's tests can fail
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation64  # ~4 min: the wgmma64 kernel's
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
 #       16/32/64/128, C4R4 on the default kernels and every format on wgmma64, beside FlashMLA

@@ -18,6 +18,11 @@
 #               (tag h200_v2lite_128k)                                                         ~4 min   (cap 420 s)
 #   stepprof    benchmarks/step_profile.py v2-lite B32 x 32K (hf, bf16, c4r4): one decode step under torch.profiler --
 #               launches, device time, our kernels' share (why the step is ~65 ms for every format)  ~2 min (cap 240 s)
+#   prefprof    benchmarks/step_profile.py --prefill v2-lite: one prompt of 4096, then 32768 tokens (chunks of 8192)
+#               into a fresh cache under torch.profiler, hf/bf16/c4r4 -- device time per kernel and inside the
+#               attention / MLP modules and our prefill attention, store and mask check (why ingestion is 3-4x
+#               transformers' own) -> step_profile_h200_v2lite_prefill.{json,md}, rewritten after
+#               each format                                                                    ~2 min (cap 240 s)
 #   graph       benchmarks/bench_graph_decode.py v2-lite: the decode step captured in a CUDA graph vs eager, every format,
 #               B32 x 32K / B8 x 128K / B1 x 4K (checked first against the eager step)             ~5 min (cap 420 s)
 #   costs       benchmarks/step_costs.py: fits quantmla.serve.throughput.StepCosts to the v2-lite rows measured
@@ -96,7 +101,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 DRY=${QUANTMLA_GPU_DRYRUN:-}
 RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh [--dry-run] RESULTS_DIR [STEPS] (or --prepare)}
-STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,graph,devices,generate,smollm2,evalspeed}
+STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,prefprof,graph,devices,generate,smollm2,evalspeed}
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-540}))
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
@@ -196,6 +201,10 @@ run_stepprof() {
   step stepprof 240 $PY benchmarks/step_profile.py --model v2-lite --batch 32 --context 32768 --formats hf,bf16,c4r4 \
     --tag h200_v2lite_b32_n32768 --out "$RES" --force
 }
+run_prefprof() {
+  step prefprof 240 $PY benchmarks/step_profile.py --prefill --model v2-lite --context 4096,32768 --prefill-chunk 8192 \
+    --formats hf,bf16,c4r4 --steps 3 --tag h200_v2lite_prefill --out "$RES" --force
+}
 run_graph() {
   step graph 420 $PY benchmarks/bench_graph_decode.py --model v2-lite --shapes 32x32768,8x131072,1x4096 \
     --tag h200_v2lite --out "$RES" --force
@@ -203,7 +212,7 @@ run_graph() {
 run_evalspeed() { smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile; }
 for s in ${STEPS//,/ }; do
   if [[ $(type -t "run_$s") != function ]]; then
-    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, graph, devices, generate, smollm2, evalspeed)" |
+    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, prefprof, graph, devices, generate, smollm2, evalspeed)" |
       tee -a "$SUMMARY"
     continue
   fi
