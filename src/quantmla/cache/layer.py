@@ -48,7 +48,8 @@ def _shift(x: torch.Tensor, skip: list[int], dim: int, left: bool) -> torch.Tens
 def _profiled(name: str):
     """A ``torch.profiler`` range named ``name`` while a profiler records (``benchmarks/step_profile.py --prefill``
     attributes device time with them), else nothing: not even the range's own dispatch (~5 us) outside profiling."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+    on = getattr(torch.autograd, "_profiler_enabled", None)  # private in torch: absent -> never a range
+    return torch.profiler.record_function(name) if on is not None and on() else contextlib.nullcontext()
 
 
 class PagedCacheLayer:
