@@ -379,18 +379,22 @@ def test_per_head_prefill_refuses_bad_weights_and_impl():
 
 
 @pytest.mark.parametrize("name", ["bf16", "c4r4"])
-def test_per_head_split_merges_a_fused_far_part(name, monkeypatch):
-    """Where a fused attention with its log-sum-exp runs the far keys (CUDA), its normalized output merges with the
-    near band's tiles exactly: the fp32 per-head path with a float64 stand-in for the fused kernel equals the
-    oracle on the boundary case, and the stand-in was used."""
+def test_per_head_split_merges_fused_far_and_near_parts(name, monkeypatch):
+    """Where a fused attention with its log-sum-exp runs (CUDA), the far keys (unmasked) and the near band (with
+    the policy's additive mask, near_bias) merge exactly: the fp32 per-head path with a float64 stand-in for the
+    fused kernel -- scores scaled, the additive mask added, as the kernel does -- equals the oracle on the boundary
+    case, both kinds of call were made, and the near band ran in one call per query block. A BF16 cache's first
+    query of a block admits no near key (its own token is far): its finite log-sum-exp must merge with weight 0."""
     from quantmla.kernels import prefill as prefill_mod
     from quantmla.kernels.dispatch import prefill_attention_heads
 
     calls = []
 
-    def fused(q, k, v, scale):  # what the fused kernel returns: (o [G, M, Dv], lse [G, M, 1])
-        calls.append(k.shape[1])
+    def fused(q, k, v, scale, allowed=None):  # what the fused kernel returns: (o [G, M, Dv], lse [G, M, 1])
+        calls.append((k.shape[1], allowed is not None))
         s = (q.double() @ k.double().transpose(1, 2)) * scale
+        if allowed is not None:
+            s = s + prefill_mod.near_bias(allowed, torch.float64)
         return (torch.softmax(s, -1) @ v.double()).float(), torch.logsumexp(s, -1, keepdim=True).float()
 
     monkeypatch.setattr(prefill_mod, "_fused_attention", fused)
@@ -400,6 +404,7 @@ def test_per_head_split_merges_a_fused_far_part(name, monkeypatch):
     w_uk, w_uv = _up(2, 24, 20, 128)
     ref = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
     per_key = 2 * (24 + 32 + 20) * 4  # bytes of one key's up-projected keys and values, fp32, 2 heads
+    blocks = sum(-(-k // 3) for k in BOUNDARY_NEW if k)  # query blocks of 3 positions over the sequences
     for keys in (None, 5):  # the whole far range in one call, or chunks of 5 keys (a long prompt's path)
         if keys:
             monkeypatch.setattr(prefill_mod, "PER_HEAD_KEYS", keys * per_key)
@@ -408,7 +413,22 @@ def test_per_head_split_merges_a_fused_far_part(name, monkeypatch):
             got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent,
                                           impl="split", dtype=torch.float32, block=block)  # fmt: skip
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-            assert calls and max(calls) == (keys or max(calls)) and (not keys or min(calls) >= 1)
+            far = [n for n, masked in calls if not masked]
+            near = [n for n, masked in calls if masked]
+            assert far and max(far) == (keys or max(far)) and (not keys or min(far) >= 1)
+            assert len(near) == (blocks if block else sum(1 for k in BOUNDARY_NEW if k))
+
+
+def test_near_bias_is_aligned_and_admits_exactly_the_allowed_keys():
+    """The fused kernel's additive mask: 0 where a key is admitted, the finite MASKED elsewhere, rows 16-element
+    aligned (a 21-key band is stored 32 wide), in the operands' dtype."""
+    from quantmla.kernels.prefill import MASKED, near_bias
+
+    allowed = torch.rand(5, 21, generator=torch.Generator().manual_seed(3)) > 0.5
+    bias = near_bias(allowed, torch.bfloat16)
+    assert bias.shape == (5, 21) and bias.dtype == torch.bfloat16 and bias.stride() == (32, 1)
+    assert torch.equal(bias == 0, allowed) and torch.all(bias[~allowed] == torch.tensor(MASKED).bfloat16())
+    assert torch.isfinite(bias).all()
 
 
 @pytest.mark.gpu
@@ -427,7 +447,8 @@ def test_gpu_per_head_prefill_with_the_fused_far_part(name):
     ref = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent, impl="torch")
     exact = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                     impl="split", dtype=torch.float32)  # fmt: skip
-    assert prefill_mod._FUSED.get(str(q_nope.device)) is True
+    assert prefill_mod._FUSED.get(str(q_nope.device)) is True  # the far keys
+    assert prefill_mod._FUSED.get(str(q_nope.device) + ":masked") is True  # the near band
     torch.testing.assert_close(exact, ref, rtol=2e-4, atol=2e-5)
     fast = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                    impl="split")  # fmt: skip

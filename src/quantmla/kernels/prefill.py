@@ -115,6 +115,10 @@ def prefill_attention_sdpa(
 ROWS = 8192  # query rows (heads x positions) per block of the split path
 PER_HEAD_KEYS = 1 << 30  # bytes: a sequence's up-projected keys and values are made once when they fit, else per tile
 SCORES = 1 << 26  # scores per tile: [rows, keys] fp32 + BF16 = 384 MB
+FUSED_BLOCK = 8192  # query positions per block where a fused kernel runs both parts (per head on CUDA): the near
+# band's additive mask is [block, sink + local + block] (136 MB in BF16 at DeepSeek's policy), no score is stored
+MASKED = -30000.0  # the near band's additive mask: finite, so a row with no admitted key there gets a finite
+# log-sum-exp ~-30000 that merges with weight exp(-30000 - m) = 0 (with -inf a kernel may return NaN for it)
 _MM_OUT_DTYPE: dict[str, bool] = {}  # per device: whether torch.mm takes out_dtype there (torch >= 2.8 on CUDA)
 
 
@@ -182,33 +186,46 @@ class _Softmax:
         return self.acc / self.l  # [G, M, Dv]
 
 
-_FUSED: dict[str, bool] = {}  # per device: whether the fused attention with its log-sum-exp ran there
+_FUSED: dict[str, bool] = {}  # per device (+ ":masked"): whether the fused attention with its log-sum-exp ran there
 
 
-def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Unmasked attention of ``q [G, M, D]`` over ``k [G, S, D]``, ``v [G, S, Dv]`` in one fused kernel (torch's
+def near_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` bool ``[t, S]`` -> the additive mask ``[t, S]`` of the fused kernel: 0 where admitted, :data:`MASKED`
+    elsewhere, in ``dtype``, its rows 16-element aligned (the memory-efficient kernel's requirement)."""
+    t, S = allowed.shape
+    bias = torch.zeros(t, -(-S // 16) * 16, dtype=dtype, device=allowed.device)[:, :S]
+    return bias.masked_fill_(~allowed, MASKED)
+
+
+def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     allowed: torch.Tensor | None = None):  # fmt: skip
+    """Attention of ``q [G, M, D]`` over ``k [G, S, D]``, ``v [G, S, Dv]`` in one fused kernel (torch's
     memory-efficient SDPA, which returns the log-sum-exp; no score tile is materialized) -> ``(o [G, M, Dv] fp32,
-    lse [G, M, 1])``, or None where there is none (the CPU; a torch without it: warned once, then the tiles)."""
-    key = str(q.device)
+    lse [G, M, 1])``, or None where there is none (the CPU; a torch without it: warned once, then the tiles).
+    ``allowed``: bool ``[M, S]``, the keys each query row admits, the same for every g (all without it)."""
+    key = str(q.device) + ("" if allowed is None else ":masked")
     if not q.is_cuda or _FUSED.get(key) is False:
         return None
+    G, M, S = q.shape[0], q.shape[1], k.shape[1]
+    b4 = None if allowed is None else near_bias(allowed, q.dtype)[None, None].expand(1, G, M, S)
     try:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q[None], k[None], v[None], None, True, 0.0,
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q[None], k[None], v[None], b4, True, 0.0,
                                                                         False, scale=scale)[:2]  # fmt: skip
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
         import warnings
 
-        warnings.warn(f"quantmla: fused prefill attention unavailable, using score tiles ({e})", stacklevel=2)
+        warnings.warn(f"quantmla: fused prefill attention ({key}) unavailable, using score tiles ({e})", stacklevel=2)
         _FUSED[key] = False
         return None
     _FUSED[key] = True
-    return o[0].float(), lse[0, :, : q.shape[1], None].float()
+    return o[0].float(), lse[0, :, :M, None].float()
 
 
 class _Latent:
     """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
 
     fused_keys = 0  # 576 / 512 wide: the score tiles, never a fused kernel
+    per_head = False
 
     def __init__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, dtype: torch.dtype) -> None:
         self.q_lat, self.q_pe, self.dtype, self.dv = q_lat, q_pe, dtype, q_lat.shape[-1]
@@ -237,7 +254,7 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
     # a BF16 cache has one copy of each token: the policy with no sink and no window reads it everywhere
     policy = replace(cache.policy, sink=cache.n_sink, local=cache.n_local) if quant else replace(
         cache.policy, sink=0, local=0)  # fmt: skip
-    step = block or max(1, ROWS // H)
+    step = block or (FUSED_BLOCK if ops.per_head else max(1, ROWS // H))
     for b, n in enumerate(cache.lengths()):
         k_new = n_new[b]
         if k_new == 0:
@@ -269,8 +286,11 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
             k, v = ops.rows(torch.cat([packed[near.start : near.stop], full[:n_sink], full[f0:f1]]))  # [G, S, .]
             qpos = torch.arange(q0, q1, device=dev)  # [t]
             allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
-            for k0 in range(0, len(kpos), kb):  # near: the band where the copy read depends on the query
-                sl = slice(k0, k0 + kb)
+            fused = _fused_attention(q, k, v, softmax_scale, allowed) if ops.per_head else None
+            if fused is not None:  # per head on CUDA: the near band in one masked fused call
+                sm.add_normalized(*fused)
+            for k0 in range(0, len(kpos), kb) if fused is None else ():  # near: the band where the copy read
+                sl = slice(k0, k0 + kb)  # depends on the query, in score tiles
                 sm.add(q, k[:, sl], v[:, sl], allowed[:, sl])
             o[b, :, t0:t1] = sm.result().view(H, t1 - t0, ops.dv)
     return o
@@ -306,6 +326,8 @@ class _PerHead:
     the up-projection, once per sequence (or per chunk of keys past :data:`PER_HEAD_KEYS` bytes). On CUDA the far
     keys go through torch's fused attention (:func:`_fused_attention`), one call per chunk of at most
     :data:`PER_HEAD_KEYS` bytes of up-projected keys and values, instead of score tiles."""
+
+    per_head = True  # a fused kernel may run both parts (the CUDA memory-efficient one takes these widths)
 
     def __init__(self, q_nope, q_pe, w_uk, w_uv, dtype: torch.dtype) -> None:
         self.q_nope, self.q_pe, self.dtype = q_nope, q_pe, dtype
