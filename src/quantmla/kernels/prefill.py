@@ -14,6 +14,12 @@ latent KV head), so the ``H x t`` queries of a block of ``t`` positions run as `
   policy's mask (a copy is admitted when the key is causal and :meth:`CachePolicy.reads_full` picks that copy):
   ``local + t`` keys of each kind, whatever the context.
 
+Per head on CUDA (:func:`prefill_attention_heads`) both parts run in torch's fused memory-efficient attention,
+which returns the log-sum-exp: the far keys unmasked, the near band with the policy's mask as a finite additive
+bias (:func:`near_bias`), in query blocks of :data:`FUSED_BLOCK` positions, so a chunk of a prompt is a few fused
+calls per layer instead of blocks of score tiles (whose launches dominated: 8.9-14.4 ms per layer for a 4K prompt
+against 0.25 ms for torch's own attention, ``benchmarks/results/prefill_h200_heads_fused.md``).
+
 A BF16 cache has one copy per token: its policy is taken as ``sink = local = 0`` (far: ``j <= q0``; near: the
 causal triangle of the block).
 
