@@ -52,6 +52,23 @@ def test_reference_writer_reads_back_fake_quantized(name):
                 assert torch.equal(cache.local[b, pos % cache.n_local], row)
 
 
+@pytest.mark.parametrize("name", ["c4r4", "c2r4", "c8r8", "bf16"])
+def test_read_packed_in_bf16_is_the_fp32_read_rounded_once(name):
+    """``read_packed(..., dtype=bf16)`` (prefill's workspace) equals the fp32 read rounded to BF16, bit for bit; a
+    BF16 path is gathered as 4-byte words (the int32 view of its region holds the same bytes as the uint8 one)."""
+    lens = [0, 5, 40]
+    cache, _, _ = make_cache(name, lens, chunks=2)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n).flip(0)  # any order
+        assert torch.equal(cache.read_packed(b, pos, dtype=torch.bfloat16), cache.read_packed(b, pos).bfloat16())
+    for which in ("content", "rope"):
+        words, raw = cache._region(which, words=True), cache._region(which)
+        if words.dtype == torch.int32:
+            assert torch.equal(words.contiguous().view(torch.uint8), raw.contiguous())
+    if name == "bf16":
+        assert cache._region("content", words=True).dtype == torch.int32
+
+
 def test_reserve_out_of_pages_is_clear():
     cache = PagedMLACache("c4r4", 1, 64, kv_lora_rank=128, rope_dim=32, policy=CachePolicy(page_size=16), num_pages=2)
     with pytest.raises(RuntimeError, match="out of cache pages"):

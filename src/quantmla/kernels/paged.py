@@ -333,10 +333,14 @@ class PagedMLACache:
                         self.local[b, pos[l_keep] % self.n_local] = row[l_keep.to(row.device)]
         self._commit(start, n_new)
 
-    def _region(self, which: str) -> torch.Tensor:
-        """Codes region of all pages as uint8 ``[num_pages, P, bytes per token]``."""
+    def _region(self, which: str, words: bool = False) -> torch.Tensor:
+        """Codes region of all pages as uint8 ``[num_pages, P, bytes per token]``; ``words``: as int32 ``[.., bytes /
+        4]`` where the page, the region and a token's bytes are 4-byte multiples (else the uint8 view)."""
         L, P = self.layout, self.page_size
         off, nb = (L.content_offset, L.content_bytes) if which == "content" else (L.rope_offset, L.rope_bytes)
+        if words and (self.pool.shape[1] | off | nb) % 4 == 0 and self.pool.storage_offset() % 4 == 0:
+            pool = self.pool.view(torch.int32)
+            return pool[:, off // 4 : (off + P * nb) // 4].view(self.num_pages, P, nb // 4)
         return self.pool[:, off : off + P * nb].view(self.num_pages, P, nb)
 
     def _meta(self) -> torch.Tensor:
@@ -371,25 +375,26 @@ class PagedMLACache:
             meta[pages[:, None], (r_o + rows)[None, :], slots[:, None]] = offset
 
     # -- reading (torch; used by the reference attention and the tests) ---------------------------
-    def read_packed(self, b: int, pos: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[len(pos), Dc + Dr]``: tokens ``pos`` of sequence ``b`` dequantized from their packed copy."""
+    def read_packed(self, b: int, pos: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[len(pos), Dc + Dr]`` in ``dtype``: tokens ``pos`` of sequence ``b`` dequantized from their packed copy
+        (computed in fp32, rounded to ``dtype`` once; a BF16 path's bytes read 4 at a time where they align)."""
         L, P = self.layout, self.page_size
         pos = pos.to(torch.long).cpu()
         pages = torch.tensor(self.table.pages(b), dtype=torch.long)[pos // P].to(self.device)
         slots = (pos % P).to(self.device)
         out = []
         for which, spec, width in (("content", self.fmt.content, L.kv_lora_rank), ("rope", self.fmt.rope, L.rope_dim)):
-            raw = self._region(which)[pages, slots]  # [k, bytes]
-            if spec is None:
-                out.append(raw.contiguous().view(torch.bfloat16).float())
+            if spec is None:  # BF16 values: gather whole words, not bytes
+                out.append(self._region(which, words=True)[pages, slots].contiguous().view(torch.bfloat16).to(dtype))
                 continue
+            raw = self._region(which)[pages, slots]  # [k, bytes]
             codes = unpack(raw, spec.bits, width, self.layout.pack_group(which))
             meta = self._meta()
             r_s, r_o, g = self._meta_rows_of(which)
             rows = torch.arange(g, device=self.device)
             scale = meta[pages[:, None], (r_s + rows)[None, :], slots[:, None]]
             offset = None if r_o is None else meta[pages[:, None], (r_o + rows)[None, :], slots[:, None]]
-            out.append(dequantize_codes(codes, scale, offset, spec))
+            out.append(dequantize_codes(codes, scale, offset, spec).to(dtype))
         return torch.cat(out, dim=-1)
 
     def recent_window(self, c_kv: torch.Tensor, k_pe: torch.Tensor, before: list[int], n_new: list[int]):

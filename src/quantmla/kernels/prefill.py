@@ -65,7 +65,7 @@ def _sequence_copies(cache, b: int, n: int, k_new: int, recent, dev, dtype):
     that also have a BF16 copy (sink, local ring, ``recent``) and those copies ``[F, D]`` (none for a BF16 cache)."""
     if k_new > n:
         raise ValueError(f"sequence {b}: {k_new} new queries but only {n} cached tokens; write the tokens first")
-    packed = cache.read_packed(b, torch.arange(n)).to(device=dev, dtype=dtype)
+    packed = cache.read_packed(b, torch.arange(n), dtype=dtype).to(dev)
     if not cache.fmt.is_quantized:
         return packed, torch.zeros(0, dtype=torch.long, device=dev), packed[:0]
     full, held = full_precision_rows(cache, b, n, k_new, recent)
