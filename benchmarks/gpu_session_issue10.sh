@@ -23,6 +23,9 @@
 #               attention / MLP modules and our prefill attention, store and mask check (why ingestion is 3-4x
 #               transformers' own) -> step_profile_h200_v2lite_prefill.{json,md}, rewritten after
 #               each format                                                                    ~2 min (cap 240 s)
+#   prefill     benchmarks/bench_prefill.py: one layer's chunked prefill attention (last chunk of 8192), per head (the
+#               near band in one masked fused call since 2026-12-01 17:20) vs the latent split vs transformers' MHA,
+#               bf16/c4r4 at 4K/32K/128K -> prefill_h200_heads_near.{json,md}                  ~2 min   (cap 200 s)
 #   graph       benchmarks/bench_graph_decode.py v2-lite: the decode step captured in a CUDA graph vs eager, every format,
 #               B32 x 32K / B8 x 128K / B1 x 4K (checked first against the eager step)             ~5 min (cap 420 s)
 #   costs       benchmarks/step_costs.py: fits quantmla.serve.throughput.StepCosts to the v2-lite rows measured
@@ -101,7 +104,7 @@ if [[ ${1:-} == --dry-run ]]; then
 fi
 DRY=${QUANTMLA_GPU_DRYRUN:-}
 RES=${1:?usage: bash benchmarks/gpu_session_issue10.sh [--dry-run] RESULTS_DIR [STEPS] (or --prepare)}
-STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,prefprof,graph,devices,generate,smollm2,evalspeed}
+STEPS=${2:-tests,v2lite,v2lite128k,costs,stepprof,prefprof,prefill,graph,devices,generate,smollm2,evalspeed}
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-540}))
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
@@ -205,6 +208,10 @@ run_prefprof() {
   step prefprof 240 $PY benchmarks/step_profile.py --prefill --model v2-lite --context 4096,32768 --prefill-chunk 8192 \
     --formats hf,bf16,c4r4 --steps 3 --tag h200_v2lite_prefill --out "$RES" --force
 }
+run_prefill() {
+  step prefill 200 $PY benchmarks/bench_prefill.py --impls split,heads,mha --contexts 4096,32768,131072 \
+    --formats bf16,c4r4 --tag h200_heads_near --out "$RES" --force
+}
 run_graph() {
   step graph 420 $PY benchmarks/bench_graph_decode.py --model v2-lite --shapes 32x32768,8x131072,1x4096 \
     --tag h200_v2lite --out "$RES" --force
@@ -212,7 +219,7 @@ run_graph() {
 run_evalspeed() { smol_step evalspeed 240 $PY benchmarks/eval_speed.py --device cuda --tag h200 --out "$RES" --force --profile; }
 for s in ${STEPS//,/ }; do
   if [[ $(type -t "run_$s") != function ]]; then
-    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, prefprof, graph, devices, generate, smollm2, evalspeed)" |
+    echo "$s: UNKNOWN STEP (tests, v2lite, v2lite128k, costs, stepprof, prefprof, prefill, graph, devices, generate, smollm2, evalspeed)" |
       tee -a "$SUMMARY"
     continue
   fi
