@@ -3,8 +3,10 @@
 # kernels is unmeasured (session 14 measured and settled every variant written on 2026-12-01). Most important first:
 # (1) `mutation` alone with QUANTMLA_GPU_BUDGET_S=560 (it needs ~5 min: 285 s covered 7 of its 8 cases at 78f7ed7);
 # (2) `bench` (every format beside FlashMLA at the new defaults, carry .flashmla) and `heads`; (3) issue 10's
-# `prefprof` and `v2lite128k` steps (gpu_session_issue10.sh; the prefill profile says where a prompt's ~3x over
-# transformers' own path goes; v2lite128k now times the captured step at 128K too); (4) issue 12's full-budget units
+# `tests,prefill,prefprof,v2lite` and `v2lite128k` steps (gpu_session_issue10.sh: the per-head prefill's near band
+# runs in one masked fused call since 2026-12-01 17:20, never run on a GPU -- its GPU test first; the prefill profile
+# says where a prompt's ~3x over transformers' own path goes; v2lite128k times the captured step at 128K too);
+# (4) issue 12's full-budget units
 # (`python benchmarks/full_budget.py --device cuda --resume --ship --tag paper --carry-in/--carry-out`) with the
 # rest. A new kernel change: `variants` with VARIANT_TESTS=1 (each variant's wgmma GPU tests, then C4R4 at four
 # shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
