@@ -194,3 +194,38 @@ def test_per_head_attend_is_w_uv_times_the_policy(fmt, chunks):
                        w_uv.double())  # fmt: skip
     assert got.shape == (2, 3, t, 24)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_one_mask_check_per_forward_and_never_a_stale_answer():
+    """Every layer of a forward gets views of one mask: the check runs once and the other layers reuse its answer
+    (the same answer a fresh check gives). A mask changed in place, another mask tensor (even with the same
+    content, even after the first is freed), other shapes or pads: checked again, so a hole in a new mask is
+    always seen (a reused answer there would be a silent wrong result)."""
+    cache = QuantMLACache(spec(layers=3), "c4r4", CachePolicy())
+    c, r = _data(2, 40)
+    for i in range(3):
+        cache.mla_layer(i).write(c, r)
+        cache.mla_layer(i).attend(torch.randn(2, 2, 40, DC), torch.randn(2, 2, 40, DR), 0.1)
+    store = cache.mla_layer(0).store
+    B, T, S = 2, 4, 44
+    qpos = torch.arange(S - T, S)[:, None]
+    full = (torch.arange(S + 8)[None, :] <= qpos)[None, None].expand(B, 1, T, S + 8)  # transformers' [.., S + spare]
+    before = store.mask_checks
+    for i in range(3):  # one forward: each layer slices the same tensor
+        assert cache.mla_layer(i)._pads_and_causal(full[..., :S], B, T, S, first=False) == ([0, 0], True)
+    assert store.mask_checks == before + 1
+    full2 = full.clone()  # same content, another tensor
+    assert cache.mla_layer(0)._pads_and_causal(full2[..., :S], B, T, S, first=False) == ([0, 0], True)
+    assert store.mask_checks == before + 2
+    full2[0, 0, 1, 3] = False  # changed in place: a hole
+    assert cache.mla_layer(1)._pads_and_causal(full2[..., :S], B, T, S, first=False) == ([0, 0], False)
+    assert cache.mla_layer(1).last_mask_causal is False
+    assert cache.mla_layer(2)._pads_and_causal(full2[..., :S], B, T, S, first=False) == ([0, 0], False)
+    assert store.mask_checks == before + 3
+    del full, full2
+    for _ in range(5):  # new masks, possibly at the freed addresses: each one checked
+        hole = (torch.arange(S)[None, :] <= qpos)[None, None].expand(B, 1, T, S).clone()
+        hole[1, 0, 0, 0] = False
+        assert cache.mla_layer(0)._pads_and_causal(hole, B, T, S, first=False) == ([0, 0], False)
+        del hole
+    assert store.mask_checks == before + 8

@@ -26,6 +26,7 @@ stores padding like any token.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -50,6 +51,13 @@ def _profiled(name: str):
     attributes device time with them), else nothing: not even the range's own dispatch (~5 us) outside profiling."""
     on = getattr(torch.autograd, "_profiler_enabled", None)  # private in torch: absent -> never a range
     return torch.profiler.record_function(name) if on is not None and on() else contextlib.nullcontext()
+
+
+def _mask_key(m: torch.Tensor, extra: tuple) -> tuple[torch.Tensor, tuple]:
+    """The tensor whose identity and version say ``m``'s content is unchanged (its base: views share the base's
+    version counter), and the rest of what a mask check's answer depends on."""
+    base = m if m._base is None else m._base
+    return base, (base._version, m.storage_offset(), tuple(m.shape), m.stride(), m.dtype, m.device, extra)
 
 
 class PagedCacheLayer:
@@ -181,6 +189,21 @@ class PagedCacheLayer:
             raise ValueError(f"attention mask must be bool [B, 1 or H, T={T}, S={S}], got {tuple(mask.shape)}")
         if self.trust_causal_mask and not first:
             return [0] * B, True
+        # transformers hands every layer of a forward the same mask (views of one tensor): check it once, reuse the
+        # answer while that very tensor (a weak reference: never a new one at the same address) is unchanged
+        base, key = _mask_key(m, (B, T, S, first, None if first else tuple(self.store.pads)))
+        memo = self.store.mask_memo
+        if memo is not None and memo[0]() is base and memo[1] == key:
+            skip, causal = memo[2]
+            self.last_mask_causal = causal
+            return list(skip), causal
+        skip, causal = self._check_mask(m, B, T, S, first)
+        self.store.mask_memo = (weakref.ref(base), key, (tuple(skip), causal))
+        return skip, causal
+
+    def _check_mask(self, m: torch.Tensor, B: int, T: int, S: int, first: bool) -> tuple[list[int], bool]:
+        """The check itself: elementwise over ``[B, T, S]``, read on the host."""
+        self.store.mask_checks += 1
         m = m.expand(B, m.shape[1], T, S)
         skip = [0] * B
         if first:
