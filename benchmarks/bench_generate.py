@@ -229,14 +229,19 @@ def time_decode(model, fmt: str, batch: int, n: int, steps: int, warmup: int, de
         from quantmla.cache.graph import CapturedDecode
 
         t0 = time.perf_counter()
-        captured = CapturedDecode(model, cache, max_length=cap)
+        try:
+            captured = CapturedDecode(model, cache, max_length=cap)
+        except ValueError as e:  # a model or cache the capture refuses: said in the row, the eager rows stand
+            row["graph_skipped"] = str(e)
+            captured = None
         capture_s = time.perf_counter() - t0
 
         def replay() -> None:
             ids[0] = captured.step(ids[0]).argmax(-1, keepdim=True)
 
-        g = median_seconds(replay, steps, 1, device)
-        row.update(graph_tpot_ms=1e3 * g, graph_tok_s=batch / g, capture_s=capture_s)
+        if captured is not None:
+            g = median_seconds(replay, steps, 1, device)
+            row.update(graph_tpot_ms=1e3 * g, graph_tok_s=batch / g, capture_s=capture_s)
     if isinstance(cache, QuantMLACache):
         row["cache_bytes"] = cache.memory_report()["allocated_bytes"]
     return row

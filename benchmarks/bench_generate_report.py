@@ -54,6 +54,9 @@ def markdown(meta: dict, models: list[dict], rows: list[dict]) -> str:
             L += ["", "Decode with the step captured in a CUDA graph and replayed (`--graph`, `quantmla.cache.graph`), "
                   "same caches after the eager steps: time per output token in ms (tokens/s), ratio to `bf16`:", ""]
             L += _tpot_table(mine, captured, shapes, "graph_")
+        refused = sorted({r["graph_skipped"] for r in mine if "graph_skipped" in r})
+        if refused:  # --graph on a model or cache the capture refuses
+            L += ["", "Not captured in a CUDA graph: " + "; ".join(refused)]
         pre = [r for r in mine if r["kind"] == "prefill" and "seconds" in r]
         if pre:
             how = f"forwards of {pre[0]['chunk']} tokens" if pre[0].get("chunk") else "one forward"

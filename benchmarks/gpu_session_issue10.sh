@@ -197,7 +197,7 @@ run_generate() {
     --model smollm2-mla --device cuda --dtype bfloat16 --format c4r4 --prompt "The quick brown fox" --max-new-tokens 64
 }
 run_smollm2() {
-  smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 \
+  smol_step smollm2 150 $PY benchmarks/bench_generate.py --models smollm2-mla --contexts 4096,32768 --graph \
     --prefill-contexts 4096 --steps 8 --warmup 2 --tag h200_smollm2 --out "$RES" --force
 }
 run_stepprof() {

@@ -133,3 +133,8 @@ def test_report_has_the_captured_table_with_ratios_to_bf16():
     captured = md.split("captured in a CUDA graph")[1]
     assert "| batch | context | bf16 | c4r4 |" in captured  # hf (transformers' cache) is never captured
     assert f"| 8 | 4096 | 20.00 (400/s) | 15.00 (533/s, {15.0 / 20.0:.2f}x) |" in captured
+    rows.append({"model": "m", "kind": "decode", "format": "c2r4", "batch": 8, "context": 4096, "tpot_ms": 85.0,
+                 "tok_s": 8e3 / 85.0, "graph_skipped": "layers [3] would run the torch reference"})  # fmt: skip
+    md = rep.markdown(meta, [{"model": "m", "description": "tiny", "params": 1e9, "dtype": "bf16"}], rows)
+    assert "Not captured in a CUDA graph: layers [3] would run the torch reference" in md  # said, not dropped
+    assert "| batch | context | bf16 | c4r4 |" in md.split("captured in a CUDA graph")[1]  # c2r4 has no captured cell
