@@ -38,7 +38,9 @@ def summarize(events: list[tuple[str, float, float]]) -> dict[str, float]:
     """``events``: (kernel name, start us, end us) of several replays of one call, in any order; a replay is the
     run of our kernels between two foreign kernels (the L2 flush before each). Returns medians over the replays:
     each part's device time, the span (first start to last end), the gap from the page kernel's end to the merge's
-    start, and the number of replays."""
+    start, the tail from the page kernel's end to the merge's end (what the merge adds to the call: with
+    programmatic launches it starts early and waits, so its own time includes the wait), and the number of
+    replays."""
     ev = sorted(events, key=lambda e: e[1])
     replays, cur = [], {}
     for name, t0, t1 in ev:
@@ -63,6 +65,7 @@ def summarize(events: list[tuple[str, float, float]]) -> dict[str, float]:
             out[f"{part}_us"] = statistics.median(vals)
     out["span_us"] = statistics.median(max(e for _, e in r.values()) - min(s for s, _ in r.values()) for r in replays)
     out["gap_us"] = statistics.median(r["combine"][0] - r["pages"][1] for r in replays)
+    out["tail_us"] = statistics.median(r["combine"][1] - r["pages"][1] for r in replays)
     return out
 
 
@@ -127,12 +130,13 @@ def write(stem: str, meta: dict, rows: list) -> None:
              "includes the wait and the gap is negative). "
              f"Every configuration checked first ({'all passed' if meta['ok'] else 'SOME FAILED'}).", "",
              "| format | B x context | kernel | splits | pages | buffers | combine | gap pages -> combine "
-             "| span |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| tail after pages | span |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     nan = float("nan")
     for r in rows:
         lines.append(f"| {r['format']} | {r['batch']} x {r['context']} | {r['kernel']} | {r['splits']} "
                      f"| {r.get('pages_us', nan):.1f} | {r.get('buffers_us', nan):.1f} "
-                     f"| {r.get('combine_us', nan):.1f} | {r['gap_us']:.1f} | {r['span_us']:.1f} |")  # fmt: skip
+                     f"| {r.get('combine_us', nan):.1f} | {r['gap_us']:.1f} | {r.get('tail_us', nan):.1f} "
+                     f"| {r['span_us']:.1f} |")  # fmt: skip
     write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
 
 

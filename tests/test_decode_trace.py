@@ -33,12 +33,12 @@ def test_summary_recovers_the_parts_of_each_replay():
         p, b, gap, c = (float(v) for v in torch.rand(4, generator=g, dtype=torch.float64) * torch.tensor(
             [40.0, 8.0, 3.0, 6.0], dtype=torch.float64) + 1)  # fmt: skip
         events += _replay(1000.0 * i, p, b, gap, c)
-        truth.append((p, b, gap, c, max(p + gap + c, 0.5 + b)))
+        truth.append((p, b, gap, c, max(p + gap + c, 0.5 + b), gap + c))
     events.reverse()  # any order
     s = dtr.summarize(events)
     med = [sorted(x)[3] for x in zip(*truth)]  # float64 medians of the 7 replays, computed apart
     assert s["replays"] == 7
-    for key, want in zip(("pages_us", "buffers_us", "gap_us", "combine_us", "span_us"), med):
+    for key, want in zip(("pages_us", "buffers_us", "gap_us", "combine_us", "span_us", "tail_us"), med):
         assert s[key] == pytest.approx(want, abs=1e-9)
 
 
