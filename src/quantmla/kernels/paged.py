@@ -338,7 +338,8 @@ class PagedMLACache:
         4]`` where the page, the region and a token's bytes are 4-byte multiples (else the uint8 view)."""
         L, P = self.layout, self.page_size
         off, nb = (L.content_offset, L.content_bytes) if which == "content" else (L.rope_offset, L.rope_bytes)
-        if words and (self.pool.shape[1] | off | nb) % 4 == 0 and self.pool.storage_offset() % 4 == 0:
+        aligned = (self.pool.shape[1] | self.pool.stride(0) | off | nb | self.pool.storage_offset()) % 4 == 0
+        if words and aligned and self.pool.stride(1) == 1:
             pool = self.pool.view(torch.int32)
             return pool[:, off // 4 : (off + P * nb) // 4].view(self.num_pages, P, nb // 4)
         return self.pool[:, off : off + P * nb].view(self.num_pages, P, nb)
