@@ -6,7 +6,8 @@
 # `tests,prefill,prefprof,v2lite` and `v2lite128k` steps (gpu_session_issue10.sh: the per-head prefill's near band
 # runs in one masked fused call since 2026-12-01 17:20, never run on a GPU -- its GPU test first; the prefill profile
 # says where a prompt's ~3x over transformers' own path goes; v2lite128k times the captured step at 128K too);
-# (4) issue 12's full-budget units
+# (4) issue 12: `python benchmarks/stream_projection.py --measure` (V3 / K2 streamed-calibration projection measured
+# on the H200, today analytic only; no kit needed, ~2 min) and the full-budget units
 # (`python benchmarks/full_budget.py --device cuda --resume --ship --tag paper --carry-in/--carry-out`) with the
 # rest. A new kernel change: `variants` with VARIANT_TESTS=1 (each variant's wgmma GPU tests, then C4R4 at four
 # shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
