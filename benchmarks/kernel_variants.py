@@ -49,7 +49,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     # 2026-12-01: 1.08x at B1 x 128K and B32 x 4K with them, 1.00x at the large shapes; kernel_variants_h200_s14a.md)
     "merge4": {"QMLA_COMBINE_V4": 1, "QMLA_COMBINE_WIDE": 0},  # the 16-byte split merge at every split count
     "merge1": {"QMLA_COMBINE_V4": 0},  # the scalar merge below 128 splits (the default until 2026-12-01)
-    "st4": {"QMLA_SM90_ST2": 0},  # partial output as 4-byte floats (the default until 2026-12-01; s14b: 1.00-1.02x)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
 }
 

@@ -55,7 +55,7 @@ class PagedStore:
         self.flat: torch.Tensor | None = None  # the one pool allocation, uint8 [sum_l num_pages * page_bytes_l]
         self.pads: list[int] = []  # per sequence: leading padding positions of the caller's key axis, not stored
         self.dtype: torch.dtype | None = None  # dtype of the activations written (checked on every write)
-        self.mask_memo: tuple | None = None  # the last attention-mask check's answer (cache/layer.py _MaskMemo)
+        self.mask_memo: tuple | None = None  # the last attention-mask check's answer (PagedCacheLayer._pads_and_causal)
         self.mask_checks = 0  # attention-mask checks run in full (one per forward when every layer gets one mask)
 
     # -- life cycle -------------------------------------------------------------------------------

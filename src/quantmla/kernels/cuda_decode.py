@@ -350,7 +350,6 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
                 raise RuntimeError(f"CUDA decode kernel launch failed: {lib.qmla_error_string(err).decode()}")
         if not one:
             buffers()
-        if not one:
             cur.wait_stream(side)
         if "combine" in parts:
             out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)

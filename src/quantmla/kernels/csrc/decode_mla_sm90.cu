@@ -462,7 +462,7 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
 }  // namespace sm90
 
 template <>  // with QMLA_PDL the packed page kernel is a programmatic launch: it waits for the kernel before it
-struct ProgrammaticLaunch<sm90::WgmmaKernel> {  // (the q prep kernel, the buffer kernel or any other) itself
+struct ProgrammaticLaunch<sm90::WgmmaKernel> {  // (the buffer kernel at its end, any other at its start) itself
   static constexpr bool value = QMLA_PDL;
 };
 

@@ -17,9 +17,6 @@ namespace sm90 {
 #ifndef QMLA_SM90_MIN_CTAS
 #define QMLA_SM90_MIN_CTAS 2
 #endif
-#ifndef QMLA_SM90_ST2  // 1: the partial output written as 8-byte channel pairs (ncu 2026-12-01: the epilogue was
-#define QMLA_SM90_ST2 1  // ~16% of a one-page CTA's stall samples); 1.00-1.02x, never slower (kernel_variants_h200_s14b)
-#endif
 #ifndef QMLA_SM90_PV_F16  // 1: the 4/2-bit output product in fp16 as well (see kF16Out below); default since
 #define QMLA_SM90_PV_F16 1  // 2026-12-01 (H200: 1-2% faster, 10x smaller error than bf16: kernel_variants_h200_s12.md)
 #endif

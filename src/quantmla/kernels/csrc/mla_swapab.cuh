@@ -166,8 +166,9 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
 }
 
 // The CTA's normalized partial output, po[(row0 + h) * 512 + channel] for this thread's output rows (channels: see
-// the kernel's header) and heads: (O^T o_down + corr) / l. QMLA_SM90_ST2: rows ri = 0, 1 are channels ch, ch + 1,
-// stored as one 8-byte pair.
+// the kernel's header) and heads: (O^T o_down + corr) / l. Rows ri = 0, 1 are channels ch, ch + 1, stored as one
+// 8-byte pair (1.00-1.02x over 4-byte stores, kernel_variants_h200_s14b.md; the epilogue was ~16% of a one-page
+// CTA's stall samples, ncu 2026-12-01).
 template <bool kC8, int CPG, int PS, int NG, int NC, int NH>
 __device__ __forceinline__ void store_partial(float* po, long long row0, int H, int h0,
                                               const float (&oacc)[2 * NG][NH / 2], float o_down,
@@ -182,23 +183,13 @@ __device__ __forceinline__ void store_partial(float* po, long long row0, int H, 
     for (int hh = 0; hh < 2; ++hh) {
       const int ch = kC8 ? kGroup * gi + 16 * (warp + 4 * hh) + 2 * g  // row ri = 0's channel (even); ri = 1: + 1
                          : kGroup * gi + 16 * (warp % CPG) + 2 * g + PS * (2 * (warp / CPG) + hh);
-#if QMLA_SM90_ST2  // one 8-byte store per pair, whole sectors per warp
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
+      for (int c = 0; c < NC; ++c) {  // one 8-byte store per pair, whole sectors per warp
         const int h = h0 + head_of(c, t);
         if (h < H)
           *reinterpret_cast<float2*>(po + (row0 + h) * kDc + ch) =
               make_float2(value(gi, hh, 0, c), value(gi, hh, 1, c));
       }
-#else
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri)
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          const int h = h0 + head_of(c, t);
-          if (h < H) po[(row0 + h) * kDc + ch + ri] = value(gi, hh, ri, c);
-        }
-#endif
     }
 }
 
