@@ -431,6 +431,29 @@ def test_near_bias_is_aligned_and_admits_exactly_the_allowed_keys():
     assert torch.isfinite(bias).all()
 
 
+@pytest.mark.parametrize("width", [20, 56, 64])
+def test_fused_operands_are_padded_and_aligned_without_changing_any_product(width):
+    """What reaches the fused kernel: widths padded to a multiple of 8 with zeros, a unit last stride, a 16-byte
+    aligned start (a row slice at an odd offset of a 20-wide bf16 tensor starts 40 bytes in); the products it
+    computes (q k^T, p v) equal float64 products of the unpadded operands."""
+    from quantmla.kernels.prefill import _kernel_ready
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(3, 41, width, generator=g).bfloat16()
+    x = base[:, 1:40]  # starts width * 2 bytes in
+    y = _kernel_ready(x)
+    assert y.shape[:2] == x.shape[:2] and y.shape[-1] % 8 == 0 and y.shape[-1] - width < 8
+    assert y.stride(-1) == 1 and y.stride(-2) % 8 == 0 and y.data_ptr() % 16 == 0
+    assert torch.equal(y[..., :width], x) and not y[..., width:].any()
+    if width % 8 == 0 and x.data_ptr() % 16 == 0:
+        assert y.data_ptr() == x.data_ptr()  # aligned DeepSeek-like widths are not copied
+    q = torch.randn(3, 5, width, generator=g).bfloat16()
+    scores = _kernel_ready(q).double() @ y.double().transpose(1, 2)
+    torch.testing.assert_close(scores, q.double() @ x.double().transpose(1, 2), rtol=0, atol=0)
+    p = torch.rand(3, 5, 39, generator=g, dtype=torch.float64)
+    torch.testing.assert_close((p @ y.double())[..., :width], p @ x.double(), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["c4r4", "c2r4", "bf16"])

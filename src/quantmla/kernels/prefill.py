@@ -212,8 +212,9 @@ def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     key = str(q.device) + ("" if allowed is None else ":masked")
     if not q.is_cuda or _FUSED.get(key) is False:
         return None
-    G, M, S = q.shape[0], q.shape[1], k.shape[1]
+    G, M, S, dv = q.shape[0], q.shape[1], k.shape[1], v.shape[-1]
     b4 = None if allowed is None else near_bias(allowed, q.dtype)[None, None].expand(1, G, M, S)
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     try:
         o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q[None], k[None], v[None], b4, True, 0.0,
                                                                         False, scale=scale)[:2]  # fmt: skip
@@ -224,7 +225,20 @@ def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         _FUSED[key] = False
         return None
     _FUSED[key] = True
-    return o[0].float(), lse[0, :, :M, None].float()
+    return o[0, ..., :dv].float(), lse[0, :, :M, None].float()
+
+
+def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x [G, S, D]`` as the memory-efficient kernel reads it safely: unit last stride, ``D`` padded with zeros to a
+    multiple of 8 (zero query/key channels leave every score unchanged; zero value channels are sliced off the
+    output) and a 16-byte aligned start. The kernel picks its vectorized variant from the widths and strides alone,
+    so a slice of rows starting at an odd offset of a 20-wide tensor was read misaligned (a CUDA fault, H200
+    2026-12-01, on the tiny test model's ``v_head_dim = 20``); DeepSeek widths pass through uncopied."""
+    D = x.shape[-1]
+    pad = -D % 8
+    if pad == 0 and x.stride(-1) == 1 and x.stride(-2) % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    return F.pad(x, (0, pad)) if pad else x.clone(memory_format=torch.contiguous_format)  # fresh: aligned
 
 
 class _Latent:
