@@ -136,15 +136,20 @@ class Runner:
         self.base: dict = {}
         self.refs: dict = {}
         self.stem, self.work = paths(args)
+        self.mirror = os.path.join(self.work, "results.json")  # every unit's result, beside the transforms
         self.results = {"units": {}}
         self.on_progress = None  # called after every unit and, at most once a minute, after a calibrated block
         self._last_progress = time.time()
-        if os.path.exists(self.stem + ".json"):
-            if not (args.resume or args.force):
-                raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
-            if args.resume:
-                with open(self.stem + ".json") as f:
-                    self.results = json.load(f)
+        if os.path.exists(self.stem + ".json") and not (args.resume or args.force):
+            raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
+        if args.resume:  # the fuller of the results file and its mirror in the work folder (a device call's fresh
+            # working tree has lost the results file of the call before it; the work folder outside the tree has not)
+            for path in (self.stem + ".json", self.mirror):
+                if os.path.exists(path):
+                    with open(path) as f:
+                        r = json.load(f)
+                    if len(r["units"]) > len(self.results["units"]):
+                        self.results = r
         os.makedirs(self.work, exist_ok=True)
         planned = {u["key"] for u in units(args)}
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
@@ -277,6 +282,9 @@ class Runner:
                                                "device": _device_name(self.device)}  # fmt: skip
             print(json.dumps({"unit": u["key"], "seconds": round(time.time() - t, 1)}), flush=True)
             write(self.results, self.stem, self.args)
+            with open(self.mirror + ".tmp", "w") as f:
+                json.dump(self.results, f)
+            os.replace(self.mirror + ".tmp", self.mirror)
             if self.on_progress is not None:
                 self.on_progress()
         return True

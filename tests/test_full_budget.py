@@ -51,6 +51,11 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     assert len(json.loads((tmp_path / "full_budget_t.json").read_text())["units"]) == before
     with pytest.raises(SystemExit, match="--resume"):
         fb.main(args)
+    capsys.readouterr()
+    (tmp_path / "full_budget_t.json").unlink()  # a device call's fresh working tree; the work folder kept its mirror
+    assert fb.main([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert '"unit"' not in out and "all units done" in out  # still no unit runs again
     assert fb.main([*args, "--force", "--budget-s", "0", "--tag", "t2"]) == 0
     assert "rerun with --resume" in capsys.readouterr().out
     assert not (tmp_path / "full_budget_t2.json").exists()  # nothing finished, nothing written
