@@ -379,32 +379,41 @@ def test_per_head_prefill_refuses_bad_weights_and_impl():
 
 
 @pytest.mark.parametrize("name", ["bf16", "c4r4"])
-def test_per_head_split_merges_fused_far_and_near_parts(name, monkeypatch):
-    """Where a fused attention with its log-sum-exp runs (CUDA), the far keys (unmasked) and the near band (with
-    the policy's additive mask, near_bias) merge exactly: the fp32 per-head path with a float64 stand-in for the
-    fused kernel -- scores scaled, the additive mask added, as the kernel does -- equals the oracle on the boundary
-    case, both kinds of call were made, and the near band ran in one call per query block. A BF16 cache's first
-    query of a block admits no near key (its own token is far): its finite log-sum-exp must merge with weight 0."""
+def test_per_head_split_merges_fused_parts(name, monkeypatch):
+    """Where a fused attention with its log-sum-exp runs (CUDA), the parts of a query block merge exactly: the fp32
+    per-head path with a float64 stand-in for the fused kernel -- scores scaled, the additive mask added or the
+    causal triangle cut, as the kernel does -- equals the oracle on the boundary case, for whole and chunked far
+    ranges and for every block size. Blocks from position sink + local on split into far (unmasked), triangle
+    (causal, as many keys as queries) and the batched BF16 band (masked, one call); earlier blocks run the masked
+    band (one call); a BF16 cache (no band) has no masked call at all. A masked row that admits no key has a finite
+    log-sum-exp and must merge with weight 0."""
+    from quantmla.kernels import fused_prefill
     from quantmla.kernels import prefill as prefill_mod
     from quantmla.kernels.dispatch import prefill_attention_heads
 
     calls = []
 
-    def fused(q, k, v, scale, allowed=None):  # what the fused kernel returns: (o [G, M, Dv], lse [G, M, 1])
-        calls.append((k.shape[1], allowed is not None))
-        s = (q.double() @ k.double().transpose(1, 2)) * scale
+    def fused(q, k, v, scale, allowed=None, causal=False):  # the kernel's contract: (o [.., M, Dv], lse [.., M, 1])
+        kind = "masked" if allowed is not None else "causal" if causal else "far"
+        calls.append((kind, q.dim(), q.shape[-2], k.shape[-2]))
+        s = (q.double() @ k.double().transpose(-1, -2)) * scale
         if allowed is not None:
-            s = s + prefill_mod.near_bias(allowed, torch.float64)
+            s = s + fused_prefill.near_bias(allowed, torch.float64)
+        if causal:
+            assert q.shape[-2] == k.shape[-2]
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
         return (torch.softmax(s, -1) @ v.double()).float(), torch.logsumexp(s, -1, keepdim=True).float()
 
-    monkeypatch.setattr(prefill_mod, "_fused_attention", fused)
+    monkeypatch.setattr(fused_prefill, "attention", fused)
+    monkeypatch.setattr(fused_prefill, "available", lambda device: True)
+    monkeypatch.setattr(fused_prefill, "BAND_BLOCK", 2)  # several sub-blocks, the last one padded
     policy = CachePolicy(sink=4, local=8, page_size=16)
     cache, _, recent = _appended(name, BOUNDARY_LENS, BOUNDARY_NEW, T=16, policy=policy)
     q_nope, q_pe = _q(8, 2, 16, 24, 32)
     w_uk, w_uv = _up(2, 24, 20, 128)
     ref = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent, impl="torch")
     per_key = 2 * (24 + 32 + 20) * 4  # bytes of one key's up-projected keys and values, fp32, 2 heads
-    blocks = sum(-(-k // 3) for k in BOUNDARY_NEW if k)  # query blocks of 3 positions over the sequences
+    seen = set()
     for keys in (None, 5):  # the whole far range in one call, or chunks of 5 keys (a long prompt's path)
         if keys:
             monkeypatch.setattr(prefill_mod, "PER_HEAD_KEYS", keys * per_key)
@@ -413,16 +422,22 @@ def test_per_head_split_merges_fused_far_and_near_parts(name, monkeypatch):
             got = prefill_attention_heads(q_nope, q_pe, cache, w_uk, w_uv, SCALE, BOUNDARY_NEW, recent=recent,
                                           impl="split", dtype=torch.float32, block=block)  # fmt: skip
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-            far = [n for n, masked in calls if not masked]
-            near = [n for n, masked in calls if masked]
-            assert far and max(far) == (keys or max(far)) and (not keys or min(far) >= 1)
-            assert len(near) == (blocks if block else sum(1 for k in BOUNDARY_NEW if k))
+            seen |= {c[0] for c in calls}
+            far = [k for kind, _, _, k in calls if kind == "far"]
+            assert not keys or max(far) <= keys
+            causal = [(m, k) for kind, _, m, k in calls if kind == "causal"]
+            assert all(m == k for m, k in causal)
+            if name == "bf16":
+                assert not [c for c in calls if c[0] == "masked"]
+            else:  # every split block has one band call (batched sub-blocks: 4-D), every other one masked call
+                assert sum(1 for c in calls if c[0] == "masked" and c[1] == 4) == len(causal)
+    assert seen == ({"far", "causal"} if name == "bf16" else {"far", "causal", "masked"})
 
 
 def test_near_bias_is_aligned_and_admits_exactly_the_allowed_keys():
     """The fused kernel's additive mask: 0 where a key is admitted, the finite MASKED elsewhere, rows 16-element
     aligned (a 21-key band is stored 32 wide), in the operands' dtype."""
-    from quantmla.kernels.prefill import MASKED, near_bias
+    from quantmla.kernels.fused_prefill import MASKED, near_bias
 
     allowed = torch.rand(5, 21, generator=torch.Generator().manual_seed(3)) > 0.5
     bias = near_bias(allowed, torch.bfloat16)
@@ -436,7 +451,7 @@ def test_fused_operands_are_padded_and_aligned_without_changing_any_product(widt
     """What reaches the fused kernel: widths padded to a multiple of 8 with zeros, a unit last stride, a 16-byte
     aligned start (a row slice at an odd offset of a 20-wide bf16 tensor starts 40 bytes in); the products it
     computes (q k^T, p v) equal float64 products of the unpadded operands."""
-    from quantmla.kernels.prefill import _kernel_ready
+    from quantmla.kernels.fused_prefill import _kernel_ready
 
     g = torch.Generator().manual_seed(7)
     base = torch.randn(3, 41, width, generator=g).bfloat16()
@@ -471,7 +486,8 @@ def test_gpu_per_head_prefill_with_the_fused_far_part(name):
     exact = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                     impl="split", dtype=torch.float32)  # fmt: skip
     assert prefill_mod._FUSED.get(str(q_nope.device)) is True  # the far keys
-    assert prefill_mod._FUSED.get(str(q_nope.device) + ":masked") is True  # the near band
+    assert prefill_mod._FUSED.get(str(q_nope.device) + ":masked") is True  # the BF16 band / the near band
+    assert prefill_mod._FUSED.get(str(q_nope.device) + ":causal") is True  # the triangle
     torch.testing.assert_close(exact, ref, rtol=2e-4, atol=2e-5)
     fast = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                    impl="split")  # fmt: skip

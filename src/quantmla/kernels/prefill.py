@@ -14,11 +14,14 @@ latent KV head), so the ``H x t`` queries of a block of ``t`` positions run as `
   policy's mask (a copy is admitted when the key is causal and :meth:`CachePolicy.reads_full` picks that copy):
   ``local + t`` keys of each kind, whatever the context.
 
-Per head on CUDA (:func:`prefill_attention_heads`) both parts run in torch's fused memory-efficient attention,
-which returns the log-sum-exp: the far keys unmasked, the near band with the policy's mask as a finite additive
-bias (:func:`near_bias`), in query blocks of :data:`FUSED_BLOCK` positions, so a chunk of a prompt is a few fused
-calls per layer instead of blocks of score tiles (whose launches dominated: 8.9-14.4 ms per layer for a 4K prompt
-against 0.25 ms for torch's own attention, ``benchmarks/results/prefill_h200_heads_fused.md``).
+Per head on CUDA (:func:`prefill_attention_heads`) every part runs in torch's fused memory-efficient attention,
+which returns the log-sum-exp (:mod:`quantmla.kernels.fused_prefill`), in query blocks of :data:`FUSED_BLOCK`
+positions: from position ``sink + local`` on a block splits into the far keys (unmasked), a causal triangle of
+packed copies and the BF16 band (one batched masked call), ~3.5x less near-band work than one masked call over
+``2 (local + t)`` keys; a prompt's first ``sink + local`` positions run the near band with the policy's mask as a
+finite additive bias (:func:`near_bias`). Score tiles were the cost before (launches: 8.9-14.4 ms per layer for a
+4K prompt against 0.25 ms for torch's own attention, ``benchmarks/results/prefill_h200_heads_fused.md``); one
+masked near call per block gave 3.2 / 5.5 ms (BF16 / C4R4, ``prefill_h200_heads_near.md``).
 
 A BF16 cache has one copy per token: its policy is taken as ``sink = local = 0`` (far: ``j <= q0``; near: the
 causal triangle of the block).
@@ -45,6 +48,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from quantmla.kernels import fused_prefill
+from quantmla.kernels.fused_prefill import _FUSED, MASKED, near_bias  # noqa: F401 - re-exported
 from quantmla.kernels.reference import _check_q, _check_up, _n_new_list, full_precision_rows
 
 
@@ -123,8 +128,6 @@ PER_HEAD_KEYS = 1 << 30  # bytes: a sequence's up-projected keys and values are 
 SCORES = 1 << 26  # scores per tile: [rows, keys] fp32 + BF16 = 384 MB
 FUSED_BLOCK = 8192  # query positions per block where a fused kernel runs both parts (per head on CUDA): the near
 # band's additive mask is [block, sink + local + block] (136 MB in BF16 at DeepSeek's policy), no score is stored
-MASKED = -30000.0  # the near band's additive mask: finite, so a row with no admitted key there gets a finite
-# log-sum-exp ~-30000 that merges with weight exp(-30000 - m) = 0 (with -inf a kernel may return NaN for it)
 _MM_OUT_DTYPE: dict[str, bool] = {}  # per device: whether torch.mm takes out_dtype there (torch >= 2.8 on CUDA)
 
 
@@ -192,55 +195,6 @@ class _Softmax:
         return self.acc / self.l  # [G, M, Dv]
 
 
-_FUSED: dict[str, bool] = {}  # per device (+ ":masked"): whether the fused attention with its log-sum-exp ran there
-
-
-def near_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``allowed`` bool ``[t, S]`` -> the additive mask ``[t, S]`` of the fused kernel: 0 where admitted, :data:`MASKED`
-    elsewhere, in ``dtype``, its rows 16-element aligned (the memory-efficient kernel's requirement)."""
-    t, S = allowed.shape
-    bias = torch.zeros(t, -(-S // 16) * 16, dtype=dtype, device=allowed.device)[:, :S]
-    return bias.masked_fill_(~allowed, MASKED)
-
-
-def _fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     allowed: torch.Tensor | None = None):  # fmt: skip
-    """Attention of ``q [G, M, D]`` over ``k [G, S, D]``, ``v [G, S, Dv]`` in one fused kernel (torch's
-    memory-efficient SDPA, which returns the log-sum-exp; no score tile is materialized) -> ``(o [G, M, Dv] fp32,
-    lse [G, M, 1])``, or None where there is none (the CPU; a torch without it: warned once, then the tiles).
-    ``allowed``: bool ``[M, S]``, the keys each query row admits, the same for every g (all without it)."""
-    key = str(q.device) + ("" if allowed is None else ":masked")
-    if not q.is_cuda or _FUSED.get(key) is False:
-        return None
-    G, M, S, dv = q.shape[0], q.shape[1], k.shape[1], v.shape[-1]
-    b4 = None if allowed is None else near_bias(allowed, q.dtype)[None, None].expand(1, G, M, S)
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    try:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q[None], k[None], v[None], b4, True, 0.0,
-                                                                        False, scale=scale)[:2]  # fmt: skip
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
-        import warnings
-
-        warnings.warn(f"quantmla: fused prefill attention ({key}) unavailable, using score tiles ({e})", stacklevel=2)
-        _FUSED[key] = False
-        return None
-    _FUSED[key] = True
-    return o[0, ..., :dv].float(), lse[0, :, :M, None].float()
-
-
-def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x [G, S, D]`` as the memory-efficient kernel reads it safely: unit last stride, ``D`` padded with zeros to a
-    multiple of 8 (zero query/key channels leave every score unchanged; zero value channels are sliced off the
-    output) and a 16-byte aligned start. The kernel picks its vectorized variant from the widths and strides alone,
-    so a slice of rows starting at an odd offset of a 20-wide tensor was read misaligned (a CUDA fault, H200
-    2026-12-01, on the tiny test model's ``v_head_dim = 20``); DeepSeek widths pass through uncopied."""
-    D = x.shape[-1]
-    pad = -D % 8
-    if pad == 0 and x.stride(-1) == 1 and x.stride(-2) % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0:
-        return x
-    return F.pad(x, (0, pad)) if pad else x.clone(memory_format=torch.contiguous_format)  # fresh: aligned
-
-
 class _Latent:
     """Operands of the split path in latent space: one KV head (the workspace rows), ``H t`` query rows."""
 
@@ -283,16 +237,26 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
         ops.sequence(packed)
         fpos = fpos_t.tolist()
         n_sink = bisect_left(fpos, policy.sink)  # the first n_sink BF16 copies are the sink's
-        for t0 in range(0, k_new, step):
-            t1 = min(k_new, t0 + step)
+        edge = policy.sink + policy.local - (n - k_new)  # blocks from here on split cheaply (fused_prefill)
+        starts = sorted(set(range(0, k_new, step)) | ({edge} if ops.per_head and 0 < edge < k_new else set()))
+        for t0, t1 in zip(starts, starts[1:] + [k_new]):
             q0, q1 = n - k_new + t0, n - k_new + t1  # absolute positions of the block
             q = ops.query(b, t0, t1)  # [G, M, D]
             sm = _Softmax(softmax_scale, H)
+            parts = None
+            if ops.per_head:  # on CUDA: far, causal triangle and BF16 band, each in one fused call
+                parts = fused_prefill.block_parts(ops, q, full, fpos, policy.sink, policy.local, q0, q1,
+                                                  softmax_scale)  # fmt: skip
+            for part in parts or ():
+                sm.add_normalized(*part)
+            if parts is not None:
+                o[b, :, t0:t1] = sm.result().view(H, t1 - t0, ops.dv)
+                continue
             kb = key_block or max(1, SCORES // (q.shape[0] * q.shape[1]))
             far = policy.packed_for_all(q0)
             k_tiles = far.start  # far: packed, seen by every query of the block
             for k0 in range(far.start, far.stop, ops.fused_keys) if ops.fused_keys else ():
-                fused = _fused_attention(q, *ops.far(k0, min(far.stop, k0 + ops.fused_keys)), softmax_scale)
+                fused = fused_prefill.attention(q, *ops.far(k0, min(far.stop, k0 + ops.fused_keys)), softmax_scale)
                 if fused is None:  # no fused kernel here (the CPU): score tiles from k0 on
                     break
                 sm.add_normalized(*fused)  # per head on CUDA: a fused kernel per chunk of far keys
@@ -306,7 +270,7 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
             k, v = ops.rows(torch.cat([packed[near.start : near.stop], full[:n_sink], full[f0:f1]]))  # [G, S, .]
             qpos = torch.arange(q0, q1, device=dev)  # [t]
             allowed = (kpos[None, :] <= qpos[:, None]) & (policy.reads_full(qpos, kpos) == is_full[None, :])
-            fused = _fused_attention(q, k, v, softmax_scale, allowed) if ops.per_head else None
+            fused = fused_prefill.attention(q, k, v, softmax_scale, allowed) if ops.per_head else None
             if fused is not None:  # per head on CUDA: the near band in one masked fused call
                 sm.add_normalized(*fused)
             for k0 in range(0, len(kpos), kb) if fused is None else ():  # near: the band where the copy read
