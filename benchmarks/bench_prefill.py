@@ -186,7 +186,11 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], force: b
         errs = [f"{get[i]['rel_err']:.1e}" if i in get else "" for i in ("split", "split_vs_sdpa")]
         q = next(iter(get.values()))["queries"]
         lines.append(f"| {fmt} | {n} | {q} | " + " | ".join(cells + errs) + " |")
-    for path, text in ((stem + ".json", json.dumps({"meta": meta, "rows": rows}, indent=1)),
+    from quantmla.kernels import fused_prefill
+
+    kernels = {"fused": dict(fused_prefill._FUSED), "cudnn": dict(fused_prefill._CUDNN)}  # which kernels ran
+    lines.append(f"\nFused kernels that ran (device + kind: True) or were refused (False): {json.dumps(kernels)}")
+    for path, text in ((stem + ".json", json.dumps({"meta": meta, "kernels": kernels, "rows": rows}, indent=1)),
                        (stem + ".md", "\n".join(lines) + "\n")):  # fmt: skip
         with open(path + ".tmp", "w") as f:
             f.write(text)

@@ -14,6 +14,8 @@ and docs/kernels.md). For C8R8 the two copies of a token differ by less than BF1
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from kernels_testutil import make_cache
@@ -495,3 +497,63 @@ def test_gpu_per_head_prefill_with_the_fused_far_part(name):
                             recent=recent, impl="split")  # fmt: skip
     lat = torch.einsum("bhtc,hvc->bhtv", lat, w_uv)
     assert (fast - ref).norm() <= 3 * (lat - ref).norm()
+
+
+def test_cudnn_attention_is_used_only_after_it_agrees_with_the_memory_efficient_kernel(monkeypatch):
+    """The kernel choice of a fused part (``fused_prefill._run``), with float64 stand-ins for both kernels: cuDNN
+    runs BF16 parts without a bias once it has matched the memory-efficient kernel on its first call there; a
+    cuDNN whose log-sum-exp is in another convention (log2), or that raises, is dropped for that kind with a
+    warning and that very call returns the memory-efficient result; a bias or fp32 never reaches cuDNN."""
+    import math
+
+    from quantmla.kernels import fused_prefill as fp
+
+    def exact(q, k, v, bias, causal, scale):
+        s = (q.double() @ k.double().transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + bias.double()
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return (torch.softmax(s, -1) @ v.double()).to(q.dtype), torch.logsumexp(s, -1).float()
+
+    calls = []
+
+    def mem_eff(q, k, v, bias, causal, scale):
+        calls.append("mem")
+        return exact(q, k, v, bias, causal, scale)
+
+    def cudnn_ok(q, k, v, causal, scale):
+        calls.append("cudnn")
+        return exact(q, k, v, None, causal, scale)
+
+    def cudnn_log2(q, k, v, causal, scale):
+        calls.append("cudnn")
+        o, lse = exact(q, k, v, None, causal, scale)
+        return o, lse / math.log(2)
+
+    def cudnn_raises(q, k, v, causal, scale):
+        calls.append("cudnn")
+        raise RuntimeError("no engine")
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g).bfloat16() for _ in range(3))
+    monkeypatch.setattr(fp, "_memory_efficient", mem_eff)
+    for cudnn, trusted in ((cudnn_ok, True), (cudnn_log2, False), (cudnn_raises, False)):
+        monkeypatch.setattr(fp, "_CUDNN", {})
+        monkeypatch.setattr(fp, "_cudnn", cudnn)
+        for causal in (False, True):
+            want = exact(q, k, v, None, causal, 0.3)
+            for rep in range(2):
+                calls.clear()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    o, lse = fp._run(q, k, v, None, causal, 0.3, "dev" + (":causal" if causal else ""))
+                torch.testing.assert_close(o, want[0], rtol=0, atol=0)
+                torch.testing.assert_close(lse, want[1], rtol=0, atol=0)
+                assert calls == (["cudnn", "mem"] if rep == 0 else ["cudnn"] if trusted else ["mem"])
+                assert bool(caught) == (rep == 0 and not trusted)
+        assert fp._CUDNN == {"dev": trusted, "dev:causal": trusted}
+    calls.clear()
+    fp._run(q, k, v, torch.zeros(8, 8).bfloat16(), False, 0.3, "dev:masked")
+    fp._run(q.float(), k.float(), v.float(), None, False, 0.3, "dev")
+    assert calls == ["mem", "mem"]

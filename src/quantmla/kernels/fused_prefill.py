@@ -27,6 +27,7 @@ So a block costs ``t (q0 - L) + t^2 / 2 + t (s + u + L)`` scores instead of the 
 
 from __future__ import annotations
 
+import warnings
 from bisect import bisect_left
 
 import torch
@@ -70,17 +71,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, a
     b4 = None if allowed is None else near_bias(allowed, q.dtype)[None, None].expand(Bt, G, M, S)
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     try:
-        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, b4, True, 0.0, causal,
-                                                                        scale=scale)[:2]  # fmt: skip
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
-        import warnings
-
+        o, lse = _run(q, k, v, b4, causal, scale, key)
+    except _ERRORS as e:
         warnings.warn(f"quantmla: fused prefill attention ({key}) unavailable, using score tiles ({e})", stacklevel=2)
         _FUSED[key] = False
         return None
     _FUSED[key] = True
-    o, lse = o[..., :dv].float(), lse[..., :M, None].float()  # the kernel pads its log-sum-exp rows
+    o, lse = o[..., :dv].float(), lse[..., :M, None].float()
     return (o[0], lse[0]) if one else (o, lse)
+
+
+_ERRORS = (RuntimeError, TypeError, NotImplementedError, AttributeError, ValueError)
+_CUDNN: dict[str, bool] = {}  # per device + kind: cuDNN's attention agreed with the memory-efficient kernel on its
+# first call there (True), or failed or disagreed (False: the memory-efficient kernel from then on)
+
+
+def _memory_efficient(q, k, v, bias, causal: bool, scale: float):
+    """torch's memory-efficient kernel (sm80 code: any width, fp32, an additive bias) -> (o, lse [Bt, G, M])."""
+    o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)[:2]
+    return o, lse[..., : q.shape[2]]  # it pads its log-sum-exp rows
+
+
+def _cudnn(q, k, v, causal: bool, scale: float):
+    """cuDNN's fused attention (Hopper code, ~2.6x the memory-efficient kernel's speed on the H200 for the same
+    work: transformers' own prefill vs ours, ``step_profile_h200_v2lite_prefill.md``) -> (o, lse [Bt, G, M])."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                scale=scale)[:2]  # fmt: skip
+    return o, lse.reshape(q.shape[:3])
+
+
+def _run(q, k, v, bias, causal: bool, scale: float, key: str):
+    """One fused call ``q [Bt, G, M, D]`` -> ``(o [Bt, G, M, Dv'], lse [Bt, G, M])``: cuDNN for BF16/FP16 parts with no
+    bias, checked once per device and kind against the memory-efficient kernel on that very call (output within
+    BF16 rounding, log-sum-exp within 1e-2: a different convention -- log2, unscaled -- or a mishandled stride
+    fails it and cuDNN is not used there again, with a warning); the memory-efficient kernel otherwise."""
+    if bias is not None or q.dtype not in (torch.bfloat16, torch.float16) or _CUDNN.get(key) is False:
+        return _memory_efficient(q, k, v, bias, causal, scale)
+    try:
+        o, lse = _cudnn(q, k, v, causal, scale)
+    except _ERRORS as e:
+        warnings.warn(f"quantmla: cuDNN attention ({key}) unavailable, using the memory-efficient kernel ({e})",
+                      stacklevel=3)  # fmt: skip
+        _CUDNN[key] = False
+        return _memory_efficient(q, k, v, bias, causal, scale)
+    if key not in _CUDNN:
+        om, lm = _memory_efficient(q, k, v, bias, causal, scale)
+        err = ((o.float() - om.float()).norm() / om.float().norm().clamp_min(1e-30)).item()
+        lerr = (lse.float() - lm.float()).abs().max().item() if lse.numel() else 0.0
+        _CUDNN[key] = bool(err <= 2e-2 and lerr <= 1e-2)
+        if not _CUDNN[key]:
+            warnings.warn(f"quantmla: cuDNN attention ({key}) disagrees with the memory-efficient kernel (output "
+                          f"rel. error {err:.1e}, log-sum-exp {lerr:.1e}); using the memory-efficient kernel",
+                          stacklevel=3)  # fmt: skip
+            return om, lm
+    return o, lse
 
 
 def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
