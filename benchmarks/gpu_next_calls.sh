@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 17:30): nothing of the
-# kernels is unmeasured (session 14 measured and settled every variant written on 2026-12-01). Most important first:
-# (1) `mutation` alone with QUANTMLA_GPU_BUDGET_S=560 (it needs ~5 min: 285 s covered 7 of its 8 cases at 78f7ed7);
-# (2) `bench` (every format beside FlashMLA at the new defaults, carry .flashmla) and `heads`; (3) issue 10's
-# `tests,prefill,prefprof,v2lite` and `v2lite128k` steps (gpu_session_issue10.sh: the per-head prefill's near band
-# runs in one masked fused call since 2026-12-01 17:20, never run on a GPU -- its GPU test first; the prefill profile
-# says where a prompt's ~3x over transformers' own path goes; v2lite128k times the captured step at 128K too);
-# (4) issue 12: `python benchmarks/stream_projection.py --measure` (V3 / K2 streamed-calibration projection measured
-# on the H200, today analytic only; no kit needed, ~2 min) and the full-budget units
-# (`python benchmarks/full_budget.py --device cuda --resume --ship --tag paper --carry-in/--carry-out`) with the
-# rest. A new kernel change: `variants` with VARIANT_TESTS=1 (each variant's wgmma GPU tests, then C4R4 at four
-# shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
+# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 21:30), in order, one
+# warm machine, calls back to back (it is given back ~30 s after a call):
+# (1) carry .gpucarry_1: `bash benchmarks/device_carry.sh collect; QUANTMLA_COMMIT=<sha> bash
+#     benchmarks/gpu_session_issue10.sh /root/issue10 tests,prefill,prefprof` -- the per-head prefill's causal split
+#     and cuDNN parts (kernels/fused_prefill.py, written 2026-12-01 19:00, never run on a GPU): GPU tests first, then
+#     per layer (compare prefill_h200_heads_near.md: 4K 3.2/5.5, 32K 23.2/31.7, 128K 84.7/93.0 ms; its md ends with
+#     which kernels ran -- cuDNN trusted or dropped) and the profile;
+# (2) carry .gpucarry_2: `... gpu_session_issue10.sh /root/issue10 v2lite` (the model's ingestion: 2.34/3.22 s at 32K
+#     before; transformers 1.13 s) and `mutation` if time is left (QUANTMLA_GPU_BUDGET_S);
+# (3) carry .gpucarry_3 (the kit joins): issue 12's full-budget chunk, `source benchmarks/device_smollm2_setup.sh &&
+#     QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 420 --resume --ship --tag paper
+#     --carry-out $OUT/fb --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0`
+#     (the results so far are committed in benchmarks/results/full_budget_paper.json, which --resume reads; the
+#     QuaRot C4R4 transforms are in .fbcarry, which this call cannot carry beside a kit part: QuaRot recalibrates,
+#     ~70 s); then more chunks with `carry=[".fbcarry"]` and `--carry-in .fbcarry` (full_budget.py's recipe). About 13
+#     minutes of units are left in the core table (C2R4), then seeds 1, 2, the attnw ablation and variant b.
+# The kernels (issue 9) have nothing unmeasured; a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
+# wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
 # under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
 # returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.

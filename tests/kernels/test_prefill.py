@@ -478,7 +478,7 @@ def test_gpu_per_head_prefill_with_the_fused_far_part(name):
     """On CUDA the per-head path runs the far keys through torch's fused attention with its log-sum-exp: in fp32 it
     equals the oracle to fp32 rounding (a wrong log-sum-exp convention -- log2, unscaled, unsliced padding --
     would be off by far more), the fused kernel was used, and in BF16 it is as close as the latent path's."""
-    from quantmla.kernels import prefill as prefill_mod
+    from quantmla.kernels import fused_prefill
     from quantmla.kernels.dispatch import prefill_attention_heads
 
     cache, raw, recent, n_new, (q_lat, q_pe) = _gpu_case(name)
@@ -487,9 +487,9 @@ def test_gpu_per_head_prefill_with_the_fused_far_part(name):
     ref = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent, impl="torch")
     exact = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                     impl="split", dtype=torch.float32)  # fmt: skip
-    assert prefill_mod._FUSED.get(str(q_nope.device)) is True  # the far keys
-    assert prefill_mod._FUSED.get(str(q_nope.device) + ":masked") is True  # the BF16 band / the near band
-    assert prefill_mod._FUSED.get(str(q_nope.device) + ":causal") is True  # the triangle
+    assert fused_prefill._FUSED.get(str(q_nope.device)) is True  # the far keys
+    assert fused_prefill._FUSED.get(str(q_nope.device) + ":masked") is True  # the BF16 band / the near band
+    assert fused_prefill._FUSED.get(str(q_nope.device) + ":causal") is True  # the triangle
     torch.testing.assert_close(exact, ref, rtol=2e-4, atol=2e-5)
     fast = prefill_attention_heads(q_nope, q_pe.cuda(), cache, w_uk, w_uv, SCALE, n_new, recent=recent,
                                    impl="split")  # fmt: skip

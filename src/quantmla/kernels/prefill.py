@@ -14,14 +14,14 @@ latent KV head), so the ``H x t`` queries of a block of ``t`` positions run as `
   policy's mask (a copy is admitted when the key is causal and :meth:`CachePolicy.reads_full` picks that copy):
   ``local + t`` keys of each kind, whatever the context.
 
-Per head on CUDA (:func:`prefill_attention_heads`) every part runs in torch's fused memory-efficient attention,
-which returns the log-sum-exp (:mod:`quantmla.kernels.fused_prefill`), in query blocks of :data:`FUSED_BLOCK`
-positions: from position ``sink + local`` on a block splits into the far keys (unmasked), a causal triangle of
-packed copies and the BF16 band (one batched masked call), ~3.5x less near-band work than one masked call over
-``2 (local + t)`` keys; a prompt's first ``sink + local`` positions run the near band with the policy's mask as a
-finite additive bias (:func:`near_bias`). Score tiles were the cost before (launches: 8.9-14.4 ms per layer for a
-4K prompt against 0.25 ms for torch's own attention, ``benchmarks/results/prefill_h200_heads_fused.md``); one
-masked near call per block gave 3.2 / 5.5 ms (BF16 / C4R4, ``prefill_h200_heads_near.md``).
+Per head on CUDA (:func:`prefill_attention_heads`) every part runs in a fused attention kernel that returns the
+log-sum-exp (:mod:`quantmla.kernels.fused_prefill`), in query blocks of :data:`FUSED_BLOCK` positions: from position
+``sink + local`` on a block splits into the far keys (unmasked), a causal triangle of packed copies and the BF16
+band (one batched masked call), ~3.5x less near-band work than one masked call over ``2 (local + t)`` keys; a
+prompt's first ``sink + local`` positions run the near band with the policy's mask as a finite additive bias
+(``fused_prefill.near_bias``). Score tiles were the cost before (launches: 8.9-14.4 ms per layer for a 4K prompt
+against 0.25 ms for torch's own attention, ``benchmarks/results/prefill_h200_heads_fused.md``); one masked near
+call per block gave 3.2 / 5.5 ms (BF16 / C4R4, ``prefill_h200_heads_near.md``).
 
 A BF16 cache has one copy per token: its policy is taken as ``sink = local = 0`` (far: ``j <= q0``; near: the
 causal triangle of the block).
@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 from quantmla.kernels import fused_prefill
-from quantmla.kernels.fused_prefill import _FUSED, MASKED, near_bias  # noqa: F401 - re-exported
 from quantmla.kernels.reference import _check_q, _check_up, _n_new_list, full_precision_rows
 
 
