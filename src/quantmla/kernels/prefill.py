@@ -48,7 +48,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from quantmla.kernels import fused_prefill
+import quantmla.kernels.fused_prefill as fused_prefill
 from quantmla.kernels.reference import _check_q, _check_up, _n_new_list, full_precision_rows
 
 
