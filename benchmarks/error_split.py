@@ -44,9 +44,13 @@ from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 # config -> (cache format, sink, local)
 CONFIGS = {"both": ("c4r4", 4, 128), "content": ("c4r16", 4, 128), "rope": ("c16r4", 4, 128),
-           "no-window": ("c4r4", 0, 0), "r8": ("c4r8", 4, 128)}  # fmt: skip
+           "no-window": ("c4r4", 0, 0), "r8": ("c4r8", 4, 128),
+           "hot-r8": ("mix:c4r8@7,17,18,20,23:c4r4", 4, 128)}  # fmt: skip
+# hot-r8: the RoPE key at 8 bits only in the five layers that carry ~60% of QuantMLA's remaining KL (the per-layer
+# rows of error_split_smollm2_c4r4.md); +4.8% bytes on SmolLM2-MLA (25 x 208 + 5 x 268 B per token over 30 layers)
 DEFAULT_CONFIGS = "both,content,rope,no-window,r8"
 LAYER_RE = re.compile(r"^layer(\d+):(\w+)$")
+MIX_RE = re.compile(r"^mix:(\w+)@([\d,]+):(\w+)$")  # mix:FMT@LAYERS:OTHER -- FMT in those layers, OTHER elsewhere
 
 
 def layer_format(i: int, fmt: str) -> str:
@@ -66,11 +70,16 @@ def per_layer_formats():
     real = runtime.make_cache
 
     def make_cache(model, spec):
-        m = LAYER_RE.match(spec.format)
-        if m is None:
+        m, mix = LAYER_RE.match(spec.format), MIX_RE.match(spec.format)
+        if m is None and mix is None:
             return real(model, spec)
-        fmts = ["bf16"] * MLASpec.from_config(model.config).num_cache_layers
-        fmts[int(m[1])] = m[2]
+        n = MLASpec.from_config(model.config).num_cache_layers
+        if mix is not None:
+            hot = {int(x) for x in mix[2].split(",")}
+            fmts = [mix[1] if i in hot else mix[3] for i in range(n)]
+        else:
+            fmts = ["bf16"] * n
+            fmts[int(m[1])] = m[2]
         return QuantMLACache(model.config, fmts, CachePolicy(sink=spec.sink, local=spec.local))
 
     with mock.patch("quantmla.eval.perplexity.make_cache", make_cache):
@@ -178,7 +187,8 @@ def write(res: dict, stem: str, args) -> None:
          f"({res['transforms']['label']}). Perplexity / KL(P_fp || P_cache) in 1e-3 nats per token / top-1 agreement "
          f"with the full-precision model on {res['tokens']} test tokens per corpus in windows of {res['context']}; "
          "`content` = only the content latent quantized (C4R16), `rope` = only the RoPE key (C16R4), "
-         "`no-window` = sink 0 / local 0 (else sink 4 / local 128), `r8` = C4R8. RTN = the converted model as it is "
+         "`no-window` = sink 0 / local 0 (else sink 4 / local 128), `r8` = C4R8, `hot-r8` = C4R8 in layers 7, 17, 18, "
+         "20, 23 and C4R4 elsewhere (+4.8% bytes). RTN = the converted model as it is "
          "(identity transforms); each model's `bf16` row is its floor (the cache stored in BF16), subtracted below.",
          "",
          "| method | cache | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in cs) + " |",

@@ -78,6 +78,10 @@ def test_content_only_is_the_latent_qdq(setup, layers):
     same = es.score(copy.deepcopy(model), hooked, fmt, sink, local, CONTEXT)["t"]["kl"]
     far = es.score(copy.deepcopy(model), hooked, "bf16", sink, local, CONTEXT)["t"]["kl"]
     assert same < 1e-5  # float rounding, as for BF16 against the model itself (measured 5e-7 / 7e-7)
+    mix = f"mix:{content}@{','.join(map(str, layers))}:bf16"  # hot-r8's kind of name: these layers, BF16 elsewhere
+    assert es.score(copy.deepcopy(model), hooked, mix, sink, local, CONTEXT)["t"]["kl"] < 1e-5
+    inverse = f"mix:bf16@{','.join(map(str, layers))}:{content}"  # the other layers quantized instead
+    assert es.score(copy.deepcopy(model), hooked, inverse, sink, local, CONTEXT)["t"]["kl"] > 100 * same
     assert far > 100 * same
     if len(layers) == 1:  # the other layer quantized instead: as far as BF16
         other = es.score(copy.deepcopy(model), hooked, es.layer_format(1 - layers[0], content), sink, local,
