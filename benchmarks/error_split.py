@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from unittest import mock
@@ -40,6 +39,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 # config -> (cache format, sink, local)
@@ -175,9 +175,7 @@ def _kl(rows, method, config, c):
 
 
 def write(res: dict, stem: str, args) -> None:
-    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-    ).stdout.strip()
+    commit = commit_id()
     device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)

