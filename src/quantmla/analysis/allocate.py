@@ -408,9 +408,10 @@ def plan_bytes(plan: Plan, context: int, policy=None) -> int:
     return total
 
 
-def plot_plan(plan: Plan, path: str, title: str = "") -> str | None:
+def plot_plan(plan: Plan, path: str, title: str = "", marks=()) -> str | None:
     """PNG of the plan: bits per layer (bars) over the layers' predicted sensitivity (line, log scale), and each
-    path's bits against its sensitivity. Written to a temp file and renamed; None without matplotlib."""
+    path's bits against its sensitivity; ``marks``: layers to flag (e.g. a hand plan's). Written to a temp file and
+    renamed; None without matplotlib."""
     try:
         import matplotlib
 
@@ -431,6 +432,8 @@ def plot_plan(plan: Plan, path: str, title: str = "") -> str | None:
     tw = ax.twinx()
     tw.plot(idx, sc, "k-", lw=1, label="content, 4 bits")
     tw.plot(idx, sr, "k--", lw=1, label="RoPE, 4 bits")
+    for i, m in enumerate(sorted(marks)):
+        ax.axvspan(m - 0.5, m + 0.5, color="0.85", zorder=0, label="marked layers" if i == 0 else None)
     tw.set_yscale("log")
     tw.set_ylabel("predicted KL rise at 4 bits (nats/token)")
     h1, l1 = ax.get_legend_handles_labels()

@@ -4,10 +4,14 @@ Usage::
 
     quantmla allocate --model smollm2-mla --budget-bytes-per-token 6240 --out plan.json --plot plan.png
     quantmla allocate --model DIR --avg-bits 3.5 --out plan.json --force
+    quantmla allocate --model smollm2-mla --transforms shipped:c4r4 --budget-bytes-per-token 6240 --out plan.json
 
 The budget counts the packed cache per token over all layers (codes + scales/offsets, not the fixed sink/local
 BF16 buffers); ``--avg-bits`` is that budget as bits per cached value (scales included: uniform C4R4 on 512 + 64
 is 4.28). Sensitivities come from the calibration split of ``--corpus`` under the cache policy ``--sink/--local``.
+``--transforms`` folds QuantMLA's calibrated transforms (``shipped:FMT`` or a transforms file) into the model before
+the sensitivities are measured: the plan is then for that folded model (serve it with the same transforms; they
+leave full precision unchanged, so one file serves every layer's format, :mod:`.allocate_transforms`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def add_allocate_args(subparsers) -> None:
     p.add_argument("--estimator", choices=("measured", "predicted"), default="measured",
                    help="distortion by error injection (default) or the first-order predictor (faster, optimistic "
                    "at 2 bits)")  # fmt: skip
+    p.add_argument("--transforms", default="none",
+                   help="calibrated transforms folded in first: none (RTN, default), shipped:FMT (the file that ships "
+                   "for --model, e.g. shipped:c4r4) or a transforms .safetensors file")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype the model runs in (default float32)")
@@ -86,7 +93,17 @@ def run_allocate(args) -> int:
         raise UsageError("--query-tokens must be >= 0 (0 = every position)")
     if args.seq_len <= args.sink + args.local:
         raise UsageError(f"--seq-len {args.seq_len} must exceed --sink + --local ({args.sink + args.local})")
+    from quantmla.analysis.allocate_transforms import TransformSource, fold_source
+
+    try:
+        source = TransformSource.parse(args.transforms)
+    except ValueError as e:
+        raise UsageError(f"--transforms: {e}") from None
     model, tok, name = resolve_model(args.model, args.dtype)
+    try:
+        model, tmeta = fold_source(model, source, name)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--transforms {args.transforms}: {e}") from None
     spec = MLASpec.from_config(model.config)
     dc, dr, layers = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_cache_layers
     budget = budget_for(args, dc, dr, layers)
@@ -99,7 +116,7 @@ def run_allocate(args) -> int:
                                estimator=args.estimator, progress=True)  # fmt: skip
     meta = {"model": name, "corpus": args.corpus or corpora.DEFAULT_SOURCE, "seqs": args.seqs,
             "seq_len": args.seq_len, "query_tokens": args.query_tokens, "sink": args.sink, "local": args.local,
-            "estimator": args.estimator,
+            "estimator": args.estimator, "transforms": tmeta or {"transforms": "none (RTN)"},
             "seconds": round(time.time() - t0, 1),
             "uniform_predicted": {f: predicted_uniform(sens, c, r) for f, c, r in
                                   (("c4r4", 4, 4), ("c2r4", 2, 4), ("c8r8", 8, 8), ("c4r8", 4, 8))}}  # fmt: skip
@@ -108,6 +125,8 @@ def run_allocate(args) -> int:
     print(f"plan: {plan.bytes_per_token} of {budget} B/token; predicted distortion {plan.predicted_distortion:.3e} "
           f"(uniform C4R4 {meta['uniform_predicted']['c4r4']:.3e}, C2R4 {meta['uniform_predicted']['c2r4']:.3e})")
     print(" ".join(r["format"] for r in plan.layers))
+    if source.kind != "none":
+        print(f"the plan is for the model with transforms {source.label} folded in: serve it with them")
     print(f"wrote {args.out}")
     if args.plot and plot_plan(plan, args.plot, f"{name}: {plan.bytes_per_token} B/token"):
         print(f"wrote {args.plot}")
