@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
      ("decode_mla_sm90", "90a", ("-DQMLA_PDL=0", "-DQMLA_COMBINE_V4=1")),
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
-     ("decode_mla_sm90_h64", "90a", ())],
+     ("decode_mla_sm90_h64", "90a", ()),
+     ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -51,7 +52,7 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64", "ws"])
 def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
     """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
     Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
@@ -80,8 +81,8 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         err = lib.qmla_decode(ctypes.byref(p), 4, 4, 1, 1, 1, None)
         assert err != 0 and lib.qmla_error_string(err)
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
-    # CTAs per split and sequence: 16 heads each (mma, wgmma), 64 (wgmma64), for every format
-    per_cta = 64 if kernel == "wgmma64" else 16
+    # CTAs per split and sequence: 16 heads each (mma, wgmma), 64 (wgmma64), 32 (ws), for every format
+    per_cta = {"wgmma64": 64, "ws": 32}.get(kernel, 16)
     for h in (1, 16, 17, 32, 33, 64, 65, 128):
         assert all(lib.qmla_head_ctas(h, bits) == -(-h // per_cta) for bits in (16, 8, 4, 2))
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
@@ -115,3 +116,209 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
     if pdl:
         for f in merges:
             assert re.search(r"\bLDG\b", f) and f.index("ACQBULK") < re.search(r"\bLDG\b", f).start()
+
+
+# ---- the warp-specialized kernel (decode_mla_sm90_ws.cu): its index maps and its pipeline, checked on the CPU
+
+_WS_MAPS = r"""
+#include <cstdio>
+#include "mla_ws_cfg.cuh"
+using namespace qmla;
+using namespace qmla::ws;
+template <int CB> void maps() {
+  using C = PageCfg<CB, 4>;
+  constexpr int CX = C::CBYTES / 16;
+  for (int j = 0; j < 2; ++j)
+    for (int lt = 0; lt < kWg; ++lt)
+      for (int i = 0; i < kPage * CX / 2 / kWg; ++i)
+        printf("copy %d %d %d %d %d %d\n", CB, j, lt, i, copy_token<CX>(lt, i), copy_chunk<CX>(j, lt, i));
+  for (int gi = 0; gi < 4; ++gi)
+    for (int w = 0; w < 4; ++w) {
+      printf("chunk %d %d %d %d\n", CB, gi, w, out_chunk(C::CPG, gi, w));
+      for (int hh = 0; hh < 2; ++hh)
+        for (int r = 0; r < 16; ++r) printf("chan %d %d %d %d %d %d\n", CB, gi, hh, w, r, out_channel(C::CPG, C::PS, gi, hh, w, r));
+    }
+}
+int main() {
+  maps<4>();
+  maps<2>();
+  for (int n = 0; n < 64; ++n)
+    for (int x = 0; x < 16; ++x) printf("swz %d %d %d\n", x, n, swizzled_chunk(x, n));
+  for (int it = 0; it < 64; ++it) printf("par %d %u %u %u\n", it, full_parity(it), pfull_parity(it), pempty_parity(it));
+  printf("stages %d\n", kStages);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ws_maps(tmp_path_factory):
+    """The ws kernel's index maps as its header computes them (compiled into a host program: no GPU)."""
+    d = tmp_path_factory.mktemp("ws_maps")
+    (d / "maps.cu").write_text(_WS_MAPS)
+    r = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), "-o", str(d / "maps"), str(d / "maps.cu")],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(d / "maps")], capture_output=True, text=True, check=True).stdout
+    maps: dict[str, list[tuple[int, ...]]] = {}
+    for line in out.splitlines():
+        key, *vals = line.split()
+        maps.setdefault(key, []).append(tuple(int(v) for v in vals))
+    return maps
+
+
+@pytest.mark.parametrize("cb", [4, 2])
+def test_ws_copy_covers_each_content_chunk_once_by_the_warpgroup_that_reads_it(ws_maps, cb):
+    """Each output warpgroup copies exactly the content chunks its own warps read (so it may refill a stage after a
+    barrier of its own warps only), every (token, chunk) of the page once; and it reads the chunks of its two
+    groups."""
+    cx = 512 * cb // 8 // 16
+    copied = {}
+    for _, j, lt, i, n, x in (m for m in ws_maps["copy"] if m[0] == cb):
+        assert (n, x) not in copied, f"chunk {x} of token {n} copied twice"
+        copied[(n, x)] = j
+    assert set(copied) == {(n, x) for n in range(64) for x in range(cx)}
+    reads = {(gi, w): x for _, gi, w, x in (m for m in ws_maps["chunk"] if m[0] == cb)}
+    for j in (0, 1):
+        for gi in (2 * j, 2 * j + 1):
+            for w in range(4):
+                x = reads[(gi, w)]
+                assert x * 16 // (128 * cb // 8) == gi, "a warp reads a chunk of another group"
+                assert all(copied[(n, x)] == j for n in range(64)), f"WG {j} reads chunk {x} that WG {1 - j} copies"
+    swz = {(x, n): y for x, n, y in ws_maps["swz"]}
+    for n in range(64):  # the swizzle is a permutation of a row's chunks (the copy and the reads agree on it)
+        assert sorted(swz[(x, n)] for x in range(cx)) == list(range(cx))
+
+
+def _ldsm_t_regs(row_bytes, toks, chunk: int, g: int, t: int) -> list[int]:
+    """ldmatrix.x4.trans: matrix m's 8 rows are tokens toks[m] + 0..7 (16 bytes of `chunk` each); lane (g, t) gets
+    register m = (element g of row 2t, element g of row 2t + 1), 16-bit elements little-endian."""
+    regs = []
+    for base in toks:
+        lo, hi = (int(row_bytes[base + 2 * t + k, 16 * chunk + 2 * g]) | int(row_bytes[base + 2 * t + k,
+                  16 * chunk + 2 * g + 1]) << 8 for k in (0, 1))  # fmt: skip
+        regs.append(lo | hi << 16)
+    return regs
+
+
+@pytest.mark.parametrize("cb", [4, 2])
+def test_ws_output_fragments_hold_the_codes_of_their_rows(ws_maps, cb):
+    """The output warpgroups' A fragments (ldmatrix.trans of the staged row bytes, the shift by the warp's planes,
+    code_f16's field of each byte) against quant/packing.py: element (row r, k) of the fragment of warp w, group gi,
+    half hh, k-step ks is the code of token 16 ks + k and channel out_channel(gi, hh, w, r)."""
+    import torch
+
+    from quantmla.quant.packing import pack
+
+    gen = torch.Generator().manual_seed(cb)
+    codes = torch.randint(0, 1 << cb, (64, 512), generator=gen, dtype=torch.uint8)
+    rows = pack(codes, cb, 128)  # [64 tokens, CBYTES]
+    chan = {(gi, hh, w, r): c for _, gi, hh, w, r, c in (m for m in ws_maps["chan"] if m[0] == cb)}
+    chunk = {(gi, w): x for _, gi, w, x in (m for m in ws_maps["chunk"] if m[0] == cb)}
+    cpg = 128 * cb // 8 // 16
+    seen = set()
+    for gi in range(4):
+        for w in range(4):
+            vshift = cb * 2 * (w // cpg)
+            for kp in range(2):
+                for g in range(8):
+                    for t in range(4):
+                        toks = [16 * (2 * kp + (m >> 1)) + 8 * (m & 1) for m in range(4)]
+                        R = [r >> vshift for r in _ldsm_t_regs(rows, toks, chunk[(gi, w)], g, t)]
+                        for ks in range(2):
+                            for hh in range(2):
+                                mask = (1 << cb) - 1
+                                frag = [R[2 * ks], R[2 * ks] >> 8, R[2 * ks + 1], R[2 * ks + 1] >> 8]
+                                for reg, (r, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                                               (g + 8, 2 * t + 8))):  # fmt: skip
+                                    for half in (0, 1):
+                                        got = (frag[reg] >> (16 * half + cb * hh)) & mask
+                                        tok = 16 * (2 * kp + ks) + k0 + half
+                                        c = chan[(gi, hh, w, r)]
+                                        assert got == codes[tok, c], (gi, w, kp, g, t, ks, hh, reg, half)
+                                        seen.add((tok, c))
+    assert len(seen) == 64 * 512  # every code of the page feeds the output product once
+
+
+def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):
+    """The ws kernel's ring and P buffers with its mbarrier parities (try_wait.parity(P) passes while the barrier's
+    current phase has the other parity, as on the GPU: a wrong parity passes early), the three roles interleaved at
+    random: the score warpgroup reads a stage only after the copy of that tile landed there, the output warpgroups
+    read a P buffer only after the score warpgroup wrote that tile's, nobody overwrites what another has not
+    finished with, and every schedule completes."""
+    import random
+
+    stages = ws_maps["stages"][0][0]
+    par = {it: (f, pf, pe) for it, f, pf, pe in ws_maps["par"]}
+
+    class Bar:
+        def __init__(self, count):
+            self.count, self.pending, self.phase = count, count, 0
+
+        def arrive(self):
+            self.pending -= 1
+            if self.pending == 0:
+                self.phase, self.pending = self.phase + 1, self.count
+
+        def passes(self, parity):
+            return (self.phase & 1) != parity
+
+    for tiles in list(range(0, 9)) + [17, 33]:
+        for seed in range(40):
+            rng = random.Random(seed)
+            full = [Bar(2) for _ in range(stages)]  # one arrival per output warpgroup stands for its 128
+            pfull, pempty = [Bar(1) for _ in range(2)], [Bar(2) for _ in range(2)]
+            stage_tile = [None] * stages  # which tile's bytes a stage holds (after the copy landed)
+            stage_busy = [False] * stages  # the score warpgroup is reading it
+            pbuf_tile, pbuf_readers = [None, None], [set(), set()]
+
+            def score():
+                for it in range(tiles):
+                    s = it % stages
+                    while not full[s].passes(par[it][0]):
+                        yield
+                    assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
+                    stage_busy[s] = True
+                    yield
+                    if it >= 2:
+                        while not pempty[it % 2].passes(par[it][2]):
+                            yield
+                    assert not pbuf_readers[it % 2], "P buffer overwritten while an output warpgroup reads it"
+                    pbuf_tile[it % 2] = it
+                    stage_busy[s] = False
+                    pfull[it % 2].arrive()
+                    yield
+
+            def output(j):
+                for s in range(min(stages, tiles)):  # the prologue copies
+                    stage_tile[s] = s
+                    full[s].arrive()
+                    yield
+                for it in range(tiles):
+                    s, pb = it % stages, it % 2
+                    while not pfull[pb].passes(par[it][1]):
+                        yield
+                    assert pbuf_tile[pb] == it, f"output {j} read P buffer {pb} holding {pbuf_tile[pb]}, wanted {it}"
+                    pbuf_readers[pb].add(j)
+                    assert stage_tile[s] == it
+                    yield
+                    pbuf_readers[pb].discard(j)
+                    pempty[pb].arrive()
+                    if it + stages < tiles:  # its own part of the next page into stage s (the score WG is done)
+                        assert not stage_busy[s], "a stage refilled while the score warpgroup reads it"
+                        yield
+                        full[s].arrive()
+                        if full[s].pending == full[s].count:  # both parts landed: the stage holds the new tile
+                            stage_tile[s] = it + stages
+
+            roles = [score(), output(0), output(1)]
+            alive = list(roles)
+            steps = 0
+            while alive:
+                r = rng.choice(alive)
+                try:
+                    next(r)
+                except StopIteration:
+                    alive.remove(r)
+                steps += 1
+                assert steps < 200000, f"deadlock at {tiles} tiles (seed {seed})"

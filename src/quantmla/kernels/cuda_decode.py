@@ -1,14 +1,15 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Three kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+Four kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
 (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA) and ``"wgmma64"``
-(``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so far);
-the last two are built for sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL`` (a kernel's name or ``auto``) or
-the ``kernel`` argument chooses; the default ``auto`` is the measured choice of :func:`cuda_kernel_choice` (mma off
-sm_90). The BF16 sink/local buffers run the Triton kernel of :mod:`quantmla.kernels.triton_decode` on a side stream
-and a CUDA kernel merges the splits, so the result has the contract of
-:func:`quantmla.kernels.reference.decode_attention_torch`.
+(``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so
+far) and ``"ws"`` (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only;
+opt-in, not yet measured); the last three are built for sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL``
+(a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is the measured choice of
+:func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel of
+:mod:`quantmla.kernels.triton_decode` on a side stream and a CUDA kernel merges the splits, so the result has the
+contract of :func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
 fp16 scales (asymmetric or symmetric), any number of heads, q in bf16 or fp32 (others are converted); content /
@@ -28,9 +29,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1}  # fallbacks if the occupancy query fails: mma 168 registers,
-# ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252 registers, 186-231 KB
-KERNELS = ("mma", "wgmma", "wgmma64")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1}  # fallbacks if the occupancy query fails: mma 168
+# registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252
+# registers, 186-231 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
+KERNELS = ("mma", "wgmma", "wgmma64", "ws")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
@@ -41,7 +43,7 @@ WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes mma (C8R8 / C4R8: Triton):
 # kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x (decode_vs_flashmla_h200_s10_heads.md);
 # wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
-            "wgmma64": ("decode_mla_sm90_h64", "90a")}  # source, build architecture
+            "wgmma64": ("decode_mla_sm90_h64", "90a"), "ws": ("decode_mla_sm90_ws", "90a")}  # source, build arch
 
 
 class _Params(ctypes.Structure):
@@ -68,6 +70,7 @@ class _Params(ctypes.Structure):
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
 BITS["wgmma64"] = BITS["wgmma"]
+BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -102,13 +105,13 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"``, ``"wgmma"`` or ``"wgmma64"`` for ``device``: ``kernel`` if given, else ``$QUANTMLA_CUDA_KERNEL``,
-    else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto`` is mma off sm_90; on
-    sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache``
-    (and ``heads`` query heads) given, wgmma when the work -- sequences x 16-head groups x longest length -- is at
-    most :data:`WGMMA_MAX_WORK` tokens (all but the largest grids), else mma (3 CTAs per SM to wgmma's 2);
-    past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for C8R8 / C4R8 is that it has none: Triton runs
-    them)."""
+    """``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
+    ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
+    is mma off sm_90 (it never picks wgmma64 or ws); on sm_90 it is wgmma for the formats only wgmma builds (C8R8,
+    C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
+    sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
+    grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for
+    C8R8 / C4R8 is that it has none: Triton runs them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -209,7 +212,7 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
-    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
+    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
     plan = plan_decode(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, kernel=kernel)
     out, lse = launch_decode(plan)
     return (out, lse) if return_lse else out
@@ -266,7 +269,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
     lib = _lib(dev, kernel)
-    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16), wgmma64 ceil(H / 64)
+    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16); wgmma64 H / 64, ws H / 32 (ceil)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
     slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel, H)
     ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
