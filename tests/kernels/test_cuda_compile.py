@@ -144,6 +144,10 @@ int main() {
   maps<2>();
   for (int n = 0; n < 64; ++n)
     for (int x = 0; x < 16; ++x) printf("swz %d %d %d\n", x, n, swizzled_chunk(x, n));
+  for (int w = 0; w < 4; ++w)
+    for (int lane = 0; lane < 32; ++lane)
+      for (int gi = 0; gi < 4; ++gi)
+        for (int q = 0; q < 2; ++q) printf("pst %d %d %d %d %d\n", w, lane, gi, q, p_store_row(w, lane) + p_store_step(gi, q));
   for (int it = 0; it < 64; ++it) printf("par %d %u %u %u\n", it, full_parity(it), pfull_parity(it), pempty_parity(it));
   printf("stages %d\n", kStages);
   return 0;
@@ -238,6 +242,34 @@ def test_ws_output_fragments_hold_the_codes_of_their_rows(ws_maps, cb):
                                         assert got == codes[tok, c], (gi, w, kp, g, t, ks, hh, reg, half)
                                         seen.add((tok, c))
     assert len(seen) == 64 * 512  # every code of the page feeds the output product once
+
+
+def test_ws_probability_stores_fill_the_output_products_b_operand(ws_maps):
+    """The score warpgroup's stmatrix.x4.trans stores of (P s_g)^T (register i of lane (g, t) holds heads 8 m + 2 t,
+    + 1 of token g + 8 ri, m = 2 q + i / 2, ri = i % 2; it lands in row 2 t / 2 t + 1, element g, of matrix i, whose row
+    addresses lanes 8 i .. 8 i + 7 give) put element (token, head) of group gi where the output product's K-major
+    B k-blocks (mla_wgmma.cuh kblock_offset, k-step = token / 16) expect it, each once."""
+    addr = {(w, lane, gi, q): a for w, lane, gi, q, a in ws_maps["pst"]}
+    kb = 32 * 32  # bytes of a 16 x 32 k-block
+
+    def kblock_offset(k, n):
+        return (n >> 3) * 256 + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2
+
+    placed = {}
+    for w in range(4):
+        for gi in range(4):
+            for q in range(2):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    for i in range(4):
+                        m, ri = 2 * q + i // 2, i % 2
+                        for e in (0, 1):
+                            tok, head = 16 * w + g + 8 * ri, 8 * m + 2 * t + e
+                            at = addr[(w, 8 * i + 2 * t + e, gi, q)] + 2 * g
+                            assert at == (gi * 4 + tok // 16) * kb + kblock_offset(tok % 16, head), (w, gi, lane, i, e)
+                            assert at not in placed
+                            placed[at] = (gi, tok, head)
+    assert len(placed) == 4 * 64 * 32
 
 
 def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):

@@ -73,18 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_ws(const Params p) 
   }
   __syncthreads();
 
-  if (wg == 0) {
-    regs_inc<QMLA_WS_REG_SCORE>();
-    // q: bf16(q qk_scale) staged over the P buffers, the CTA's exponent e, q^T (fp16) and the accumulator starts
-    // (bf16 q: 16-byte loads, all in flight; fp32 q: the pair loads one after another -- their in-flight form, 72
-    // pairs of 32 heads, spilled)
-    __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::PT);
-    const int e = stage_q<kNH, kWg, false, kQRow>(qst, reinterpret_cast<float*>(smem + C::RED), p, b, h0);
-    stage_qt<CB, RB, CSYM, RSYM, kNH, kWg, kQRow>(smem + C::QT, qst, exp2i(-e),
-                                                  reinterpret_cast<float*>(smem + C::QB));
-    score_role<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, row0, h0);
-    __syncthreads();  // FIN is published (the output warpgroups' epilogue barrier)
-  } else {
+  if (wg != 0) {
     regs_dec<QMLA_WS_REG_OUT>();
     const int j = wg - 1, lt = tid - kWg * wg;
     using M = MetaRows<CSYM, RSYM>;
@@ -97,6 +86,17 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_ws(const Params p) 
 #pragma unroll
     for (int i = 0; i < kQStagingBarriers; ++i) __syncthreads();
     output_role<CB, RB, CSYM, RSYM>(p, smem, j, pg0, pg1, bt, row0, h0);  // ends with the epilogue barrier
+  } else {
+    regs_inc<QMLA_WS_REG_SCORE>();
+    // q: bf16(q qk_scale) staged over the P buffers, the CTA's exponent e, q^T (fp16) and the accumulator starts
+    // (bf16 q: 16-byte loads, all in flight; fp32 q: the pair loads one after another -- their in-flight form, 72
+    // pairs of 32 heads, spilled)
+    __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::PT);
+    const int e = stage_q<kNH, kWg, false, kQRow>(qst, reinterpret_cast<float*>(smem + C::RED), p, b, h0);
+    stage_qt<CB, RB, CSYM, RSYM, kNH, kWg, kQRow>(smem + C::QT, qst, exp2i(-e),
+                                                  reinterpret_cast<float*>(smem + C::QB));
+    score_role<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, row0, h0);
+    __syncthreads();  // FIN is published (the output warpgroups' epilogue barrier)
   }
 #if QMLA_PDL
   if (p.pdl_late) pdl_wait();  // this grid completes after the buffer kernel: the merge's wait then covers both

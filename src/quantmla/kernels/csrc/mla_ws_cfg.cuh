@@ -88,6 +88,15 @@ __host__ __device__ constexpr int out_channel(int CPG, int PS, int gi, int hh, i
   return kGroup * gi + 16 * (w % CPG) + 2 * (r % 8) + r / 8 + PS * (2 * (w / CPG) + hh);
 }
 
+// The score warpgroup's stores of (P s_g 2^k)^T (stmatrix.x4.trans, 8 x 8 matrices i = lane / 8 of head octet
+// m = 2 q + i / 2 and k-half ri = i % 2): byte offset in the P buffer of the row lane gives for x4 store (gi, q) of
+// warp w (its 16 tokens are k-step w), = p_store_row(w, lane) + p_store_step(gi, q); a P buffer is [group][k-step]
+// K-major 16 x 32 k-blocks of kNH * 32 bytes (mla_wgmma.cuh's layout)
+__host__ __device__ constexpr int p_store_row(int w, int lane) {
+  return w * kNH * 32 + ((lane >> 3) >> 1) * 256 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
+}
+__host__ __device__ constexpr int p_store_step(int gi, int q) { return gi * 4 * kNH * 32 + q * 512; }
+
 // mbarrier phase parities: the n-th completion of a barrier has parity n & 1
 __host__ __device__ constexpr uint32_t full_parity(int it) { return (uint32_t)(it / kStages) & 1u; }
 __host__ __device__ constexpr uint32_t pfull_parity(int it) { return (uint32_t)(it / 2) & 1u; }
@@ -119,6 +128,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// this thread's lane, read inside a role (volatile: the compiler keeps lane-derived values out of the code before
+// the role branch, where they would live across setmaxnreg's register-count change and spill)
+__device__ __forceinline__ int lane_id() {
+  int l;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(l));
+  return l;
+}
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -126,6 +142,15 @@ template <int N>
 __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// Four 8 x 8 matrices of 16-bit elements stored transposed: register i of lane (g = lane / 4, t = lane % 4) holds
+// (row g, columns 2t, 2t + 1) of matrix i, which land in shared-memory row 2t / 2t + 1, element g, of matrix i, whose
+// 8 rows (16 bytes each) are at the addresses lanes 8 i .. 8 i + 7 give (ldmatrix.trans's inverse).
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 
 // D[64 x 32] += A[64 x 16] (fp16, registers) * B[16 x 32] (fp16, shared memory, K-major: mla_wgmma.cuh's layout)
 __device__ __forceinline__ void wgmma_f16_n32(float (&d)[16], const uint32_t (&a)[4], uint32_t desc_lo,

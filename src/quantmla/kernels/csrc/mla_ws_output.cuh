@@ -54,7 +54,7 @@ __device__ __forceinline__ void output_role(const Params& p, uint8_t* smem, int 
   using M = MetaRows<CSYM, RSYM>;
   constexpr int NH = kNH, NC = C::NC, KB = C::KB, CPG = C::CPG, PS = C::PS;
   static_assert(CB == 4 || CB == 2, "4/2-bit content (the fp16 output product of the wgmma kernel)");
-  const int lt = threadIdx.x - kWg * (1 + j), warp = lt >> 5, lane = lt & 31, g = lane >> 2, t = lane & 3;
+  const int lt = threadIdx.x - kWg * (1 + j), warp = lt >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const uint32_t mbar = smem_u32(smem + C::MBAR);
   constexpr int kStageBytes = (C::STAGE + 127) / 128 * 128;
   const uint32_t st0 = smem_u32(smem + C::ST);

@@ -32,8 +32,7 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
   constexpr int NH = kNH, NC = C::NC, KB = C::KB, NG = 4;
   constexpr int F = C::F, CPG = C::CPG, CX = C::CBYTES / 16;
   constexpr int RF = C::RF, RCH = C::RCH;
-  constexpr bool kF16Out = true;  // 4/2-bit codes: the fp16 output product (the wgmma kernel's default)
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const float* qb = reinterpret_cast<const float*>(smem + C::QB);
   const float two_e = exp2i(e);
   const Desc qdesc(wgmma_desc(smem_u32(smem + C::QT), 128, 256));
@@ -131,20 +130,30 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
       load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
     }
+    {  // one FMA chain per score: the RoPE term, then per group the offset and the scaled product (q sums by row)
+      float qs[NC];
+      load_row<NC>(qs, qb + 5 * NH + 4 * NH + t * NC);
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float qsv[5];  // q sums of head column c (2^-e units): the offset terms' factors
+      for (int c = 0; c < NC; ++c)
 #pragma unroll
-      for (int gr = 0; gr < 5; ++gr) qsv[gr] = qb[5 * NH + gr * NH + t * NC + c];
+        for (int ri = 0; ri < 2; ++ri)
+          sc[ri][c] = RSYM ? rsv[ri] * sacc[4][acc_idx(ri, c)] : fmaf(rsv[ri], sacc[4][acc_idx(ri, c)], rov[ri] * qs[c]);
 #pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const float rs = rsv[ri], ro = rov[ri];
-        float sx = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4]);
+      for (int gr = 0; gr < 4; ++gr) {
+        load_row<NC>(qs, qb + 5 * NH + gr * NH + t * NC);
 #pragma unroll
-        for (int gr = 0; gr < 4; ++gr)
-          sx += CSYM ? sv[gr][ri] * sacc[gr][acc_idx(ri, c)]
-                     : fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], ov[gr][ri] * qsv[gr]);
-        sc[ri][c] = tok_ok[ri] ? sx : -INFINITY;
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+          for (int ri = 0; ri < 2; ++ri) {
+            if (!CSYM) sc[ri][c] = fmaf(ov[gr][ri], qs[c], sc[ri][c]);
+            sc[ri][c] = fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], sc[ri][c]);
+          }
+      }
+      if (edge) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+          for (int ri = 0; ri < 2; ++ri) sc[ri][c] = tok_ok[ri] ? sc[ri][c] : -INFINITY;
       }
     }
     float* red = reinterpret_cast<float*>(smem + C::RED) + pb * NH * 4;  // [head][warp], double-buffered
@@ -186,13 +195,17 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
     }
     const bool rescale = __any_sync(0xffffffffu, any) || k_scale != 1.f;  // the same in every warp
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const float m_new = need[c] ? mt[c] : m_run[c];
-      alpha[c] = need[c] ? ex2(m_run[c] - m_new) : 1.f;  // 0 from -inf
-      m_run[c] = m_new;
-      l_run[c] *= alpha[c];
+    for (int c = 0; c < NC; ++c) alpha[c] = 1.f;
+    if (rescale) {  // most tiles skip this (lazy maximum)
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) po[gi][c] *= alpha[c];
+      for (int c = 0; c < NC; ++c) {
+        const float m_new = need[c] ? mt[c] : m_run[c];
+        alpha[c] = need[c] ? ex2(m_run[c] - m_new) : 1.f;  // 0 from -inf
+        m_run[c] = m_new;
+        l_run[c] *= alpha[c];
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi) po[gi][c] *= alpha[c];
+      }
     }
     float pv[2][NC];
 #pragma unroll
@@ -209,30 +222,36 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
     if (it >= 2) mbar_wait(mbar + 8 * (kStages + 2 + pb), pempty_parity(it));
     uint8_t* pbuf = smem + C::PT + pb * C::PTB;
     float* alpha_out = reinterpret_cast<float*>(smem + C::ALPHA) + pb * NH;
-    if (warp == 0 && g == 0) {
+    if (rescale && warp == 0 && g == 0) {
 #pragma unroll
       for (int c = 0; c < NC; ++c) alpha_out[head_of(c, t)] = alpha[c] * k_scale;
     }
     if (tid == 0) reinterpret_cast<int*>(smem + C::ALPHA + 2 * NH * 4)[pb] = rescale;
     const float p_up = exp2i(k_run);  // P s 2^k_run in fp16 (exact scaling, then the fp16 rounding)
+    // (P s_g 2^k)^T of this warp's 16 tokens (k-step = warp): per group two stmatrix.x4.trans of 8 x 8 matrices
+    // (head octet m, k-half ri), matrix i = 4 q + ... : m = 2 q + i / 2, ri = i % 2; lane (g, t) holds heads
+    // 8 m + 2 t, + 1 of token g + 8 ri, which land in row (head) 2 t / 2 t + 1, element (token) g of the K-major
+    // core matrix at m * 256 + ri * 128 (mla_wgmma.cuh's layout)
+    const uint32_t p_row = smem_u32(pbuf) + p_store_row(warp, lane);
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
+      float s_[2], o_[2];
 #pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
-        const float s_ = tok_ok[ri] ? sv[gi][ri] : 0.f;
-        const float o_ = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * sv[gi][ri] : ov[gi][ri]) : 0.f;
-        uint8_t* tile = pbuf + (gi * 4 + warp) * KB + ri * 128 + g * 2;  // k-step = warp, k-half = ri
+      for (int ri = 0; ri < 2; ++ri) {  // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
+        s_[ri] = tok_ok[ri] ? sv[gi][ri] * p_up : 0.f;
+        o_[ri] = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * sv[gi][ri] : ov[gi][ri]) : 0.f;
+      }
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          po[gi][c] = fmaf(pv[ri][c], o_, po[gi][c]);
-          const int h = head_of(c, t);
-          uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
-          if constexpr (kF16Out)
-            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s_ * p_up));
-          else
-            *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * s_);
+      for (int c = 0; c < NC; ++c) po[gi][c] = fmaf(pv[0][c], o_[0], fmaf(pv[1][c], o_[1], po[gi][c]));
+#pragma unroll
+      for (int q = 0; q < NC / 4; ++q) {
+        uint32_t r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = 2 * q + i / 2, ri = i % 2;
+          r[i] = pack_f16(pv[ri][2 * m] * s_[ri], pv[ri][2 * m + 1] * s_[ri]);
         }
+        stsm_x4_t(p_row + p_store_step(gi, q), r[0], r[1], r[2], r[3]);
       }
     }
     fence_proxy_async();  // the generic-proxy writes, before the output warpgroups' wgmma read them
