@@ -226,7 +226,7 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
     return ok_all
 
 
-def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict]) -> None:
+def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"decode_vs_flashmla_{tag}")
     with open(stem + ".json", "w") as f:
@@ -251,6 +251,8 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict]) -> None:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    if not plot:
+        return
     try:
         import matplotlib
 
@@ -331,6 +333,7 @@ def main() -> None:
     for H in [int(h) for h in args.heads.split(",")]:
         for B, N in shapes:
             ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows)
+            write_outputs(args.out, args.tag, {**meta, "partial": True}, rows, plot=False)  # a killed run keeps these
     meta["seconds"] = round(time.time() - t0, 1)
     meta["all_checks_ok"] = ok
     write_outputs(args.out, args.tag, meta, rows)

@@ -39,6 +39,11 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation64  # ~4 min: the wgmma64 kernel's
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
 #       16/32/64/128, C4R4 on the default kernels and every format on wgmma64, beside FlashMLA
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws          # <= 7 min (budget 420 s), carry .fmbuild:
+#       the warp-specialized many-heads kernel (csrc/decode_mla_sm90_ws.cu, kernel="ws", never run on a GPU before):
+#       a smoke test first (a hang -- an mbarrier that never completes -- or a wrong result stops the call there),
+#       its GPU tests (-x), then C4R4 on it beside FlashMLA BF16 and today's default at heads 16/32/64/128, B32 x 32K
+#       and B8 x 128K (WS_HEADS, WS_SHAPES); NCU=1 adds ncu of one 64-head B32 x 32K launch if time is left
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
@@ -47,12 +52,14 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QUANTMLA_CACHE=${QUANTMLA_CACHE:-/root/qcache}
-DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-560}))
+BUDGET_DEFAULT=560
+[[ $CALL == ws ]] && BUDGET_DEFAULT=420
+DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-$BUDGET_DEFAULT}))
 S="$R/summary.txt"
 : >"$S"
 bundle() {
@@ -177,9 +184,28 @@ case $CALL in
       --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
+  ws)  # the warp-specialized kernel: smoke, tests, C4R4 beside FlashMLA BF16 and the default kernels
+    part ws_smoke 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
+      -p no:cacheprovider -k "test_cuda_decode_heads and ws and c4r4"
+    smoke_rc=$(sed -n 's/^ws_smoke: rc \([0-9]*\),.*/\1/p' "$S")
+    if [[ -z $smoke_rc || $smoke_rc == 124 || $smoke_rc == 137 ]] || ! grep -qE "[0-9]+ passed" "$R/ws_smoke.log"; then
+      echo "ws_smoke hung or ran nothing: tests and timing skipped (see ws_smoke.log)" | tee -a "$S"
+    else
+      if [[ $smoke_rc == 0 ]]; then  # a wrong result skips the other tests but is still timed (CHECK FAIL)
+        part tests_ws 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
+          -p no:cacheprovider -k "ws and not wgmma"
+      fi
+      flashmla_args
+      part bench_ws 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
+        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" --formats c4r4@ws,c4r4
+      if [[ -n ${NCU:-} ]]; then
+        NCU_SHAPE="32 32768 --heads 64" ncu_part ws 100
+      fi
+    fi
+    ;;
   *)
-    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants, ncu, breakdown" \
-      "or kernels_breakdown" >&2
+    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants, ncu, breakdown," \
+      "kernels_breakdown, trace, change or ws" >&2
     exit 2
     ;;
 esac

@@ -136,7 +136,8 @@ template <int CB> void maps() {
     for (int w = 0; w < 4; ++w) {
       printf("chunk %d %d %d %d\n", CB, gi, w, out_chunk(C::CPG, gi, w));
       for (int hh = 0; hh < 2; ++hh)
-        for (int r = 0; r < 16; ++r) printf("chan %d %d %d %d %d %d\n", CB, gi, hh, w, r, out_channel(C::CPG, C::PS, gi, hh, w, r));
+        for (int r = 0; r < 16; ++r)
+          printf("chan %d %d %d %d %d %d\n", CB, gi, hh, w, r, out_channel(C::CPG, C::PS, gi, hh, w, r));
     }
 }
 int main() {
@@ -147,7 +148,8 @@ int main() {
   for (int w = 0; w < 4; ++w)
     for (int lane = 0; lane < 32; ++lane)
       for (int gi = 0; gi < 4; ++gi)
-        for (int q = 0; q < 2; ++q) printf("pst %d %d %d %d %d\n", w, lane, gi, q, p_store_row(w, lane) + p_store_step(gi, q));
+        for (int q = 0; q < 2; ++q)
+          printf("pst %d %d %d %d %d\n", w, lane, gi, q, p_store_row(w, lane) + p_store_step(gi, q));
   for (int it = 0; it < 64; ++it) printf("par %d %u %u %u\n", it, full_parity(it), pfull_parity(it), pempty_parity(it));
   printf("stages %d\n", kStages);
   return 0;
@@ -178,7 +180,7 @@ def test_ws_copy_covers_each_content_chunk_once_by_the_warpgroup_that_reads_it(w
     groups."""
     cx = 512 * cb // 8 // 16
     copied = {}
-    for _, j, lt, i, n, x in (m for m in ws_maps["copy"] if m[0] == cb):
+    for _, j, _lt, _i, n, x in (m for m in ws_maps["copy"] if m[0] == cb):
         assert (n, x) not in copied, f"chunk {x} of token {n} copied twice"
         copied[(n, x)] = j
     assert set(copied) == {(n, x) for n in range(64) for x in range(cx)}
@@ -272,85 +274,91 @@ def test_ws_probability_stores_fill_the_output_products_b_operand(ws_maps):
     assert len(placed) == 4 * 64 * 32
 
 
+class _Mbarrier:
+    """An mbarrier: `count` arrivals complete a phase; try_wait.parity(P) passes while the current phase's parity is
+    not P (so a wrong parity passes early, as on the GPU)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def _simulate_ws_pipeline(tiles, stages, par, rng):
+    """The three roles of the ws kernel as generators (a yield = another role may run), interleaved at random; each
+    output warpgroup's 128 arrivals are one arrival here. Raises AssertionError on a race or a deadlock."""
+    full = [_Mbarrier(2) for _ in range(stages)]
+    pfull, pempty = [_Mbarrier(1) for _ in range(2)], [_Mbarrier(2) for _ in range(2)]
+    stage_tile = [None] * stages  # which tile's bytes a stage holds (after both parts of the copy landed)
+    stage_busy = [False] * stages  # the score warpgroup is reading it
+    pbuf_tile, pbuf_readers = [None, None], [set(), set()]
+
+    def score():
+        for it in range(tiles):
+            s = it % stages
+            while not full[s].passes(par[it][0]):
+                yield
+            assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
+            stage_busy[s] = True
+            yield
+            if it >= 2:
+                while not pempty[it % 2].passes(par[it][2]):
+                    yield
+            assert not pbuf_readers[it % 2], "P buffer overwritten while an output warpgroup reads it"
+            pbuf_tile[it % 2] = it
+            stage_busy[s] = False
+            pfull[it % 2].arrive()
+            yield
+
+    def output(j):
+        for s in range(min(stages, tiles)):  # the prologue copies
+            stage_tile[s] = s
+            full[s].arrive()
+            yield
+        for it in range(tiles):
+            s, pb = it % stages, it % 2
+            while not pfull[pb].passes(par[it][1]):
+                yield
+            assert pbuf_tile[pb] == it, f"output {j} read P buffer {pb} holding {pbuf_tile[pb]}, wanted {it}"
+            pbuf_readers[pb].add(j)
+            assert stage_tile[s] == it
+            yield
+            pbuf_readers[pb].discard(j)
+            pempty[pb].arrive()
+            if it + stages < tiles:  # its own part of the next page into stage s (the score WG is done)
+                assert not stage_busy[s], "a stage refilled while the score warpgroup reads it"
+                yield
+                full[s].arrive()
+                if full[s].pending == full[s].count:  # both parts landed: the stage holds the new tile
+                    stage_tile[s] = it + stages
+
+    alive = [score(), output(0), output(1)]
+    steps = 0
+    while alive:
+        r = rng.choice(alive)
+        try:
+            next(r)
+        except StopIteration:
+            alive.remove(r)
+        steps += 1
+        assert steps < 200000, f"deadlock at {tiles} tiles"
+
+
 def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):
-    """The ws kernel's ring and P buffers with its mbarrier parities (try_wait.parity(P) passes while the barrier's
-    current phase has the other parity, as on the GPU: a wrong parity passes early), the three roles interleaved at
-    random: the score warpgroup reads a stage only after the copy of that tile landed there, the output warpgroups
-    read a P buffer only after the score warpgroup wrote that tile's, nobody overwrites what another has not
-    finished with, and every schedule completes."""
+    """The ws kernel's ring and P buffers with its mbarrier parities, the three roles interleaved at random: the
+    score warpgroup reads a stage only after the copy of that tile landed there, the output warpgroups read a P
+    buffer only after the score warpgroup wrote that tile's, nobody overwrites what another has not finished with,
+    and every schedule completes."""
     import random
 
     stages = ws_maps["stages"][0][0]
     par = {it: (f, pf, pe) for it, f, pf, pe in ws_maps["par"]}
-
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
-
-        def arrive(self):
-            self.pending -= 1
-            if self.pending == 0:
-                self.phase, self.pending = self.phase + 1, self.count
-
-        def passes(self, parity):
-            return (self.phase & 1) != parity
-
-    for tiles in list(range(0, 9)) + [17, 33]:
+    for tiles in [*range(0, 9), 17, 33]:
         for seed in range(40):
-            rng = random.Random(seed)
-            full = [Bar(2) for _ in range(stages)]  # one arrival per output warpgroup stands for its 128
-            pfull, pempty = [Bar(1) for _ in range(2)], [Bar(2) for _ in range(2)]
-            stage_tile = [None] * stages  # which tile's bytes a stage holds (after the copy landed)
-            stage_busy = [False] * stages  # the score warpgroup is reading it
-            pbuf_tile, pbuf_readers = [None, None], [set(), set()]
-
-            def score():
-                for it in range(tiles):
-                    s = it % stages
-                    while not full[s].passes(par[it][0]):
-                        yield
-                    assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
-                    stage_busy[s] = True
-                    yield
-                    if it >= 2:
-                        while not pempty[it % 2].passes(par[it][2]):
-                            yield
-                    assert not pbuf_readers[it % 2], "P buffer overwritten while an output warpgroup reads it"
-                    pbuf_tile[it % 2] = it
-                    stage_busy[s] = False
-                    pfull[it % 2].arrive()
-                    yield
-
-            def output(j):
-                for s in range(min(stages, tiles)):  # the prologue copies
-                    stage_tile[s] = s
-                    full[s].arrive()
-                    yield
-                for it in range(tiles):
-                    s, pb = it % stages, it % 2
-                    while not pfull[pb].passes(par[it][1]):
-                        yield
-                    assert pbuf_tile[pb] == it, f"output {j} read P buffer {pb} holding {pbuf_tile[pb]}, wanted {it}"
-                    pbuf_readers[pb].add(j)
-                    assert stage_tile[s] == it
-                    yield
-                    pbuf_readers[pb].discard(j)
-                    pempty[pb].arrive()
-                    if it + stages < tiles:  # its own part of the next page into stage s (the score WG is done)
-                        assert not stage_busy[s], "a stage refilled while the score warpgroup reads it"
-                        yield
-                        full[s].arrive()
-                        if full[s].pending == full[s].count:  # both parts landed: the stage holds the new tile
-                            stage_tile[s] = it + stages
-
-            roles = [score(), output(0), output(1)]
-            alive = list(roles)
-            steps = 0
-            while alive:
-                r = rng.choice(alive)
-                try:
-                    next(r)
-                except StopIteration:
-                    alive.remove(r)
-                steps += 1
-                assert steps < 200000, f"deadlock at {tiles} tiles (seed {seed})"
+            _simulate_ws_pipeline(tiles, stages, par, random.Random(seed))

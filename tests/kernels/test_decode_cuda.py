@@ -1,7 +1,7 @@
 """The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
 
-Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma`` and ``wgmma64`` (sm_90 only), chosen through
-``$QUANTMLA_CUDA_KERNEL``.
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma``, ``wgmma64`` and ``ws`` (sm_90 only), chosen
+through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (``ws``: C4R4 and C2R4 only) skips.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
 differences left are the bf16 rounding of ``P * s`` for the output product and ``ex2.approx``: relative L2 error
@@ -27,7 +27,7 @@ CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 KERNELS = ["mma"] + [pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
-                     for k in ("wgmma", "wgmma64")]
+                     for k in ("wgmma", "wgmma64", "ws")]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 POLICY = CachePolicy(sink=4, local=128, page_size=64)
@@ -64,7 +64,20 @@ def make(fmt, lens, heads, *, seed=0, policy=POLICY, value_scale=1.0):
     return cache, q_lat, q_pe
 
 
+def skip_unbuilt(cache):
+    """Skip when the kernel under test ($QUANTMLA_CUDA_KERNEL) is not built for the cache's format (the ws kernel:
+    C4R4 / C2R4); the other kernels' tests say themselves what they skip."""
+    import os
+
+    from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_unsupported_reason
+
+    kernel = os.environ.get(KERNEL_ENV, "")
+    if kernel == "ws" and cuda_unsupported_reason(cache, kernel):
+        pytest.skip(cuda_unsupported_reason(cache, kernel))
+
+
 def check(cache, q_lat, q_pe, splits=None, rel_tol=5e-3, lse_tol=2e-2):
+    skip_unbuilt(cache)
     out, lse = decode_attention(q_lat, q_pe, cache, SCALE, impl="cuda", return_lse=True, num_splits=splits)
     ref, ref_lse = decode_attention(kernel_q(q_lat), kernel_q(q_pe), cache, SCALE, impl="torch", return_lse=True)
     assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), "non-finite values in different places"
@@ -112,6 +125,16 @@ def test_cuda_decode_heads(fmt, heads):
 
 
 @needs_cuda
+@pytest.mark.parametrize("heads", [32, 64, 128])
+def test_cuda_decode_many_heads_long_splits(heads):
+    """Many heads over long splits: one split walks ~150 pages (the ws kernel's page ring wraps dozens of times and
+    its P buffers alternate), lengths end mid-page, and 5 splits leave the short sequence's later CTAs empty."""
+    cache, q_lat, q_pe = make("c4r4", [9800, 4097, 200], heads, seed=37 + heads)
+    check(cache, q_lat, q_pe, splits=1)
+    check(cache, q_lat, q_pe, splits=5)
+
+
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["c4r4", "c8r8"])
 def test_cuda_decode_short_local_window(fmt, cuda_kernel):
     """A local window shorter than a tile: the last packed tile then reaches past the sequence's end, into slots no
@@ -150,6 +173,7 @@ def test_cuda_decode_one_stream_order_gives_the_side_stream_bits(fmt, cuda_kerne
     if cuda_kernel == "mma" and fmt == "c8r8":
         pytest.skip("the mma kernel has no 8-bit path")
     cache, q_lat, q_pe = make(fmt, [3000, 700, 130, 20000], 16, seed=31)
+    skip_unbuilt(cache)
     plan = plan_decode(q_lat, q_pe, cache, SCALE)
     if not one_stream_order(plan):
         pytest.skip("this kernel library launches on a side stream (built without QMLA_PDL)")
