@@ -21,8 +21,8 @@
 namespace qmla {
 namespace ws {
 
-#ifndef QMLA_WS_STAGES  // pages in flight in the shared-memory ring
-#define QMLA_WS_STAGES 4
+#ifndef QMLA_WS_STAGES  // pages in the shared-memory ring: up to kStages - 2 in flight while two are in use
+#define QMLA_WS_STAGES 6
 #endif
 #ifndef QMLA_WS_REG_SCORE  // setmaxnreg: the score WG's registers and the output WGs' (ptxas, no spills: score 201,
                            // output 134 used; 216 + 2 x 144 = 3 x 168, the pool of a 384-thread CTA)
