@@ -50,6 +50,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "merge4": {"QMLA_COMBINE_V4": 1, "QMLA_COMBINE_WIDE": 0},  # the 16-byte split merge at every split count
     "merge1": {"QMLA_COMBINE_V4": 0},  # the scalar merge below 128 splits (the default until 2026-12-01)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
+    # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
+    "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }
 
 
