@@ -52,6 +52,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
+    # (its score warpgroup software-pipelined across pages, QMLA_WS_PIPE=1, is a library of its own, kernel="ws2":
+    # time both in one run with --formats c4r4@ws,c4r4@ws2; gpu_next_calls.sh ws2)
 }
 
 

@@ -6,10 +6,13 @@ sink boundary one token off, the local-window boundary one token off, the offset
 score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
 output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
 masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the wgmma64 kernel the
-score's and the output's offset terms and the zeroed meta of out-of-range tokens. Prints one line per mutation and
-exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64``: sm_90)::
+score's and the output's offset terms and the zeroed meta of out-of-range tokens; for ws / ws2 (ws2 = ws with the
+pipelined score warpgroup, decode_mla_sm90_ws2.cu includes decode_mla_sm90_ws.cu) the scale, the boundaries, the
+offset term, the magic term, the code bias, each in the file the kernel under test reads it from. Prints one line per
+mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws|ws2``: sm_90);
+``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws|ws2] [--dry-run]
 """
 
 from __future__ import annotations
@@ -23,11 +26,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
-SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu"}
-# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...]
-SELECT = {"mma": "not wgmma", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64"}
-# one kernel family's own code, not a shared header
-OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh"}
+SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu",
+           "ws": "decode_mla_sm90_ws.cu", "ws2": "decode_mla_sm90_ws2.cu"}
+# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...] / [ws-...] / [ws2-...]
+SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64",
+          "ws": "ws and not ws2", "ws2": "ws2"}
+# one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
+OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh", "mla_ws_cfg.cuh", "mla_ws_score.cuh",
+                 "mla_ws_score_pipe.cuh", "mla_ws_output.cuh"}
+_WS_COMMON = {  # ws and ws2: the kernel file (ws2 includes it) and the shared headers
+    "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;", "decode_mla_sm90_ws.cu"),
+    "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);",
+                                "decode_mla_sm90_ws.cu"),
+    "output offset term dropped": ("corr[gl][c] = fin[NH + (2 * j + gl) * NH + h];",
+                                   "corr[gl][c] = 0.f * fin[NH + (2 * j + gl) * NH + h];", "mla_ws_output.cuh"),
+    "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,", "mla_swapab.cuh"),
+    "output code bias (fp16) one ulp off": ("(0x8000u | ((25u - B * p) << 10))", "(0x8001u | ((25u - B * p) << 10))",
+                                            "mla_ops.cuh"),
+}
 BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
 MUTATIONS = {
     "mma": {
@@ -41,7 +57,8 @@ MUTATIONS = {
     },
     "wgmma": {
         "none (control: must pass)": ("", ""),
-        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))"),
+        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
+                              "decode_mla_sm90.cu"),  # the ws score roles read the same line
         "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
         "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
         "offset term dropped": ("for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
@@ -66,13 +83,30 @@ MUTATIONS = {
         "code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)", "mla_h64_tile.cuh"),
         "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "mla_h64_tile.cuh"),
     },
+    "ws": {
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
+                              "mla_ws_score.cuh"),
+        **_WS_COMMON,
+    },
+    "ws2": {  # C4R4 runs the pipelined score role (mla_ws_score_pipe.cuh), C2R4 ws's (mla_ws_score.cuh)
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1% (pipelined role)": ("ex2(fmaf(sc[ri][c], two_e, -ms))",
+                                               "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))", "mla_ws_score_pipe.cuh"),
+        "P store scale +1% (pipelined role)": ("s_[ri] = tok_ok[ri] ? sv * p_up : 0.f;",
+                                               "s_[ri] = tok_ok[ri] ? sv * p_up * 1.01f : 0.f;",
+                                               "mla_ws_score_pipe.cuh"),
+        **_WS_COMMON,
+    },
 }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=sorted(SOURCES), default="mma")
-    kernel = ap.parse_args().kernel
+    ap.add_argument("--dry-run", action="store_true", help="resolve every pattern to its file; build and run nothing")
+    args = ap.parse_args()
+    kernel = args.kernel
     mutations = MUTATIONS[kernel]
     texts = {f.name: f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cu", ".cuh")}
     # where this kernel's mutations may be: its source and the shared headers (not another kernel's own header,
@@ -84,6 +118,9 @@ def main() -> int:
         if old and len(where) != 1:
             print(f"{name}: pattern found in {len(where)} kernel sources, not 1 (update the mutation list)")
             survived.append(name)
+            continue
+        if args.dry_run:
+            print(f"{name}: {where[0] if where else '(control)'}")
             continue
         with tempfile.TemporaryDirectory() as d:
             for f, t in texts.items():  # the kernel sources, one of them mutated
@@ -104,6 +141,9 @@ def main() -> int:
             print(f"{name}: {'CAUGHT' if caught else 'SURVIVED'}: {' | '.join(why)[:300]}", flush=True)
             if not caught:
                 survived.append(name)
+    if args.dry_run:
+        print(f"{kernel}: {len(mutations) - 1 - len(survived)}/{len(mutations) - 1} patterns resolve to one file")
+        return 1 if survived else 0
     print(f"{kernel}: {len(mutations) - 1 - len(survived)}/{len(mutations) - 1} mutations caught")
     return 1 if survived else 0
 
