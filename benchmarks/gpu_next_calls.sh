@@ -45,10 +45,11 @@
 #       its GPU tests (-x), then C4R4 on it beside FlashMLA BF16 and today's default at heads 16/32/64/128, B32 x 32K
 #       and B8 x 128K (WS_HEADS, WS_SHAPES); NCU=1 adds ncu of one 64-head B32 x 32K launch if time is left
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws2         # <= 7 min (budget 420 s), carry .fmbuild:
-#       ws2 (csrc/decode_mla_sm90_ws2.cu: ws with its score warpgroup software-pipelined across pages, never run on a
-#       GPU): ws2's smoke test (a hang stops the call), its GPU tests and ws's (-x), then C4R4 on ws, ws2, today's
-#       default beside FlashMLA BF16 at heads 16/32/64/128, B32 x 32K and B8 x 128K, then ncu of one 64-head
-#       B32 x 32K ws2 launch (NCU=0: none), then mutation_check.py --kernel ws2 with the time left
+#       ws2 / ws3 (csrc/decode_mla_sm90_ws2.cu, _ws3.cu: ws with its score warpgroup software-pipelined across pages;
+#       ws3 also the next page's combination in the overlap; never run on a GPU): their smoke test (a hang stops the
+#       call), their GPU tests and ws's (-x), then C4R4 on ws, ws2, ws3, today's default beside FlashMLA BF16 at heads
+#       16/32/64/128, B32 x 32K and B8 x 128K, then ncu of one 64-head B32 x 32K launch of each (NCU=0: none), then
+#       mutation_check.py --kernel ws2 with the time left (MUTATE=ws3: that one)
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
@@ -198,7 +199,7 @@ case $CALL in
     else
       if [[ $smoke_rc == 0 ]]; then  # a wrong result skips the other tests but is still timed (CHECK FAIL)
         part tests_ws 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-          -p no:cacheprovider -k "ws and not wgmma"
+          -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
       fi
       flashmla_args
       part bench_ws 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
@@ -208,33 +209,36 @@ case $CALL in
       fi
     fi
     ;;
-  ws2)  # ws2 beside ws: smoke (hang-safe), tests, C4R4 timing of ws / ws2 / default / FlashMLA, ncu, mutations
+  ws2)  # ws2, ws3 beside ws: smoke (hang-safe), tests, C4R4 timing of ws / ws2 / ws3 / default / FlashMLA, ncu,
+    # mutations
     part ws2_smoke 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-      -p no:cacheprovider -k "test_cuda_decode_heads and ws2 and c4r4"
+      -p no:cacheprovider -k "test_cuda_decode_heads and (ws2 or ws3) and c4r4"
     smoke_rc=$(sed -n 's/^ws2_smoke: rc \([0-9]*\),.*/\1/p' "$S")
     if [[ -z $smoke_rc || $smoke_rc == 124 || $smoke_rc == 137 ]] || ! grep -qE "[0-9]+ passed" "$R/ws2_smoke.log"; then
       echo "ws2_smoke hung or ran nothing: ws2's tests and timing skipped (see ws2_smoke.log); ws's tests and timing" \
         "instead" | tee -a "$S"
       part tests_ws 100 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-        -p no:cacheprovider -k "ws and not ws2 and not wgmma"
+        -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
       flashmla_args
       part bench_ws 200 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
         --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" --formats c4r4@ws,c4r4
     else
-      if [[ $smoke_rc == 0 ]]; then  # a wrong result skips the other tests but is still timed (CHECK FAIL)
-        part tests_ws2 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-          -p no:cacheprovider -k "ws2"
-      fi
+      # every ws2 / ws3 case (no -x: a wrong result of one kernel must not hide the other's); wrong results are
+      # still timed (CHECK FAIL in the table)
+      part tests_ws2 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=short \
+        -p no:cacheprovider -k "ws2 or ws3"
       part tests_ws 100 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-        -p no:cacheprovider -k "ws and not ws2 and not wgmma"
+        -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
       flashmla_args
       part bench_ws2 200 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws2_${TAG:-next}" \
-        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" --formats c4r4@ws,c4r4@ws2,c4r4
+        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" \
+        --formats c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4
       if [[ ${NCU:-1} != 0 ]]; then
-        NCU_SHAPE="32 32768 --heads 64" ncu_part ws2 100
+        NCU_SHAPE="32 32768 --heads 64" ncu_part ws2 80
+        NCU_SHAPE="32 32768 --heads 64" ncu_part ws3 80
       fi
       if [[ $smoke_rc == 0 ]]; then
-        part mutation_ws2 300 python benchmarks/mutation_check.py --kernel ws2
+        part "mutation_${MUTATE:-ws2}" 300 python benchmarks/mutation_check.py --kernel "${MUTATE:-ws2}"
       fi
     fi
     ;;

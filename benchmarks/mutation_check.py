@@ -9,10 +9,10 @@ masking of rows outside the tile (NaN in unwritten slots must not reach the outp
 score's and the output's offset terms and the zeroed meta of out-of-range tokens; for ws / ws2 (ws2 = ws with the
 pipelined score warpgroup, decode_mla_sm90_ws2.cu includes decode_mla_sm90_ws.cu) the scale, the boundaries, the
 offset term, the magic term, the code bias, each in the file the kernel under test reads it from. Prints one line per
-mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws|ws2``: sm_90);
+mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws|ws2|ws3``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws|ws2] [--dry-run]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws|ws2|ws3] [--dry-run]
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
 SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu",
-           "ws": "decode_mla_sm90_ws.cu", "ws2": "decode_mla_sm90_ws2.cu"}
+           "ws": "decode_mla_sm90_ws.cu", "ws2": "decode_mla_sm90_ws2.cu", "ws3": "decode_mla_sm90_ws3.cu"}
 # the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...] / [ws-...] / [ws2-...]
 SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64",
-          "ws": "ws and not ws2", "ws2": "ws2"}
+          "ws": "ws and not ws2 and not ws3", "ws2": "ws2", "ws3": "ws3"}
 # one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
 OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh", "mla_ws_cfg.cuh", "mla_ws_score.cuh",
                  "mla_ws_score_pipe.cuh", "mla_ws_output.cuh"}
@@ -96,6 +96,18 @@ MUTATIONS = {
         "P store scale +1% (pipelined role)": ("s_[ri] = tok_ok[ri] ? sv * p_up : 0.f;",
                                                "s_[ri] = tok_ok[ri] ? sv * p_up * 1.01f : 0.f;",
                                                "mla_ws_score_pipe.cuh"),
+        **_WS_COMMON,
+    },
+    "ws3": {  # ws2 with the next page's combination split by group (mla_ws_score_pipe.cuh, QMLA_WS_PIPE=2)
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1% (pipelined role)": ("ex2(fmaf(sc[ri][c], two_e, -ms))",
+                                               "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))", "mla_ws_score_pipe.cuh"),
+        "split combination: content scale +1%": ("sc[ri][c] = fmaf(sv, acc[acc_idx(ri, c)], sc[ri][c]);",
+                                                 "sc[ri][c] = fmaf(sv * 1.01f, acc[acc_idx(ri, c)], sc[ri][c]);",
+                                                 "mla_ws_score_pipe.cuh"),
+        "split combination: RoPE term dropped": ("sc[ri][c] = fmaf(rs, acc[acc_idx(ri, c)], sc[ri][c]);",
+                                                 "sc[ri][c] = fmaf(0.f * rs, acc[acc_idx(ri, c)], sc[ri][c]);",
+                                                 "mla_ws_score_pipe.cuh"),
         **_WS_COMMON,
     },
 }

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_h64", "90a", ()),
      ("decode_mla_sm90_ws", "90a", ()),
-     ("decode_mla_sm90_ws2", "90a", ())],
+     ("decode_mla_sm90_ws2", "90a", ()),
+     ("decode_mla_sm90_ws3", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -53,7 +54,7 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64", "ws", "ws2"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64", "ws", "ws2", "ws3"])
 def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
     """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
     Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
@@ -83,7 +84,7 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         assert err != 0 and lib.qmla_error_string(err)
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
     # CTAs per split and sequence: 16 heads each (mma, wgmma), 64 (wgmma64), 32 (ws), for every format
-    per_cta = {"wgmma64": 64, "ws": 32, "ws2": 32}.get(kernel, 16)
+    per_cta = {"wgmma64": 64, "ws": 32, "ws2": 32, "ws3": 32}.get(kernel, 16)
     for h in (1, 16, 17, 32, 33, 64, 65, 128):
         assert all(lib.qmla_head_ctas(h, bits) == -(-h // per_cta) for bits in (16, 8, 4, 2))
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)

@@ -1,12 +1,13 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Five kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+Six kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
 (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA), ``"wgmma64"``
 (``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so
 far), ``"ws"`` (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only;
 opt-in, measured 1.0-1.09x FlashMLA at 32 heads) and ``"ws2"`` (``csrc/decode_mla_sm90_ws2.cu``: ws with its score
-warpgroup software-pipelined across pages for C4R4; opt-in, not yet run on a GPU); the last four are built for
+warpgroup software-pipelined across pages for C4R4; ``"ws3"``: the next page's combination in the overlap too; both
+opt-in, not yet run on a GPU); the last five are built for
 sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL``
 (a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is the measured choice of
 :func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel of
@@ -31,11 +32,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1, "ws2": 1}  # fallbacks if the occupancy query fails: mma
-# 168
-# registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252
-# registers, 186-231 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
-KERNELS = ("mma", "wgmma", "wgmma64", "ws", "ws2")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1, "ws2": 1, "ws3": 1}  # fallbacks if the occupancy query
+# fails: mma 168 registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x
+# 219-252 registers, 186-231 KB; ws (ws2, ws3) 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
+KERNELS = ("mma", "wgmma", "wgmma64", "ws", "ws2", "ws3")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
@@ -47,7 +47,7 @@ WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes mma (C8R8 / C4R8: Triton):
 # wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
             "wgmma64": ("decode_mla_sm90_h64", "90a"), "ws": ("decode_mla_sm90_ws", "90a"),
-            "ws2": ("decode_mla_sm90_ws2", "90a")}  # source, build arch
+            "ws2": ("decode_mla_sm90_ws2", "90a"), "ws3": ("decode_mla_sm90_ws3", "90a")}  # source, build arch
 
 
 class _Params(ctypes.Structure):
@@ -76,6 +76,7 @@ BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 
 BITS["wgmma64"] = BITS["wgmma"]
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
 BITS["ws2"] = BITS["ws"]  # ws with its score warpgroup software-pipelined across pages (C4R4; C2R4 runs ws's)
+BITS["ws3"] = BITS["ws"]  # ws2 with the next page's combination in the overlap too
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -110,13 +111,13 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"`` or ``"ws2"`` for ``device``: ``kernel`` if given, else
+    """``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"`` or ``"ws3"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
-    is mma off sm_90 (it never picks wgmma64, ws or ws2); on sm_90 it is wgmma for the formats only wgmma builds (C8R8,
-    C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
-    sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
-    grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose answer for
-    C8R8 / C4R8 is that it has none: Triton runs them)."""
+    is mma off sm_90 (it never picks wgmma64 or the ws kernels); on sm_90 it is wgmma for the formats only wgmma
+    builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma
+    when the work -- sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but
+    the largest grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose
+    answer for C8R8 / C4R8 is that it has none: Triton runs them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -217,7 +218,7 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
-    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"`` or ``"auto"`` (default:
+    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"``, ``"ws3"`` or ``"auto"`` (default:
     :func:`cuda_kernel_choice`)."""
     plan = plan_decode(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, kernel=kernel)
     out, lse = launch_decode(plan)

@@ -16,6 +16,8 @@
 //   rescale factors -> { product of page i + 1, batch j } x 9 with, after batch 0, P = 2^(S - m) of page i and, after
 //   batch 1 + gi, the (P s_gi 2^k)^T stores of page i; after batch 4 fence + arrive pfull[i % 2] -> combination and
 //   tile maxima of page i + 1.
+// QMLA_WS_PIPE=2 ("ws3", decode_mla_sm90_ws3.cu): page i's P work after batches 0-3, and page i + 1's combination
+// split by group into the overlap too (groups 0, 1, 2 after batches 4, 5, 7; group 3 and RoPE after the product).
 // The mbarrier protocol is the baseline's with the score warpgroup's full[i + 1] wait moved before its pfull[i]
 // arrival (no deadlock: page i + 1's copy needs only pfull[i + 1 - kStages], arrived earlier; the CPU check
 // test_cuda_compile.py::test_ws_pipeline_protocol_has_no_race_or_deadlock runs this order too).
@@ -117,6 +119,7 @@ __device__ __forceinline__ void score_role_pipe(const Params& p, uint8_t* smem, 
   using M = MetaRows<CSYM, RSYM>;
   constexpr int NH = kNH, NC = C::NC, NG = 4;
   constexpr int kStageBytes = (C::STAGE + 127) / 128 * 128;
+  constexpr bool kSplit = QMLA_WS_PIPE >= 2;  // "ws3": the next page's combination split into the overlap too
   const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const float* qb = reinterpret_cast<const float*>(smem + C::QB);
   const float two_e = exp2i(e);
@@ -185,6 +188,67 @@ __device__ __forceinline__ void score_role_pipe(const Params& p, uint8_t* smem, 
     for (int gr = 0; gr < 4; ++gr)
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
+    if (lane == 0) smx[warp] = sm;
+  };
+
+  // QMLA_WS_PIPE=2 ("ws3"): the combination of page it + 1 split by group, each group folded in as soon as its
+  // accumulator is complete (after the wgmma_wait<1> two batches after its last one), inside the overlap; only
+  // group 3 and RoPE after the product. Same terms as combine(), summed in another order (RoPE last).
+  float smx_run = 0.f;
+  auto comb_begin = [&](int it) {
+    const int pg = pg0 + it, tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;
+    const bool edge = tok_lo > 0 || tok_hi < kPage;
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int tau = 16 * warp + g + 8 * ri;
+      tok_ok[ri] = !edge || (tau >= tok_lo && tau < tok_hi);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) sc[ri][c] = 0.f;
+    }
+    smx_run = 0.f;
+  };
+  auto comb_group = [&](float (&acc)[NH / 2], int it, int gr) {
+    fence_operands(acc);  // complete: after the wgmma_wait that covers its last batch
+    const __half* meta = meta_of(it);
+    float qs[NC];
+    load_row<NC>(qs, qb + 5 * NH + gr * NH + t * NC);
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int tau = 16 * warp + g + 8 * ri;
+      const float sv = __half2float(meta[(M::CS + gr) * kPage + tau]);
+      const float ov = CSYM ? 0.f : __half2float(meta[(M::CO + gr) * kPage + tau]);
+      smx_run = tok_ok[ri] ? fmaxf(smx_run, fabsf(sv)) : smx_run;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        if (!CSYM) sc[ri][c] = fmaf(ov, qs[c], sc[ri][c]);
+        sc[ri][c] = fmaf(sv, acc[acc_idx(ri, c)], sc[ri][c]);
+      }
+    }
+  };
+  auto comb_end = [&](const float (&acc)[NH / 2], int it) {  // RoPE, the mask, the tile maxima (as combine())
+    const int pg = pg0 + it, tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;
+    const bool edge = tok_lo > 0 || tok_hi < kPage;
+    const __half* meta = meta_of(it);
+    float qs[NC];
+    load_row<NC>(qs, qb + 5 * NH + 4 * NH + t * NC);
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int tau = 16 * warp + g + 8 * ri;
+      const float rs = __half2float(meta[M::RS * kPage + tau]);
+      const float ro = RSYM ? 0.f : __half2float(meta[M::RO * kPage + tau]);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        if (!RSYM) sc[ri][c] = fmaf(ro, qs[c], sc[ri][c]);
+        sc[ri][c] = fmaf(rs, acc[acc_idx(ri, c)], sc[ri][c]);
+        if (edge) sc[ri][c] = tok_ok[ri] ? sc[ri][c] : -INFINITY;
+      }
+    }
+    float* red = reinterpret_cast<float*>(smem + C::RED) + (it & 1) * NH * 4;
+    float* smx = reinterpret_cast<float*>(smem + C::SMX) + (it & 1) * 4;
+    heads_max_to(red, sc, warp, g, t);
+    float sm = smx_run;
 #pragma unroll
     for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
     if (lane == 0) smx[warp] = sm;
@@ -298,12 +362,31 @@ __device__ __forceinline__ void score_role_pipe(const Params& p, uint8_t* smem, 
     if (more) {  // page it + 1's product with page it's second half interleaved, then its combination
       float sacc[5][NH / 2];
       const uint32_t st_u = st0 + ((it + 1) % kStages) * kStageBytes;
-      ws_score_product<CB, RB>(sacc, st_u, qdesc, qb, warp, lane, t, [&](int j) {
-        if (j == 0) probs();
-        if (j >= 1 && j <= NG) store_group(j - 1);
-        if (j == NG) publish();
-      });
-      combine(sacc, it + 1);  // overwrites sc / tok_ok: page it's are no longer needed
+      if constexpr (!kSplit) {
+        ws_score_product<CB, RB>(sacc, st_u, qdesc, qb, warp, lane, t, [&](int j) {
+          if (j == 0) probs();
+          if (j >= 1 && j <= NG) store_group(j - 1);
+          if (j == NG) publish();
+        });
+        combine(sacc, it + 1);  // overwrites sc / tok_ok: page it's are no longer needed
+      } else {  // batch j covers chunks 2j, 2j + 1: group gr's last batch is 2 gr + 1, complete after batch 2 gr + 2's
+        // wait; page it's P work in batches 0-3, then page it + 1's groups 0, 1, 2 after batches 4, 5, 7 (groups 0
+        // and 1 both after batch 4 spilled 4 B with symmetric RoPE)
+        static_assert(C::CPG == 4, "two batches per content group");
+        ws_score_product<CB, RB>(sacc, st_u, qdesc, qb, warp, lane, t, [&](int j) {
+          if (j == 0) probs();
+          if (j <= 3) store_group(j);
+          if (j == 3) publish();
+          if (j == 4) {
+            comb_begin(it + 1);  // overwrites sc / tok_ok: page it's are no longer needed
+            comb_group(sacc[0], it + 1, 0);
+          }
+          if (j == 5) comb_group(sacc[1], it + 1, 1);
+          if (j == 7) comb_group(sacc[2], it + 1, 2);
+        });
+        comb_group(sacc[3], it + 1, 3);
+        comb_end(sacc[4], it + 1);
+      }
     } else {
       probs();
 #pragma unroll
