@@ -82,8 +82,8 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
 
 def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
     """``auto``: mma off sm_90; on sm_90 wgmma for the formats only it builds, and for C4R4/C2R4 wgmma while
-    sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above (no GPU: the capability
-    query is replaced)."""
+    sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above; past 16 heads ws for C4R4 and
+    mma for C2R4 (no GPU: the capability query is replaced)."""
     import torch
 
     from quantmla.kernels import cuda_decode as cd
@@ -98,7 +98,7 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
     monkeypatch.setattr(cd, "WGMMA_MAX_WORK", 256)
     dev = torch.device("cuda", 0)
     small = cache("c4r4", [100, 128])  # work 2 x 1 x 128 = 256 at 16 heads, 512 at 17
-    for cap, expect in (((8, 0), ("mma", "mma", "mma")), ((9, 0), ("wgmma", "mma", "wgmma"))):
+    for cap, expect in (((8, 0), ("mma", "mma", "mma")), ((9, 0), ("wgmma", "ws", "wgmma"))):
         monkeypatch.setattr(cd, "_device_capability", lambda index, cap=cap: cap)
         got = (cd.cuda_kernel_choice(dev, cache=small, heads=16), cd.cuda_kernel_choice(dev, cache=small, heads=17),
                cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=16))  # fmt: skip
@@ -107,9 +107,12 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
         small.planned_length = 256  # a captured step plans for its capacity: the work of 2 x 1 x 256 = 512
         assert cd.cuda_kernel_choice(dev, cache=small, heads=16) == "mma"
         small.planned_length = None
-        # past WGMMA_AUTO_MAX_HEADS (the unmeasured 32-heads path) auto takes mma, which has no C8R8 (-> Triton)
+        # past WGMMA_AUTO_MAX_HEADS auto takes ws for C4R4 on sm_90 (measured faster than mma at 32-128 heads),
+        # mma for the rest (C2R4 not timed on ws; mma has no C8R8 -> Triton)
         tiny = cache("c4r4", [3])
-        assert cd.cuda_kernel_choice(dev, cache=tiny, heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
+        many = cd.cuda_kernel_choice(dev, cache=tiny, heads=cd.WGMMA_AUTO_MAX_HEADS + 1)
+        assert many == ("ws" if cap == (9, 0) else "mma")
+        assert cd.cuda_kernel_choice(dev, cache=cache("c2r4", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
         assert cd.cuda_kernel_choice(dev, cache=cache("c8r8", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
         if cap == (9, 0):
             assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs

@@ -42,9 +42,11 @@ WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (seq
 # units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
 # one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
 # 1.49x vs 1.41x at B32x128K (2^22))
-WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes mma (C8R8 / C4R8: Triton): at 64 / 128 heads the wgmma
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4) or mma (C2R4; C8R8 / C4R8: Triton): at 64 / 128 heads the wgmma
 # kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x (decode_vs_flashmla_h200_s10_heads.md);
 # wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
+WS_AUTO_BITS = ((4, 4),)  # past 16 heads auto takes ws for these formats: C4R4 measured 1.19-1.24x the mma
+# kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 not timed
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
             "wgmma64": ("decode_mla_sm90_h64", "90a"), "ws": ("decode_mla_sm90_ws", "90a"),
             "ws2": ("decode_mla_sm90_ws2", "90a"), "ws3": ("decode_mla_sm90_ws3", "90a")}  # source, build arch
@@ -113,11 +115,12 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
     """``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"`` or ``"ws3"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
-    is mma off sm_90 (it never picks wgmma64 or the ws kernels); on sm_90 it is wgmma for the formats only wgmma
+    is mma off sm_90 (it never picks wgmma64, ws2 or ws3); on sm_90 it is wgmma for the formats only wgmma
     builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma
     when the work -- sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but
-    the largest grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, mma (whose
-    answer for C8R8 / C4R8 is that it has none: Triton runs them)."""
+    the largest grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the
+    formats in :data:`WS_AUTO_BITS` (C4R4) and mma for the others (whose answer for C8R8 / C4R8 is that it has none:
+    Triton runs them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -131,7 +134,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         if cache is None:
             return "wgmma"
         if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
-            return "mma"
+            return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "mma"
         if _bits(cache.fmt) not in BITS["mma"]:
             return "wgmma"
         work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
