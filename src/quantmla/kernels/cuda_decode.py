@@ -42,9 +42,10 @@ WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (seq
 # units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
 # one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
 # 1.49x vs 1.41x at B32x128K (2^22))
-WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4) or mma (C2R4; C8R8 / C4R8: Triton): at 64 / 128 heads the wgmma
-# kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x (decode_vs_flashmla_h200_s10_heads.md);
-# wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md) is not picked either
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4) or mma (C2R4; C8R8 / C4R8: Triton): at 64 / 128
+# heads the wgmma kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x
+# (decode_vs_flashmla_h200_s10_heads.md); wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md)
+# is not picked either
 WS_AUTO_BITS = ((4, 4),)  # past 16 heads auto takes ws for these formats: C4R4 measured 1.19-1.24x the mma
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 not timed
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
