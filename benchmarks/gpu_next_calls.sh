@@ -230,9 +230,9 @@ case $CALL in
       part tests_ws 100 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
         -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
       flashmla_args
-      part bench_ws2 200 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws2_${TAG:-next}" \
-        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" \
-        --formats c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4
+      part bench_ws2 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws2_${TAG:-next}" \
+        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072,1x131072}" \
+        --formats c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4@mma,c4r4  # c4r4 = auto: ws past 16 heads since 2026-12-01 22:45
       if [[ ${NCU:-1} != 0 ]]; then
         NCU_SHAPE="32 32768 --heads 64" ncu_part ws2 80
         NCU_SHAPE="32 32768 --heads 64" ncu_part ws3 80
