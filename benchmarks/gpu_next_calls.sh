@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10 sessions, each one command. Next session (after 2026-12-01 21:30), in order, one
+# The device calls of issue 9/10/12 sessions, each one command. Next session (after 2026-12-02 00:10), in order, one
 # warm machine, calls back to back (it is given back ~30 s after a call):
-# (1) carry .gpucarry_1: `bash benchmarks/device_carry.sh collect; QUANTMLA_COMMIT=<sha> bash
-#     benchmarks/gpu_session_issue10.sh /root/issue10 tests,prefill,prefprof` -- the per-head prefill's causal split
-#     and cuDNN parts (kernels/fused_prefill.py, written 2026-12-01 19:00, never run on a GPU): GPU tests first, then
-#     per layer (compare prefill_h200_heads_near.md: 4K 3.2/5.5, 32K 23.2/31.7, 128K 84.7/93.0 ms; its md ends with
-#     which kernels ran -- cuDNN trusted or dropped) and the profile;
-# (2) carry .gpucarry_2: `... gpu_session_issue10.sh /root/issue10 v2lite` (the model's ingestion: 2.34/3.22 s at 32K
-#     before; transformers 1.13 s) and `mutation` if time is left (QUANTMLA_GPU_BUDGET_S);
-# (3) carry .gpucarry_3 (the kit joins): issue 12's full-budget chunk, `source benchmarks/device_smollm2_setup.sh &&
+# (1) carry .fmbuild: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws2` (~7 min) -- the ws kernel's two
+#     variants (ws2: score warpgroup pipelined across pages; ws3: + the next page's combination in the overlap),
+#     written 2026-12-01 22:00-22:30, never run on a GPU: smoke (hang-safe), GPU tests, C4R4 ws / ws2 / ws3 / mma /
+#     auto (= ws past 16 heads since 22:45) beside FlashMLA at 16-128 heads x B32x32K, B8x128K, B1x128K, ncu, mutation;
+#     ws ran 1.0-1.09x FlashMLA at 32 heads, 0.52-0.56x at 64, 0.37-0.41x at 128 (decode_vs_flashmla_h200_ws.md);
+# (2)-(4) issue 12's paper-budget chunks: the kit's three carry calls (.gpucarry_1..3, `bash
+#     benchmarks/device_carry.sh collect;` first), each then `source benchmarks/device_smollm2_setup.sh &&
 #     QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 420 --resume --ship --tag paper
 #     --carry-out $OUT/fb --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0`
-#     (the results so far are committed in benchmarks/results/full_budget_paper.json, which --resume reads; the
-#     QuaRot C4R4 transforms are in .fbcarry, which this call cannot carry beside a kit part: QuaRot recalibrates,
-#     ~70 s); then more chunks with `carry=[".fbcarry"]` and `--carry-in .fbcarry` (full_budget.py's recipe). About 13
-#     minutes of units are left in the core table (C2R4), then seeds 1, 2, the attnw ablation and variant b.
-# The kernels (issue 9) have nothing unmeasured; a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
+#     (the results so far are committed in benchmarks/results/full_budget_paper.json; SmoothQuant C2R4's calibration
+#     progress is in .fbcarry, which cannot travel beside a kit part: it recalibrates, ~80 s), then chunks with
+#     `carry=[".fbcarry"]` and `--carry-in .fbcarry`: QuaRot C2R4, then `--methods quantmla-attnw`, `--seeds 1,2`,
+#     `--variants b`.
+# After ws2, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
 # under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
