@@ -162,7 +162,9 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], force: b
     lines = [f"# Chunked prefill attention, one layer, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; torch {meta['torch']}; last chunk of a prompt of `context` tokens (chunk "
              f"{meta['chunk']}), {meta['heads']} heads; median of {meta['reps']} ({meta['timer']}). Cells: ms per "
-             f"layer (TFLOP/s of useful causal work; x{LAYERS} layers = s per chunk for the whole model). `mha`: torch "
+             f"layer (TFLOP/s of absorbed attention's causal work, also for `heads`, which does ~3.4x fewer FLOPs "
+             f"and so can show more than the device's peak; x{LAYERS} layers = s per chunk for the whole model). "
+             "`mha`: torch "
              "SDPA on transformers' per-head shapes (not our work, a reference point). `workspace`: dequantizing the "
              f"packed copies, included in split/sdpa. Every path checked first against the fp32 reference (rel L2 <= "
              f"{REL_TOL}).", "",
