@@ -46,7 +46,7 @@ WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4) or mma (C2R4; C8
 # heads the wgmma kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x
 # (decode_vs_flashmla_h200_s10_heads.md); wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md)
 # is not picked either
-WS_AUTO_BITS = ((4, 4),)  # past 16 heads auto takes ws for these formats: C4R4 measured 1.19-1.24x the mma
+WS_AUTO_BITS = ((4, 4),)  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 not timed
 _SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
             "wgmma64": ("decode_mla_sm90_h64", "90a"), "ws": ("decode_mla_sm90_ws", "90a"),
