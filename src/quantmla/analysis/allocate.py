@@ -86,12 +86,15 @@ class LayerSensitivity:
 ESTIMATORS = ("measured", "predicted")
 
 
-def output_fisher(model, tokens: torch.Tensor, batch_size: int = 2, samples: int = 2, device="cpu", seed: int = 0):
+def output_fisher(
+    model, tokens: torch.Tensor, batch_size: int = 2, samples: int = 2, device="cpu", seed: int = 0, progress=False
+):
     """Per attention layer, per token: ``E_y ||d log p(y) / d o_t||^2`` [N, S], the trace of the Fisher information
     of the model's next-token distributions with respect to that layer's attention output ``o_t`` (what the layer
     adds to the residual stream), labels ``y`` sampled from the model itself (``samples`` draws). To second order,
     an error ``e`` in ``o_t`` raises the KL from the full-precision model by ``1/2 e^T F e``, about
     ``1/2 ||e||^2 tr(F) / D`` for an error direction unrelated to ``F``'s."""
+    from quantmla.calibrate.blocks import progress_over
     from quantmla.mla.weights import iter_mla_attention
 
     attns = dict(iter_mla_attention(model))
@@ -118,7 +121,7 @@ def output_fisher(model, tokens: torch.Tensor, batch_size: int = 2, samples: int
     gen = torch.Generator().manual_seed(seed)
     model.to(device)
     try:
-        for b in range(0, n, batch_size):
+        for b in progress_over(range(0, n, batch_size), "Fisher batches", progress):  # backward passes: minutes
             ids = tokens[b : b + batch_size].to(device)
             with torch.enable_grad():
                 logp = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)  # [B, S, V]
@@ -217,7 +220,7 @@ def model_sensitivities(
         )
     model.eval()
     home = device_of(model)
-    fisher = output_fisher(model, tokens, batch_size, fisher_samples, dev, seed)
+    fisher = output_fisher(model, tokens, batch_size, fisher_samples, dev, seed, progress)
     if home is not None:
         model.to(home)
     _, blocks = decoder_blocks(model)
