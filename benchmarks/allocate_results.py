@@ -132,13 +132,15 @@ def main(argv=None) -> None:
 
     from quantmla.analysis.allocate import allocate, model_sensitivities, plot_plan
     from quantmla.analysis.allocate_transforms import fold_source, plan_from_formats
-    from quantmla.data.corpus import token_stream
+    from quantmla.data.corpus import load_split, token_stream
     from quantmla.eval.perplexity import perplexity, reference_logprobs
     from quantmla.eval.retrieval import run_retrieval
     from quantmla.eval.runtime import CacheSpec
     from quantmla.mla.spec import MLASpec
     from quantmla.models.names import resolve_model
 
+    for c in [c.strip() for c in args.corpora.split(",") if c.strip()]:  # before minutes of sensitivities
+        load_split(c, "test")  # CorpusNotFoundError names the install command
     base, tok, name = resolve_model("smollm2-mla")
     base.eval()
     spec = MLASpec.from_config(base.config)

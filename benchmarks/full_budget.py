@@ -389,6 +389,10 @@ def main(argv=None) -> int:
     bad = [m for m in args.methods if m not in METHODS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown method/variant {bad}; methods {list(METHODS)}, variants {list(VARIANTS)}")
+    from quantmla.data.corpus import load_split
+
+    for c in args.corpora:  # before the first calibration, not after it
+        load_split(c, "test")  # CorpusNotFoundError names the install command
     if args.carry_in or args.carry_out:
         sys.path.insert(0, HERE)
         import full_budget_carry as carry
