@@ -100,7 +100,10 @@ def parse_args(argv=None):
     ap.add_argument("--samples", type=int, default=2, help="needle samples per depth (depths 0.1/0.5/0.9)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="smollm2")
+    ap.add_argument("--force", action="store_true", help="overwrite benchmarks/results/allocate_<tag>.*")
     args = ap.parse_args(argv)
+    if os.path.exists(os.path.join(RESULTS, f"allocate_{args.tag}.json")) and not args.force:
+        ap.error(f"benchmarks/results/allocate_{args.tag}.json exists: pass --force to overwrite it, or another --tag")
     args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.commit = _commit()
     args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]

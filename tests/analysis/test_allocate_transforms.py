@@ -174,8 +174,9 @@ def _bench():
     return mod
 
 
-def test_benchmark_resolves_budgets_and_transforms(tmp_path):
+def test_benchmark_resolves_budgets_and_transforms(tmp_path, monkeypatch):
     b = _bench()
+    monkeypatch.setattr(b, "RESULTS", str(tmp_path))
     assert b.budget_source("c4r4", "shipped") == TransformSource("shipped", fmt="c4r4")
     assert b.budget_source("hot-r8", "shipped") == TransformSource("shipped", fmt="c4r4")  # the hand plan's base
     assert b.budget_source("c2r4", "shipped") == TransformSource("shipped", fmt="c2r4")
@@ -190,6 +191,11 @@ def test_benchmark_resolves_budgets_and_transforms(tmp_path):
                  ["--ppl-tokens", "1000", "--ppl-context", "512"], ["--budgets", ","]):  # fmt: skip
         with pytest.raises(SystemExit):
             b.parse_args(argv)
+    (tmp_path / "allocate_mine.json").write_text("{}")  # an earlier run's results: kept unless --force
+    with pytest.raises(SystemExit):
+        b.parse_args(["--tag", "mine"])
+    assert b.parse_args(["--tag", "mine", "--force"]).force
+    assert (tmp_path / "allocate_mine.json").read_text() == "{}"
 
 
 def test_allocate_command_with_transforms(tmp_path, capsys):
