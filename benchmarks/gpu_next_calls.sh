@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10/12 sessions, each one command. Next session (after 2026-12-02 00:10), in order, one
-# warm machine, calls back to back (it is given back ~30 s after a call):
+# The device calls of issue 9/10/12 sessions, each one command. Next session (session 17 had no device time: the
+# plan stands), in order, one warm machine, calls back to back (it is given back ~30 s after a call):
 # (1) carry .fmbuild: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws2` (~7 min) -- the ws kernel's two
 #     variants (ws2: score warpgroup pipelined across pages; ws3: + the next page's combination in the overlap),
 #     written 2026-12-01 22:00-22:30, never run on a GPU: smoke (hang-safe), GPU tests, C4R4 ws / ws2 / ws3 / mma /
