@@ -120,10 +120,12 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
     r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
     # The stored numbers come from the machine that calibrated; another CPU takes other float paths (BLAS kernels,
     # reduction order) and flips some 4-bit rounding decisions. Measured on a second x86_64 machine (2026-12-01):
-    # perplexity +1.9e-4 / +1.6e-4 relative, KL +2.9% / -2.0%, top-1 -0.3 / +0.5 points (C4R4 / C2R4). So the
-    # tolerances below are those of another machine; what separates a right fold from a wrong or missing one is
-    # the comparison with RTN (KL 2x and 5x higher on this slice) and the same-machine CLI check at the end.
-    assert r.perplexity == pytest.approx(ev["ppl"], rel=1e-3)
+    # perplexity +1.9e-4 / +1.6e-4 relative, KL +2.9% / -2.0%, top-1 -0.3 / +0.5 points (C4R4 / C2R4); on an AMD
+    # EPYC (2026-12-01) -1.7e-3 / -6e-5, KL -3.3% / +4.1%, top-1 +0.2 / -0.2 points (its full-precision perplexity
+    # alone moved -3.3e-4). So the tolerances below are those of another machine; on this 1024-token slice the
+    # perplexities of RTN and QuantMLA C4R4 are within 2e-3 of each other, so what separates a right fold from a
+    # wrong or missing one is the KL, its comparison with RTN (2x and 5x higher) and the same-machine CLI check.
+    assert r.perplexity == pytest.approx(ev["ppl"], rel=5e-3)
     assert r.kl_to_reference == pytest.approx(ev["kl"], rel=0.1)
     assert r.top1_agreement == pytest.approx(ev["top1"], abs=0.01)
     assert r.kl_to_reference < 0.75 * ev["rtn"]["kl"]  # and they still beat RTN on that slice, clearly
