@@ -52,15 +52,15 @@ def main(argv=None) -> None:
     ap.add_argument("--tag", default="smollm2_mixed_transforms")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    stem = os.path.join(RESULTS, f"allocate_{args.tag}")
-    if os.path.exists(stem + ".json") and not args.force:
-        ap.error(f"{stem}.json exists: pass --force to overwrite it, or another --tag")
+    sys.path.insert(0, HERE)
+    from results_io import result_stem, write_results
+
+    stem = result_stem(RESULTS, "allocate", args.tag, args.force)
     with open(args.results) as f:
         src = json.load(f)
     if args.plan not in src.get("plans", {}):
         ap.error(f"no plan {args.plan!r} in {args.results}; it has {sorted(src.get('plans', {}))}")
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, HERE)
     from allocate_results import _commit, plans_in_eval
     from quantmla.analysis.allocate import Plan
     from quantmla.calibrate.shipped import apply_transforms, load_shipped
@@ -115,10 +115,7 @@ def main(argv=None) -> None:
     for r in rows:
         lines.append(f"| {r['label']} | " + " | ".join(
             f"{r[c]['ppl']:.3f} | {r[c]['kl'] * 1e3:.3f} | {r[c]['top1']:.3f}" for c in corpora) + " |")  # fmt: skip
-    for tmp, text in ((stem + ".json.tmp", json.dumps(out, indent=1)), (stem + ".md.tmp", "\n".join(lines) + "\n")):
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, tmp[: -len(".tmp")])
+    write_results(stem, {".json": json.dumps(out, indent=1), ".md": "\n".join(lines) + "\n"})
     print("\n".join(lines))
 
 

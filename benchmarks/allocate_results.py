@@ -102,8 +102,10 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="smollm2")
     ap.add_argument("--force", action="store_true", help="overwrite benchmarks/results/allocate_<tag>.*")
     args = ap.parse_args(argv)
-    if os.path.exists(os.path.join(RESULTS, f"allocate_{args.tag}.json")) and not args.force:
-        ap.error(f"benchmarks/results/allocate_{args.tag}.json exists: pass --force to overwrite it, or another --tag")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results_io import result_stem
+
+    result_stem(RESULTS, "allocate", args.tag, args.force)  # an earlier run's results are kept unless --force
     args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.commit = _commit()
     args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]

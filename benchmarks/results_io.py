@@ -1,6 +1,7 @@
 """The benchmarks' one way to name and write result files: ``<out>/<name>_<tag>.{json,md}``, refused when present
 unless ``--force``, each written to a temporary file and renamed (an interrupted run leaves no half-written file).
-Used by ``decode_breakdown.py``, ``bench_graph_decode.py``, ``step_profile.py`` and ``eval_speed.py``."""
+Used by ``decode_breakdown.py``, ``bench_graph_decode.py``, ``step_profile.py``, ``eval_speed.py`` and the allocation
+benchmarks."""
 
 from __future__ import annotations
 

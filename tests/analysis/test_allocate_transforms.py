@@ -166,9 +166,9 @@ def test_transform_sources_parse_and_refuse(tmp_path, setup):
         fold_source(other, TransformSource.parse(_transforms_file(model, tmp_path / "x.safetensors")))
 
 
-def _bench():
-    path = os.path.join(HERE, "..", "..", "benchmarks", "allocate_results.py")
-    spec = importlib.util.spec_from_file_location("allocate_results", path)
+def _bench(name: str = "allocate_results"):
+    path = os.path.join(HERE, "..", "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -250,10 +250,7 @@ def test_benchmark_report_renders_from_the_json_alone():
 def test_mixed_transforms_take_each_layer_from_its_content_width_file():
     """``benchmarks/allocate_mixed_transforms.py``: layer i's factors come from the file of its content bits (2 ->
     the C2R4 file), every other width from the 4-bit file, and no layer mixes the two."""
-    path = os.path.join(HERE, "..", "..", "benchmarks", "allocate_mixed_transforms.py")
-    spec = importlib.util.spec_from_file_location("allocate_mixed_transforms", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("allocate_mixed_transforms")
 
     class P:  # the two fields of a Plan the mix reads
         layers = [{"layer": i, "content_bits": b} for i, b in enumerate((2, 4, 8, 2))]

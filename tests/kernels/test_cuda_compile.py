@@ -321,15 +321,15 @@ def _simulate_ws_pipeline(tiles, stages, par, rng, pipe=False):
     stage_busy = [False] * stages  # the score warpgroup is reading it
     pbuf_tile, pbuf_readers = [None, None], [set(), set()]
 
-    def score_pipe():
-        def read(it):  # wait for page it and start reading its stage (product, combination: until its P stores)
-            s = it % stages
-            while not full[s].passes(par[it][0]):
-                yield
-            assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
-            stage_busy[s] = True
+    def read(it):  # the score warpgroup waits for page it and starts reading its stage (until its P stores)
+        s = it % stages
+        while not full[s].passes(par[it][0]):
             yield
+        assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
+        stage_busy[s] = True
+        yield
 
+    def score_pipe():
         if tiles:
             yield from read(0)
         for it in range(tiles):
@@ -353,11 +353,7 @@ def _simulate_ws_pipeline(tiles, stages, par, rng, pipe=False):
             return
         for it in range(tiles):
             s = it % stages
-            while not full[s].passes(par[it][0]):
-                yield
-            assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
-            stage_busy[s] = True
-            yield
+            yield from read(it)
             if it >= 2:
                 while not pempty[it % 2].passes(par[it][2]):
                     yield
