@@ -108,6 +108,14 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
     if kernel == "mma":
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path
+    # Its one-time state is its own: no GNU-unique symbol, which the dynamic linker would bind to the first library
+    # loaded with the same name (ws, ws2 and ws3 share their kernel family's names: the second one loaded launched
+    # unconfigured, "invalid argument", on the H200 2026-12-02)
+    nm = shutil.which("nm")
+    if nm:
+        syms = subprocess.run([nm, "-C", str(build(name, arch or "90"))], capture_output=True, text=True).stdout
+        unique = [ln for ln in syms.splitlines() if re.match(r"^[0-9a-f]+ u ", ln)]
+        assert not unique, "GNU-unique symbols:\n" + "\n".join(unique[:5])
 
 
 @pytest.mark.parametrize("pdl", [0, 1])

@@ -51,6 +51,12 @@ int launch_programmatic(KF kf, dim3 grid, dim3 block, int smem, cudaStream_t str
   return (int)cudaLaunchKernelEx(&cfg, kf, args...);
 }
 
+// The one-time state below (function-local statics) lives in an unnamed namespace: each library gets its own copy.
+// With external linkage g++ makes such a static a GNU-unique symbol, which the dynamic linker binds process-wide even
+// across ctypes' RTLD_LOCAL loads: the ws, ws2 and ws3 libraries (same kernel family names) then shared one
+// "configured" flag, and the second one loaded launched unconfigured (> 48 KB shared memory: invalid argument).
+namespace {
+
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 cudaError_t configure(int nh) {
@@ -64,6 +70,8 @@ cudaError_t configure(int nh) {
   }
   return st;
 }
+
+}  // namespace
 
 template <typename K, int CB, int RB, bool CSYM, bool RSYM>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
@@ -132,6 +140,7 @@ int ctas_per_sm_bits(int cbits, int rbits, int H) {
 
 // One launch of the split merge kernel KF (threads per CTA: NT); with QMLA_PDL on an sm_90+ device a programmatic
 // dependent launch (its CTAs may start while the page kernel finishes; the merge waits for it before reading).
+namespace {  // (its static: one per library, as configure's above)
 template <typename KF>
 int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, float* out, float* lse, int ns, int H,
                  cudaStream_t stream) {
@@ -147,6 +156,7 @@ int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, flo
   kf<<<grid, nt, 0, stream>>>(po, pl, out, lse, ns, H);
   return (int)cudaGetLastError();
 }
+}  // namespace
 
 template <int G, int CW>
 int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out, float* lse, int ns, int H,
