@@ -231,7 +231,7 @@ case $CALL in
       flashmla_args
       part bench_ws2 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws2_${TAG:-next}" \
         --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072,1x131072}" \
-        --formats c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4@mma,c4r4  # c4r4 = auto: ws past 16 heads since 2026-12-01 22:45
+        --formats "${WS2_FORMATS:-c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4@mma,c4r4}"  # c4r4 = auto: ws past 16 heads
       if [[ ${NCU:-1} != 0 ]]; then
         NCU_SHAPE="32 32768 --heads 64" ncu_part ws2 80
         NCU_SHAPE="32 32768 --heads 64" ncu_part ws3 80
