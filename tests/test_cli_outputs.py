@@ -103,6 +103,16 @@ def test_calibrate_config_accepts_known_keys(tmp_path):
     args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--config", str(cfg), "--seed", "7"])
     c = config_from_args(args)
     assert (c.steps_content, c.steps_rope, c.seq_len, c.seed) == (3, 5, 256, 7)
+    assert c.rope_weighting == "uniform"  # the paper's objective unless asked
+    args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--rope-weighting", "attention"])
+    assert config_from_args(args).rope_weighting == "attention"
+
+
+def test_calibrate_rejects_an_unknown_rope_weighting(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--model", "m", "--out", str(tmp_path / "c"), "--rope-weighting", "softmax"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--rope-weighting" in err and "attention" in err and not (tmp_path / "c").exists()
 
 
 def _tiny_model_and_tokenizer():
