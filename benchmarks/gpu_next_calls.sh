@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The device calls of issue 9/10/12 sessions, each one command. Next session (session 17 had no device time: the
-# plan stands), in order, one warm machine, calls back to back (it is given back ~30 s after a call):
-# (1) carry .fmbuild: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws2` (~7 min) -- the ws kernel's two
-#     variants (ws2: score warpgroup pipelined across pages; ws3: + the next page's combination in the overlap),
-#     written 2026-12-01 22:00-22:30, never run on a GPU: smoke (hang-safe), GPU tests, C4R4 ws / ws2 / ws3 / mma /
-#     auto (= ws past 16 heads since 22:45) beside FlashMLA at 16-128 heads x B32x32K, B8x128K, B1x128K, ncu, mutation;
-#     ws ran 1.0-1.09x FlashMLA at 32 heads, 0.52-0.56x at 64, 0.37-0.41x at 128 (decode_vs_flashmla_h200_ws.md);
+# The device calls of issue 9/10/12 sessions, each one command. Next session, in order, one warm machine, calls back
+# to back (it is given back ~30 s after a call):
+# (1) `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels` (~3.5 min, carry nothing) -- the GPU tests of
+#     every CUDA decode kernel (ws's in tests_mma's process) after ws's pipelined variants and their QMLA_WS_PIPE
+#     branches were removed (4-10% slower than ws at every shape, decode_vs_flashmla_h200_ws2_s18.md); then, carry
+#     .fmbuild, `WS_FORMATS=c4r4@ws,c4r4,c2r4@ws,c2r4 QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws`
+#     (~5 min): ws's smoke test and GPU tests, then ws beside auto (ws past 16 heads for C4R4 and, since 2026-12-02,
+#     C2R4: auto's rows at 32-128 heads should equal the @ws rows) and FlashMLA BF16;
 # (2)-(4) issue 12's paper-budget chunks: the kit's three carry calls (.gpucarry_1..3, `bash
 #     benchmarks/device_carry.sh collect;` first), each then `source benchmarks/device_smollm2_setup.sh &&
 #     QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 420 --resume --ship --tag paper
@@ -14,15 +15,15 @@
 #     progress is in .fbcarry, which cannot travel beside a kit part: it recalibrates, ~80 s), then chunks with
 #     `carry=[".fbcarry"]` and `--carry-in .fbcarry`: QuaRot C2R4, then `--methods quantmla-attnw`, `--seeds 1,2`,
 #     `--variants b`.
-# After ws2, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
+# After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
 # under the device tool's 600 s per command); results are bundled into $OUT/<call>.tgz after every part (the device tool
 # returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
-#       micro (wgmma conventions), GPU tests of the three CUDA decode kernels (each in a process of its own),
-#       issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
+#       micro (wgmma conventions), GPU tests of the CUDA decode kernels (wgmma64, wgmma, mma + ws + Triton: a
+#       process each), issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels     # check without serve / cache: ~3.5 min
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants    # ~4 min: kernel_variants.py run (VARIANTS=..;
 #       VARIANT_TESTS=1: each variant's wgmma GPU tests first, ~1 min each), e.g. VARIANTS=base,pvf16; carry .fmbuild
@@ -39,16 +40,11 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
 #       16/32/64/128, C4R4 on the default kernels and every format on wgmma64, beside FlashMLA
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws          # <= 7 min (budget 420 s), carry .fmbuild:
-#       the warp-specialized many-heads kernel (csrc/decode_mla_sm90_ws.cu, kernel="ws", never run on a GPU before):
-#       a smoke test first (a hang -- an mbarrier that never completes -- or a wrong result stops the call there),
-#       its GPU tests (-x), then C4R4 on it beside FlashMLA BF16 and today's default at heads 16/32/64/128, B32 x 32K
-#       and B8 x 128K (WS_HEADS, WS_SHAPES); NCU=1 adds ncu of one 64-head B32 x 32K launch if time is left
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws2         # <= 7 min (budget 420 s), carry .fmbuild:
-#       ws2 / ws3 (csrc/decode_mla_sm90_ws2.cu, _ws3.cu: ws with its score warpgroup software-pipelined across pages;
-#       ws3 also the next page's combination in the overlap; never run on a GPU): their smoke test (a hang stops the
-#       call), their GPU tests and ws's (-x), then C4R4 on ws, ws2, ws3, today's default beside FlashMLA BF16 at heads
-#       16/32/64/128, B32 x 32K and B8 x 128K, then ncu of one 64-head B32 x 32K launch of each (NCU=0: none), then
-#       mutation_check.py --kernel ws2 with the time left (MUTATE=ws3: that one)
+#       the warp-specialized many-heads kernel (csrc/decode_mla_sm90_ws.cu, kernel="ws", auto's past 16 heads for
+#       C4R4 / C2R4): a smoke test first (a hang -- an mbarrier that never completes -- or a wrong result stops the
+#       call there), its GPU tests (-x), then WS_FORMATS (default c4r4@ws,c4r4) beside FlashMLA BF16 at heads
+#       16/32/64/128, B32 x 32K and B8 x 128K (WS_HEADS, WS_SHAPES); NCU=1 adds ncu of one 64-head B32 x 32K launch
+#       if time is left
 #
 # Back here: tar xzf <files_at>/<call>.tgz -C /tmp; copy /tmp/<call>/**/decode_vs_flashmla_* and prefill_* into
 # benchmarks/results/. Issue 10's kit calls and issue 12's chunks have their own scripts (gpu_session_issue10.sh,
@@ -57,13 +53,13 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|ws2}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QUANTMLA_CACHE=${QUANTMLA_CACHE:-/root/qcache}
 BUDGET_DEFAULT=560
-[[ $CALL == ws || $CALL == ws2 ]] && BUDGET_DEFAULT=420
+[[ $CALL == ws ]] && BUDGET_DEFAULT=420
 DEADLINE=$((SECONDS + ${QUANTMLA_GPU_BUDGET_S:-$BUDGET_DEFAULT}))
 S="$R/summary.txt"
 : >"$S"
@@ -189,7 +185,7 @@ case $CALL in
       --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
       --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
     ;;
-  ws)  # the warp-specialized kernel: smoke, tests, C4R4 beside FlashMLA BF16 and the default kernels
+  ws)  # the warp-specialized kernel: smoke, tests, WS_FORMATS beside FlashMLA BF16 (and auto's choice)
     part ws_smoke 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
       -p no:cacheprovider -k "test_cuda_decode_heads and ws and c4r4"
     smoke_rc=$(sed -n 's/^ws_smoke: rc \([0-9]*\),.*/\1/p' "$S")
@@ -198,52 +194,20 @@ case $CALL in
     else
       if [[ $smoke_rc == 0 ]]; then  # a wrong result skips the other tests but is still timed (CHECK FAIL)
         part tests_ws 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-          -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
+          -p no:cacheprovider -k "ws and not wgmma"
       fi
       flashmla_args
       part bench_ws 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
-        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" --formats c4r4@ws,c4r4
+        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" \
+        --formats "${WS_FORMATS:-c4r4@ws,c4r4}"  # c4r4, c2r4 = auto: ws past 16 heads
       if [[ -n ${NCU:-} ]]; then
         NCU_SHAPE="32 32768 --heads 64" ncu_part ws 100
       fi
     fi
     ;;
-  ws2)  # ws2, ws3 beside ws: smoke (hang-safe), tests, C4R4 timing of ws / ws2 / ws3 / default / FlashMLA, ncu,
-    # mutations
-    part ws2_smoke 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-      -p no:cacheprovider -k "test_cuda_decode_heads and (ws2 or ws3) and c4r4"
-    smoke_rc=$(sed -n 's/^ws2_smoke: rc \([0-9]*\),.*/\1/p' "$S")
-    if [[ -z $smoke_rc || $smoke_rc == 124 || $smoke_rc == 137 ]] || ! grep -qE "[0-9]+ passed" "$R/ws2_smoke.log"; then
-      echo "ws2_smoke hung or ran nothing: ws2's tests and timing skipped (see ws2_smoke.log); ws's tests and timing" \
-        "instead" | tee -a "$S"
-      part tests_ws 100 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-        -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
-      flashmla_args
-      part bench_ws 200 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
-        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" --formats c4r4@ws,c4r4
-    else
-      # every ws2 / ws3 case (no -x: a wrong result of one kernel must not hide the other's); wrong results are
-      # still timed (CHECK FAIL in the table)
-      part tests_ws2 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=short \
-        -p no:cacheprovider -k "ws2 or ws3"
-      part tests_ws 100 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
-        -p no:cacheprovider -k "ws and not ws2 and not ws3 and not wgmma"
-      flashmla_args
-      part bench_ws2 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws2_${TAG:-next}" \
-        --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072,1x131072}" \
-        --formats "${WS2_FORMATS:-c4r4@ws,c4r4@ws2,c4r4@ws3,c4r4@mma,c4r4}"  # c4r4 = auto: ws past 16 heads
-      if [[ ${NCU:-1} != 0 ]]; then
-        NCU_SHAPE="32 32768 --heads 64" ncu_part ws2 80
-        NCU_SHAPE="32 32768 --heads 64" ncu_part ws3 80
-      fi
-      if [[ $smoke_rc == 0 ]]; then
-        part "mutation_${MUTATE:-ws2}" 300 python benchmarks/mutation_check.py --kernel "${MUTATE:-ws2}"
-      fi
-    fi
-    ;;
   *)
     echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants, ncu, breakdown," \
-      "kernels_breakdown, trace, change, ws or ws2" >&2
+      "kernels_breakdown, trace, change or ws" >&2
     exit 2
     ;;
 esac

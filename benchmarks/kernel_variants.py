@@ -52,8 +52,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
-    # (its score warpgroup software-pipelined across pages, QMLA_WS_PIPE=1, is a library of its own, kernel="ws2":
-    # time both in one run with --formats c4r4@ws,c4r4@ws2; gpu_next_calls.sh ws2)
 }
 
 
@@ -190,8 +188,10 @@ def write_table(results: dict[str, list[dict]], descr: dict[str, str], out: Path
             us = {key(r): r["us"] for r in rs}
             cells = [f"{fm[c[:3]] / us[c]:.2f}x" if c in us and c[:3] in fm else "-" for c in cols]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    write_results(str(out / f"kernel_variants_{tag}"),
-                  {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
+    write_results(
+        str(out / f"kernel_variants_{tag}"),
+        {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"},
+    )
     print("\n".join(lines), flush=True)
 
 

@@ -6,13 +6,12 @@ sink boundary one token off, the local-window boundary one token off, the offset
 score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
 output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
 masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the wgmma64 kernel the
-score's and the output's offset terms and the zeroed meta of out-of-range tokens; for ws / ws2 (ws2 = ws with the
-pipelined score warpgroup, decode_mla_sm90_ws2.cu includes decode_mla_sm90_ws.cu) the scale, the boundaries, the
-offset term, the magic term, the code bias, each in the file the kernel under test reads it from. Prints one line per
-mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws|ws2|ws3``: sm_90);
+score's and the output's offset terms and the zeroed meta of out-of-range tokens; for ws the scale, the
+boundaries, the offset term, the magic term, the code bias, each in the file the kernel reads it from. Prints one line
+per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws|ws2|ws3] [--dry-run]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws] [--dry-run]
 """
 
 from __future__ import annotations
@@ -26,25 +25,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
-SOURCES = {"mma": "decode_mla.cu", "wgmma": "decode_mla_sm90.cu", "wgmma64": "decode_mla_sm90_h64.cu",
-           "ws": "decode_mla_sm90_ws.cu", "ws2": "decode_mla_sm90_ws2.cu", "ws3": "decode_mla_sm90_ws3.cu"}
-# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...] / [ws-...] / [ws2-...]
-SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64",
-          "ws": "ws and not ws2 and not ws3", "ws2": "ws2", "ws3": "ws3"}
-# one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
-OTHER_HEADERS = {"mla_sm90_bf16.cuh", "mla_wgmma_h64.cuh", "mla_h64_tile.cuh", "mla_ws_cfg.cuh", "mla_ws_score.cuh",
-                 "mla_ws_score_pipe.cuh", "mla_ws_output.cuh"}
-_WS_COMMON = {  # ws and ws2: the kernel file (ws2 includes it) and the shared headers
-    "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;", "decode_mla_sm90_ws.cu"),
-    "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);",
-                                "decode_mla_sm90_ws.cu"),
-    "output offset term dropped": ("corr[gl][c] = fin[NH + (2 * j + gl) * NH + h];",
-                                   "corr[gl][c] = 0.f * fin[NH + (2 * j + gl) * NH + h];", "mla_ws_output.cuh"),
-    "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,", "mla_swapab.cuh"),
-    "output code bias (fp16) one ulp off": ("(0x8000u | ((25u - B * p) << 10))", "(0x8001u | ((25u - B * p) << 10))",
-                                            "mla_ops.cuh"),
+SOURCES = {
+    "mma": "decode_mla.cu",
+    "wgmma": "decode_mla_sm90.cu",
+    "wgmma64": "decode_mla_sm90_h64.cu",
+    "ws": "decode_mla_sm90_ws.cu",
 }
-BIAS = ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)")  # mla_ops.cuh, both kernels
+# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...] / [ws-...]
+SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64", "ws": "ws"}
+# one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
+OTHER_HEADERS = {
+    "mla_sm90_bf16.cuh",
+    "mla_wgmma_h64.cuh",
+    "mla_h64_tile.cuh",
+    "mla_ws_cfg.cuh",
+    "mla_ws_score.cuh",
+    "mla_ws_output.cuh",
+}
+BIAS = ('"r"(0xC300C300u)', '"r"(0xC2FEC2FEu)')  # mla_ops.cuh, both kernels
 MUTATIONS = {
     "mma": {
         "none (control: must pass)": ("", ""),
@@ -57,58 +55,74 @@ MUTATIONS = {
     },
     "wgmma": {
         "none (control: must pass)": ("", ""),
-        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
-                              "decode_mla_sm90.cu"),  # the ws score roles read the same line
+        "softmax scale +1%": (
+            "ex2(fmaf(sc[ri][c], two_e, -ms))",
+            "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
+            "decode_mla_sm90.cu",
+        ),  # the ws score roles read the same line
         "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;"),
         "local boundary -1 token": ("max(n - p.local, p.sink);", "max(n - p.local + 1, p.sink);"),
-        "offset term dropped": ("for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
-                                "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total("),
+        "offset term dropped": (
+            "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
+            "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total(",
+        ),
         "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
-        "output code bias (fp16) one ulp off": ("(0x8000u | ((25u - B * p) << 10))",
-                                                "(0x8001u | ((25u - B * p) << 10))"),
-        "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)",
-                                               "mla_sm90_bf16.cuh"),
+        "output code bias (fp16) one ulp off": (
+            "(0x8000u | ((25u - B * p) << 10))",
+            "(0x8001u | ((25u - B * p) << 10))",
+        ),
+        "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)", "mla_sm90_bf16.cuh"),
     },
     "wgmma64": {  # each pattern's file named: a shared header may read the same
         "none (control: must pass)": ("", ""),
         "softmax scale +1%": ("pr[i] = ex2(s[i] - ms);", "pr[i] = ex2(s[i] * 1.01f - ms);", "decode_mla_sm90_h64.cu"),
-        "sink boundary +1 token": ("const int lo = p.sink, hi", "const int lo = p.sink + 1, hi",
-                                   "decode_mla_sm90_h64.cu"),
-        "local boundary -1 token": ("hi = max(n - p.local, p.sink);", "hi = max(n - p.local + 1, p.sink);",
-                                    "decode_mla_sm90_h64.cu"),
-        "score offset term dropped": ("float x = fmaf(of.x, qs[0][v1]", "float x = 0.f * fmaf(of.x, qs[0][v1]",
-                                      "decode_mla_sm90_h64.cu"),
-        "output offset term dropped": ("+ (j < 16 ? ra0 : ra1)) * inv", "+ 0.f * (j < 16 ? ra0 : ra1)) * inv",
-                                       "decode_mla_sm90_h64.cu"),
-        "code bias 128 -> 127": ("\"r\"(0xC300C300u)", "\"r\"(0xC2FEC2FEu)", "mla_h64_tile.cuh"),
+        "sink boundary +1 token": (
+            "const int lo = p.sink, hi",
+            "const int lo = p.sink + 1, hi",
+            "decode_mla_sm90_h64.cu",
+        ),
+        "local boundary -1 token": (
+            "hi = max(n - p.local, p.sink);",
+            "hi = max(n - p.local + 1, p.sink);",
+            "decode_mla_sm90_h64.cu",
+        ),
+        "score offset term dropped": (
+            "float x = fmaf(of.x, qs[0][v1]",
+            "float x = 0.f * fmaf(of.x, qs[0][v1]",
+            "decode_mla_sm90_h64.cu",
+        ),
+        "output offset term dropped": (
+            "+ (j < 16 ? ra0 : ra1)) * inv",
+            "+ 0.f * (j < 16 ? ra0 : ra1)) * inv",
+            "decode_mla_sm90_h64.cu",
+        ),
+        "code bias 128 -> 127": ('"r"(0xC300C300u)', '"r"(0xC2FEC2FEu)', "mla_h64_tile.cuh"),
         "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "mla_h64_tile.cuh"),
     },
     "ws": {
         "none (control: must pass)": ("", ""),
-        "softmax scale +1%": ("ex2(fmaf(sc[ri][c], two_e, -ms))", "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
-                              "mla_ws_score.cuh"),
-        **_WS_COMMON,
-    },
-    "ws2": {  # C4R4 runs the pipelined score role (mla_ws_score_pipe.cuh), C2R4 ws's (mla_ws_score.cuh)
-        "none (control: must pass)": ("", ""),
-        "softmax scale +1% (pipelined role)": ("ex2(fmaf(sc[ri][c], two_e, -ms))",
-                                               "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))", "mla_ws_score_pipe.cuh"),
-        "P store scale +1% (pipelined role)": ("s_[ri] = tok_ok[ri] ? sv * p_up : 0.f;",
-                                               "s_[ri] = tok_ok[ri] ? sv * p_up * 1.01f : 0.f;",
-                                               "mla_ws_score_pipe.cuh"),
-        **_WS_COMMON,
-    },
-    "ws3": {  # ws2 with the next page's combination split by group (mla_ws_score_pipe.cuh, QMLA_WS_PIPE=2)
-        "none (control: must pass)": ("", ""),
-        "softmax scale +1% (pipelined role)": ("ex2(fmaf(sc[ri][c], two_e, -ms))",
-                                               "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))", "mla_ws_score_pipe.cuh"),
-        "split combination: content scale +1%": ("sc[ri][c] = fmaf(sv, acc[acc_idx(ri, c)], sc[ri][c]);",
-                                                 "sc[ri][c] = fmaf(sv * 1.01f, acc[acc_idx(ri, c)], sc[ri][c]);",
-                                                 "mla_ws_score_pipe.cuh"),
-        "split combination: RoPE term dropped": ("sc[ri][c] = fmaf(rs, acc[acc_idx(ri, c)], sc[ri][c]);",
-                                                 "sc[ri][c] = fmaf(0.f * rs, acc[acc_idx(ri, c)], sc[ri][c]);",
-                                                 "mla_ws_score_pipe.cuh"),
-        **_WS_COMMON,
+        "softmax scale +1%": (
+            "ex2(fmaf(sc[ri][c], two_e, -ms))",
+            "ex2(fmaf(sc[ri][c], two_e * 1.01f, -ms))",
+            "mla_ws_score.cuh",
+        ),
+        "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;", "decode_mla_sm90_ws.cu"),
+        "local boundary -1 token": (
+            "max(n - p.local, p.sink);",
+            "max(n - p.local + 1, p.sink);",
+            "decode_mla_sm90_ws.cu",
+        ),
+        "output offset term dropped": (
+            "corr[gl][c] = fin[NH + (2 * j + gl) * NH + h];",
+            "corr[gl][c] = 0.f * fin[NH + (2 * j + gl) * NH + h];",
+            "mla_ws_output.cuh",
+        ),
+        "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,", "mla_swapab.cuh"),
+        "output code bias (fp16) one ulp off": (
+            "(0x8000u | ((25u - B * p) << 10))",
+            "(0x8001u | ((25u - B * p) << 10))",
+            "mla_ops.cuh",
+        ),
     },
 }
 

@@ -83,7 +83,7 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
 def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
     """``auto``: mma off sm_90; on sm_90 wgmma for the formats only it builds, and for C4R4/C2R4 wgmma while
     sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above; past 16 heads ws for C4R4 and
-    mma for C2R4 (no GPU: the capability query is replaced)."""
+    C2R4, mma for the other quantized formats (no GPU: the capability query is replaced)."""
     import torch
 
     from quantmla.kernels import cuda_decode as cd
@@ -107,12 +107,15 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
         small.planned_length = 256  # a captured step plans for its capacity: the work of 2 x 1 x 256 = 512
         assert cd.cuda_kernel_choice(dev, cache=small, heads=16) == "mma"
         small.planned_length = None
-        # past WGMMA_AUTO_MAX_HEADS auto takes ws for C4R4 on sm_90 (measured faster than mma at 32-128 heads),
-        # mma for the rest (C2R4 not timed on ws; mma has no C8R8 -> Triton)
-        tiny = cache("c4r4", [3])
-        many = cd.cuda_kernel_choice(dev, cache=tiny, heads=cd.WGMMA_AUTO_MAX_HEADS + 1)
-        assert many == ("ws" if cap == (9, 0) else "mma")
-        assert cd.cuda_kernel_choice(dev, cache=cache("c2r4", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
+        # past WGMMA_AUTO_MAX_HEADS auto takes ws for C4R4 and C2R4 on sm_90 (measured faster than mma at 32-128
+        # heads: decode_vs_flashmla_h200_ws.md, decode_vs_flashmla_h200_ws2_s18.md), mma for the rest (mma has no
+        # C8R8 -> Triton); at 16 heads C2R4 stays on the wgmma / mma rule
+        tiny, tiny2 = cache("c4r4", [3]), cache("c2r4", [3])
+        for c in (tiny, tiny2):
+            many = cd.cuda_kernel_choice(dev, cache=c, heads=cd.WGMMA_AUTO_MAX_HEADS + 1)
+            assert many == ("ws" if cap == (9, 0) else "mma"), (cap, c.fmt)
+        assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=128) == ("ws" if cap == (9, 0) else "mma")
+        assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=16) == ("wgmma" if cap == (9, 0) else "mma")
         assert cd.cuda_kernel_choice(dev, cache=cache("c8r8", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
         if cap == (9, 0):
             assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs

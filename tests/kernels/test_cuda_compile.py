@@ -54,9 +54,7 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_PDL=0", "-DQMLA_COMBINE_V4=1")),
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_h64", "90a", ()),
-     ("decode_mla_sm90_ws", "90a", ()),
-     ("decode_mla_sm90_ws2", "90a", ()),
-     ("decode_mla_sm90_ws3", "90a", ())],
+     ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -72,7 +70,7 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64", "ws", "ws2", "ws3"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma64", "ws"])
 def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
     """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
     Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
@@ -102,15 +100,15 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         assert err != 0 and lib.qmla_error_string(err)
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
     # CTAs per split and sequence: 16 heads each (mma, wgmma), 64 (wgmma64), 32 (ws), for every format
-    per_cta = {"wgmma64": 64, "ws": 32, "ws2": 32, "ws3": 32}.get(kernel, 16)
+    per_cta = {"wgmma64": 64, "ws": 32}.get(kernel, 16)
     for h in (1, 16, 17, 32, 33, 64, 65, 128):
         assert all(lib.qmla_head_ctas(h, bits) == -(-h // per_cta) for bits in (16, 8, 4, 2))
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)
     if kernel == "mma":
         assert lib.qmla_ctas_per_sm(8, 8) == -1  # the mma kernel has no 8-bit path
     # Its one-time state is its own: no GNU-unique symbol, which the dynamic linker would bind to the first library
-    # loaded with the same name (ws, ws2 and ws3 share their kernel family's names: the second one loaded launched
-    # unconfigured, "invalid argument", on the H200 2026-12-02)
+    # loaded with the same name (two libraries of one kernel family share its names: ws's pipelined variants, since
+    # removed, loaded after ws launched unconfigured, "invalid argument", on the H200 2026-12-02)
     nm = shutil.which("nm")
     if nm:
         syms = subprocess.run([nm, "-C", str(build(name, arch or "90"))], capture_output=True, text=True).stdout
@@ -318,50 +316,23 @@ class _Mbarrier:
         return (self.phase & 1) != parity
 
 
-def _simulate_ws_pipeline(tiles, stages, par, rng, pipe=False):
+def _simulate_ws_pipeline(tiles, stages, par, rng):
     """The three roles of the ws kernel as generators (a yield = another role may run), interleaved at random; each
-    output warpgroup's 128 arrivals are one arrival here. Raises AssertionError on a race or a deadlock. `pipe`: the
-    score warpgroup of ws2 (mla_ws_score_pipe.cuh), which waits for page it + 1 and reads it before it writes page
-    it's P tile (re-reading page it's meta) and arrives pfull[it]."""
+    output warpgroup's 128 arrivals are one arrival here. Raises AssertionError on a race or a deadlock."""
     full = [_Mbarrier(2) for _ in range(stages)]
     pfull, pempty = [_Mbarrier(1) for _ in range(2)], [_Mbarrier(2) for _ in range(2)]
     stage_tile = [None] * stages  # which tile's bytes a stage holds (after both parts of the copy landed)
     stage_busy = [False] * stages  # the score warpgroup is reading it
     pbuf_tile, pbuf_readers = [None, None], [set(), set()]
 
-    def read(it):  # the score warpgroup waits for page it and starts reading its stage (until its P stores)
-        s = it % stages
-        while not full[s].passes(par[it][0]):
-            yield
-        assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
-        stage_busy[s] = True
-        yield
-
-    def score_pipe():
-        if tiles:
-            yield from read(0)
-        for it in range(tiles):
-            if it + 1 < tiles:
-                yield from read(it + 1)  # page it + 1's product, interleaved with page it's stores below
-            if it >= 2:
-                while not pempty[it % 2].passes(par[it][2]):
-                    yield
-            assert not pbuf_readers[it % 2], "P buffer overwritten while an output warpgroup reads it"
-            assert stage_tile[it % stages] == it, "page it's meta re-read from a stage already refilled"
-            pbuf_tile[it % 2] = it
-            yield
-            assert stage_tile[it % stages] == it, "page it's meta re-read from a stage already refilled"
-            stage_busy[it % stages] = False
-            pfull[it % 2].arrive()
-            yield
-
     def score():
-        if pipe:
-            yield from score_pipe()
-            return
         for it in range(tiles):
             s = it % stages
-            yield from read(it)
+            while not full[s].passes(par[it][0]):
+                yield
+            assert stage_tile[s] == it, f"score read stage {s} holding tile {stage_tile[s]}, wanted {it}"
+            stage_busy[s] = True
+            yield
             if it >= 2:
                 while not pempty[it % 2].passes(par[it][2]):
                     yield
@@ -414,7 +385,6 @@ def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):
 
     stages = ws_maps["stages"][0][0]
     par = {it: (f, pf, pe) for it, f, pf, pe in ws_maps["par"]}
-    for pipe in (False, True):  # ws, ws2 (the score warpgroup's order of QMLA_WS_PIPE=1)
-        for tiles in [*range(0, 9), 17, 33]:
-            for seed in range(40):
-                _simulate_ws_pipeline(tiles, stages, par, random.Random(seed), pipe)
+    for tiles in [*range(0, 9), 17, 33]:
+        for seed in range(40):
+            _simulate_ws_pipeline(tiles, stages, par, random.Random(seed))

@@ -1,8 +1,7 @@
 """The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
 
-Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma``, ``wgmma64``, ``ws``, ``ws2`` and ``ws3``
-(sm_90 only), chosen through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (the ws kernels:
-C4R4 and C2R4 only) skips.
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma``, ``wgmma64`` and ``ws`` (sm_90 only), chosen
+through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (``ws``: C4R4 and C2R4 only) skips.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
 differences left are the bf16 rounding of ``P * s`` for the output product and ``ex2.approx``: relative L2 error
@@ -27,8 +26,10 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
-KERNELS = ["mma"] + [pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
-                     for k in ("wgmma", "wgmma64", "ws", "ws2", "ws3")]
+KERNELS = ["mma"] + [
+    pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
+    for k in ("wgmma", "wgmma64", "ws")
+]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 POLICY = CachePolicy(sink=4, local=128, page_size=64)
@@ -73,7 +74,7 @@ def skip_unbuilt(cache):
     from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_unsupported_reason
 
     kernel = os.environ.get(KERNEL_ENV, "")
-    if kernel in ("ws", "ws2", "ws3") and cuda_unsupported_reason(cache, kernel):
+    if kernel == "ws" and cuda_unsupported_reason(cache, kernel):
         pytest.skip(cuda_unsupported_reason(cache, kernel))
 
 

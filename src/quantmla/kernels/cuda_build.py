@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -58,12 +57,8 @@ def _nvcc_version(nvcc: str) -> str:
 
 def source_key(src: Path, flags: list[str], nvcc_version: str) -> str:
     """Cache key of a build: the source, every header beside it (``decode_mla.cu`` includes ``mla_ops.cuh`` and
-    ``mla_combine.cuh``), every ``.cu`` it includes (``decode_mla_sm90_ws2.cu`` is ``decode_mla_sm90_ws.cu`` with a
-    macro), the flags and the compiler version."""
+    ``mla_combine.cuh``), the flags and the compiler version."""
     text = src.read_bytes() + b"".join(h.name.encode() + h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))
-    included = set(re.findall(rb'#include\s+"([^"/]+\.cu)"', src.read_bytes()))
-    text += b"".join(f.name.encode() + f.read_bytes() for f in sorted(src.parent.glob("*.cu"))
-                     if f.name.encode() in included)  # fmt: skip
     return hashlib.sha256(text + " ".join(flags).encode() + nvcc_version.encode()).hexdigest()[:16]
 
 

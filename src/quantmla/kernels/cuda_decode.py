@@ -1,14 +1,11 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Six kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+Four kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
 (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA), ``"wgmma64"``
 (``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so
-far), ``"ws"`` (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only;
-opt-in, measured 1.0-1.09x FlashMLA at 32 heads) and ``"ws2"`` (``csrc/decode_mla_sm90_ws2.cu``: ws with its score
-warpgroup software-pipelined across pages for C4R4; ``"ws3"``: the next page's combination in the overlap too; both
-opt-in, not yet run on a GPU); the last five are built for
-sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL``
+far) and ``"ws"`` (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only;
+auto's choice past 16 heads); the last three are built for sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL``
 (a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is the measured choice of
 :func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel of
 :mod:`quantmla.kernels.triton_decode` on a side stream and a CUDA kernel merges the splits, so the result has the
@@ -16,7 +13,7 @@ contract of :func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
 fp16 scales (asymmetric or symmetric), any number of heads, q in bf16 or fp32 (others are converted); content /
-RoPE bits: C4R4 and C2R4 on both kernels, C8R8, C4R8 and BF16 pages on the wgmma kernel.
+RoPE bits: C4R4 and C2R4 on every kernel, C8R8, C4R8 and BF16 pages on the wgmma and wgmma64 kernels.
 :func:`cuda_unsupported_reason` says why a cache is not.
 """
 
@@ -32,25 +29,30 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1, "ws2": 1, "ws3": 1}  # fallbacks if the occupancy query
-# fails: mma 168 registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x
-# 219-252 registers, 186-231 KB; ws (ws2, ws3) 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
-KERNELS = ("mma", "wgmma", "wgmma64", "ws", "ws2", "ws3")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1}  # fallbacks if the occupancy query fails: mma 168
+# registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252
+# registers, 186-231 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
+KERNELS = ("mma", "wgmma", "wgmma64", "ws")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
 # units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
 # one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
 # 1.49x vs 1.41x at B32x128K (2^22))
-WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4) or mma (C2R4; C8R8 / C4R8: Triton): at 64 / 128
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or mma (C8R8 / C4R8: Triton): at 64 / 128
 # heads the wgmma kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x
 # (decode_vs_flashmla_h200_s10_heads.md); wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md)
 # is not picked either
-WS_AUTO_BITS = ((4, 4),)  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
-# kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 not timed
-_SOURCES = {"mma": ("decode_mla", None), "wgmma": ("decode_mla_sm90", "90a"),
-            "wgmma64": ("decode_mla_sm90_h64", "90a"), "ws": ("decode_mla_sm90_ws", "90a"),
-            "ws2": ("decode_mla_sm90_ws2", "90a"), "ws3": ("decode_mla_sm90_ws3", "90a")}  # source, build arch
+WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
+# kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 1.12x /
+# 0.57x / 0.41x FlashMLA at 32 / 64 / 128 heads, B32 x 32K, vs mma's 0.91x / 0.46x / 0.32x, ahead or level at
+# B8 x 128K and B1 x 128K too (decode_vs_flashmla_h200_ws2_s18.md, 2026-12-02)
+_SOURCES = {
+    "mma": ("decode_mla", None),
+    "wgmma": ("decode_mla_sm90", "90a"),
+    "wgmma64": ("decode_mla_sm90_h64", "90a"),
+    "ws": ("decode_mla_sm90_ws", "90a"),
+}  # source, build arch
 
 
 class _Params(ctypes.Structure):
@@ -78,8 +80,6 @@ BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 
 # 16/16: BF16 pages (both paths unquantized)
 BITS["wgmma64"] = BITS["wgmma"]
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
-BITS["ws2"] = BITS["ws"]  # ws with its score warpgroup software-pipelined across pages (C4R4; C2R4 runs ws's)
-BITS["ws3"] = BITS["ws"]  # ws2 with the next page's combination in the overlap too
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -114,14 +114,14 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"`` or ``"ws3"`` for ``device``: ``kernel`` if given, else
+    """``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
-    is mma off sm_90 (it never picks wgmma64, ws2 or ws3); on sm_90 it is wgmma for the formats only wgmma
-    builds (C8R8, C4R8, BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma
-    when the work -- sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but
-    the largest grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the
-    formats in :data:`WS_AUTO_BITS` (C4R4) and mma for the others (whose answer for C8R8 / C4R8 is that it has none:
-    Triton runs them)."""
+    is mma off sm_90 (it never picks wgmma64); on sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8,
+    BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
+    sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
+    grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the formats in
+    :data:`WS_AUTO_BITS` (C4R4 and C2R4) and mma for the other quantized ones (whose answer for C8R8 / C4R8 is that it
+    has none: Triton runs them)."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -222,8 +222,7 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
-    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"``, ``"ws2"``, ``"ws3"`` or ``"auto"`` (default:
-    :func:`cuda_kernel_choice`)."""
+    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
     plan = plan_decode(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, kernel=kernel)
     out, lse = launch_decode(plan)
     return (out, lse) if return_lse else out

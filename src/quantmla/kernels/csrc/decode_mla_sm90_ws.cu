@@ -33,7 +33,6 @@
 #include "mla_ws_cfg.cuh"
 #include "mla_ws_output.cuh"
 #include "mla_ws_score.cuh"
-#include "mla_ws_score_pipe.cuh"
 
 namespace qmla {
 namespace ws {
@@ -96,10 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_ws(const Params p) 
     const int e = stage_q<kNH, kWg, false, kQRow>(qst, reinterpret_cast<float*>(smem + C::RED), p, b, h0);
     stage_qt<CB, RB, CSYM, RSYM, kNH, kWg, kQRow>(smem + C::QT, qst, exp2i(-e),
                                                   reinterpret_cast<float*>(smem + C::QB));
-    // the "ws2" / "ws3" libraries: page i's softmax interleaved with page i + 1's product (mla_ws_score_pipe.cuh), 4-bit
-    // content only (2-bit content's eight A planes per batch spill 36-52 B at 216 registers: the baseline role)
-    if constexpr (QMLA_WS_PIPE && CB == 4) score_role_pipe<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, h0);
-    else score_role<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, row0, h0);
+    score_role<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, row0, h0);
     __syncthreads();  // FIN is published (the output warpgroups' epilogue barrier)
   }
 #if QMLA_PDL

@@ -53,7 +53,7 @@ int launch_programmatic(KF kf, dim3 grid, dim3 block, int smem, cudaStream_t str
 
 // The one-time state below (function-local statics) lives in an unnamed namespace: each library gets its own copy.
 // With external linkage g++ makes such a static a GNU-unique symbol, which the dynamic linker binds process-wide even
-// across ctypes' RTLD_LOCAL loads: the ws, ws2 and ws3 libraries (same kernel family names) then shared one
+// across ctypes' RTLD_LOCAL loads: two libraries built from one kernel family (same symbol names) then shared one
 // "configured" flag, and the second one loaded launched unconfigured (> 48 KB shared memory: invalid argument).
 namespace {
 

@@ -24,13 +24,6 @@ namespace ws {
 #ifndef QMLA_WS_STAGES  // pages in the shared-memory ring: up to kStages - 2 in flight while two are in use
 #define QMLA_WS_STAGES 6
 #endif
-#ifndef QMLA_WS_PIPE  // 1: the score warpgroup software-pipelined across pages (mla_ws_score_pipe.cuh; library "ws2"),
-                      // 2: and the next page's combination split into the overlap (library "ws3")
-#define QMLA_WS_PIPE 0
-#endif
-#ifndef QMLA_WS_LDSM_AHEAD  // ws2's score product: ldmatrix of the codes this many batches ahead (ws: 1)
-#define QMLA_WS_LDSM_AHEAD 1
-#endif
 #ifndef QMLA_WS_REG_SCORE  // setmaxnreg: the score WG's registers and the output WGs' (ptxas, no spills: score 201,
                            // output 134 used; 216 + 2 x 144 = 3 x 168, the pool of a 384-thread CTA)
 #define QMLA_WS_REG_SCORE 216
