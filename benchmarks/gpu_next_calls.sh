@@ -7,14 +7,17 @@
 #     .fmbuild, `WS_FORMATS=c4r4@ws,c4r4,c2r4@ws,c2r4 QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws`
 #     (~5 min): ws's smoke test and GPU tests, then ws beside auto (ws past 16 heads for C4R4 and, since 2026-12-02,
 #     C2R4: auto's rows at 32-128 heads should equal the @ws rows) and FlashMLA BF16;
-# (2)-(4) issue 12's paper-budget chunks: the kit's three carry calls (.gpucarry_1..3, `bash
-#     benchmarks/device_carry.sh collect;` first), each then `source benchmarks/device_smollm2_setup.sh &&
-#     QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 420 --resume --ship --tag paper
-#     --carry-out $OUT/fb --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot --seeds 0`
-#     (the results so far are committed in benchmarks/results/full_budget_paper.json; SmoothQuant C2R4's calibration
-#     progress is in .fbcarry, which cannot travel beside a kit part: it recalibrates, ~80 s), then chunks with
-#     `carry=[".fbcarry"]` and `--carry-in .fbcarry`: QuaRot C2R4, then `--methods quantmla-attnw`, `--seeds 1,2`,
-#     `--variants b`.
+# (2)-(5) issue 12's paper-budget chunks (session 18 ran SmoothQuant / QuaRot C2R4 and the attention-weighted C4R4
+#     calibration + ppl in two chunks after the kit's carry calls: full_budget_paper.json). `bash
+#     benchmarks/device_carry.sh prepare` here (10 s; 4 parts with a 33 MiB tree), then the carry calls back to back
+#     (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"], ~1 s each), then on the same warm machine
+#     `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device
+#     cuda --budget-s 420 --resume --tag paper --carry-out $OUT/fb --work /root/keep/fb_work --variants a --methods
+#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0` (left: QuaRot C2R4 and attention-weighted C4R4
+#     retrieval, attention-weighted C2R4: ~8 min; their transforms, if .fbcarry survived here, travel with
+#     `carry=[".fbcarry"]` + `--carry-in .fbcarry` in a call without a kit part), then `--seeds 0,1,2` (QuantMLA at
+#     both formats, ~2 x 5 min), then `--variants a,b`. Add --ship to the chunk whose units should replace the
+#     shipped files (variant b's: keep them outside the tree until the last chunk).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
