@@ -33,7 +33,7 @@ def _group_ranges():
     return [(0, 64), (64, 128), (128, 144), (144, 160)]  # content groups of 64, RoPE groups of 16
 
 
-@pytest.mark.parametrize("scheme", ["e4m3", "int8-q"])
+@pytest.mark.parametrize("scheme", ["e4m3", "int8-q", "int8x2-q"])
 def test_8bit_query_rounding_is_per_group_and_within_its_precision(scheme):
     q = _q()
     r = round_query(q, DC, 64, 16, scheme=scheme)
@@ -42,6 +42,10 @@ def test_8bit_query_rounding_is_per_group_and_within_its_precision(scheme):
         amax = g.abs().amax(-1, keepdim=True)
         if scheme == "int8-q":  # uniform grid of amax / 127: half a step at most
             assert ((rg - g).abs() <= amax / 127 / 2 * (1 + 1e-6) + 1e-30).all()
+        elif scheme == "int8x2-q":  # two terms: one step of the grid amax / 127 / 256 (a residual of 128 clips to 127)
+            assert ((rg - g).abs() <= amax / 127 / 256 * (1 + 1e-4) + 1e-30).all()
+            one = round_query(q, DC, 64, 16, scheme="int8-q")[:, a:b].double()
+            assert (rg - g).abs().sum() < (one - g).abs().sum() / 64  # far finer than one int8 term
         else:  # e4m3: 3 mantissa bits -> relative error <= 2^-4 above the subnormal range (|x| >= 2^-6 of the step)
             normal = g.abs() >= amax / 448 * 2**-6
             rel = ((rg - g).abs() / g.abs().clamp_min(1e-30))[normal]

@@ -20,7 +20,9 @@ Schemes (``q``: the query [..., Dc + Dr]; ``p``: the softmax numerators exp(s - 
 * ``e4m3`` -- that q, and p in e4m3 after multiplying by 256 (the row maximum 1 maps to 256 of e4m3's 448, so
   numerators down to 2^-17 stay representable instead of flushing below 2^-9); the row sums stay fp32, as a kernel
   accumulates them: both products in FP8;
-* ``int8-q`` -- q in int8 (symmetric, per the same groups), p in bf16: an int8 score product.
+* ``int8-q`` -- q in int8 (symmetric, per the same groups), p in bf16: an int8 score product;
+* ``int8x2-q`` -- q as two int8 terms, ``s (h + l / 256)`` (h as ``int8-q``, l the residual's int8 on a 256x finer
+  grid), p in bf16: two int8 score products (the 4- and 2-bit codes are exact int8), ~15 bits of q.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMES = ("fp32", "bf16", "e4m3-q", "e4m3", "int8-q")
+SCHEMES = ("fp32", "bf16", "e4m3-q", "e4m3", "int8-q", "int8x2-q")
 E4M3_MAX = 448.0
 P_SCALE = 256.0  # p in (0, 1] times this before the e4m3 cast
 
@@ -89,15 +91,18 @@ def round_query(q: torch.Tensor, dc: int, content_group: int = 128, rope_group: 
     scheme = scheme or active_scheme()
     if scheme == "fp32":
         return q
-    if scheme not in ("e4m3-q", "e4m3", "int8-q"):
+    if scheme not in ("e4m3-q", "e4m3", "int8-q", "int8x2-q"):
         return q.to(torch.bfloat16).float()
     out = torch.empty_like(q)
-    top = E4M3_MAX if scheme != "int8-q" else 127.0
+    top = E4M3_MAX if scheme.startswith("e4m3") else 127.0
     for a, b in _group_bounds(dc, q.shape[-1] - dc, content_group, rope_group):
         g = q[..., a:b]
         s = g.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
-        if scheme == "int8-q":
-            out[..., a:b] = torch.round(g / s).clamp(-127, 127) * s
+        if scheme.startswith("int8"):
+            h = torch.round(g / s).clamp(-127, 127)
+            if scheme == "int8x2-q":  # the residual (|r| <= s / 2) on the grid s / 256
+                h = h + torch.round((g - h * s) / (s / 256)).clamp(-127, 127) / 256
+            out[..., a:b] = h * s
         else:
             out[..., a:b] = (g / s).to(torch.float8_e4m3fn).float() * s
     return out
