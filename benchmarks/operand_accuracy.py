@@ -35,6 +35,8 @@ from error_split import add_scoring_args, score, scoring_setup  # noqa: E402 - e
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 CACHES = {"c4r4": "QuantMLA (shipped C4R4 transforms), C4R4 cache", "bf16": "base model, BF16 cache"}
+SCHEME_NAMES = {"fp32": "fp32 (reference)", "bf16": "BF16 q, p (today's kernels)", "e4m3-q": "FP8 q, BF16 p",
+                "int8-q": "int8 q, BF16 p", "e4m3": "FP8 q, FP8 p", "int8x2-q": "two-term int8 q, BF16 p"}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -87,22 +89,22 @@ def write(res: dict, stem: str, args) -> None:
          "| cache | operands | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in cs)
          + " | attention rel. L2 median / max |",
          "|---|---|" + "---|---|---|" * len(cs) + "---|"]  # fmt: skip
-    names = {"fp32": "fp32 (reference)", "bf16": "BF16 q, p (today's kernels)", "e4m3-q": "FP8 q, BF16 p",
-             "int8-q": "int8 q, BF16 p", "e4m3": "FP8 q, FP8 p"}  # fmt: skip
     for r in res["rows"]:
         cells = " | ".join(f"{r[c]['ppl']:.3f} | {1e3 * r[c]['kl']:.3f} | {r[c]['top1']:.4f}" for c in cs)
         e = r["attention_rel_l2"]
         err = f"{e['median']:.1e} / {e['max']:.1e}" if e.get("calls") else "0"
-        L.append(f"| {r['cache'].upper()} | {names[r['scheme']]} | {cells} | {err} |")
+        L.append(f"| {r['cache'].upper()} | {SCHEME_NAMES[r['scheme']]} | {cells} | {err} |")
     L.append("")
     for cache in {r["cache"] for r in res["rows"]}:
         rows = {r["scheme"]: r for r in res["rows"] if r["cache"] == cache}
         if "bf16" not in rows:
             continue
-        for s in ("e4m3-q", "int8-q", "e4m3"):
+        for s in SCHEME_NAMES:
+            if s in ("fp32", "bf16"):
+                continue
             if s in rows:
                 d = ", ".join(f"{c} {1e3 * (rows[s][c]['kl'] - rows['bf16'][c]['kl']):+.3f}" for c in cs)
-                L.append(f"- {cache.upper()}, {names[s]}: KL vs today's BF16 operands {d} (1e-3 nats/token)")
+                L.append(f"- {cache.upper()}, {SCHEME_NAMES[s]}: KL vs today's BF16 operands {d} (1e-3 nats/token)")
     write_results(stem, {".json": json.dumps(res, indent=1), ".md": "\n".join(L) + "\n"})
 
 
