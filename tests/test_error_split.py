@@ -9,22 +9,17 @@ KL. The two paths' errors need not add: on the tiny deepseek_v3 model without a 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchutil import load_benchmark
+
 CONTEXT = 256
 
 
 def _module():
-    path = os.path.join(HERE, "..", "benchmarks", "error_split.py")
-    spec = importlib.util.spec_from_file_location("error_split", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("error_split")
 
 
 @pytest.fixture(scope="module")

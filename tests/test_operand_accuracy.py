@@ -5,24 +5,19 @@ has a row name for every scheme (a scheme without one crashed the report after i
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchutil import load_benchmark
+
 CONTEXT = 128
 
 
 def _module():
-    path = os.path.join(HERE, "..", "benchmarks", "operand_accuracy.py")
-    spec = importlib.util.spec_from_file_location("operand_accuracy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("operand_accuracy")
 
 
 @pytest.fixture(scope="module")
