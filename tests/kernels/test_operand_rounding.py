@@ -112,6 +112,10 @@ def test_unknown_scheme_is_refused():
     with pytest.raises(ValueError, match="e4m3"):
         with simulated_operand_rounding("fp8"):
             pass
+    with pytest.raises(ValueError, match="e4m3"):
+        round_query(_q(), DC, 64, 16, scheme="fp8")  # never silently some other rounding
+    with pytest.raises(ValueError, match="e4m3"):
+        round_probs(torch.rand(3), scheme="int4")
 
 
 @pytest.mark.parametrize("name", ["c4r4", "bf16"])

@@ -60,12 +60,17 @@ class _Active:
 _ACTIVE: ContextVar[_Active | None] = ContextVar("quantmla_operand_rounding", default=None)
 
 
+def _checked(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise ValueError(f"operand rounding scheme must be one of {SCHEMES}, got {scheme!r}")
+    return scheme
+
+
 @contextlib.contextmanager
 def simulated_operand_rounding(scheme: str, measure: bool = False):
     """Round the references' tensor-core operands as ``scheme`` does (one of :data:`SCHEMES`) inside the block;
     yields a :class:`RoundingStats` (filled only with ``measure=True``)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"operand rounding scheme must be one of {SCHEMES}, got {scheme!r}")
+    _checked(scheme)
     stats = RoundingStats()
     token = _ACTIVE.set(_Active(scheme, stats if measure else None))
     try:
@@ -88,11 +93,9 @@ def _group_bounds(dc: int, dr: int, content_group: int, rope_group: int) -> list
 def round_query(q: torch.Tensor, dc: int, content_group: int = 128, rope_group: int = 64, scheme: str | None = None):
     """``q`` [..., Dc + Dr] fp32 as the scheme's score product reads it (fp32 out). 8-bit schemes scale each
     channel group of each query row by its absolute maximum (an all-zero group stays zero)."""
-    scheme = scheme or active_scheme()
-    if scheme == "fp32":
-        return q
-    if scheme not in ("e4m3-q", "e4m3", "int8-q", "int8x2-q"):
-        return q.to(torch.bfloat16).float()
+    scheme = _checked(scheme or active_scheme())
+    if scheme in ("fp32", "bf16"):
+        return q if scheme == "fp32" else q.to(torch.bfloat16).float()
     out = torch.empty_like(q)
     top = E4M3_MAX if scheme.startswith("e4m3") else 127.0
     for a, b in _group_bounds(dc, q.shape[-1] - dc, content_group, rope_group):
@@ -110,7 +113,7 @@ def round_query(q: torch.Tensor, dc: int, content_group: int = 128, rope_group: 
 
 def round_probs(p: torch.Tensor, scheme: str | None = None) -> torch.Tensor:
     """Softmax numerators ``p`` in [0, 1] as the scheme's output product reads them (fp32 out)."""
-    scheme = scheme or active_scheme()
+    scheme = _checked(scheme or active_scheme())
     if scheme == "fp32":
         return p
     if scheme == "e4m3":

@@ -55,17 +55,19 @@ def decode_attention_torch(
         q = torch.cat([q_lat[b], q_pe[b]], dim=-1).float()  # [H, Dc + Dr]
         s = (q @ k.T) * softmax_scale  # [H, n]
         lse[b] = torch.logsumexp(s, dim=-1)
-        if active_scheme() != "fp32":  # simulated tensor-core operand rounding (operand_rounding.py)
-            o[b] = rounded_attention(q, k, softmax_scale, None, Dc, _groups(cache))
-        else:
-            o[b] = torch.softmax(s, dim=-1) @ k[:, :Dc]
+        o[b] = _attend(s, q, k, softmax_scale, None, Dc, cache)
     return (o, lse) if return_lse else o
 
 
-def _groups(cache) -> tuple[int, int]:
-    """(content, RoPE) channel groups of the cache's format (a BF16 cache: DeepSeek's 128 / 64)."""
-    c, r = cache.fmt.content, cache.fmt.rope
-    return (c.group_size if c is not None else 128, r.group_size if r is not None else 64)
+def _attend(s, q, keys, softmax_scale: float, allowed, dc: int, cache) -> torch.Tensor:
+    """``softmax(s) keys[:, :dc]`` for the scores ``s`` (scaled, masked; rows with nothing allowed give 0), or, inside
+    :func:`~quantmla.kernels.operand_rounding.simulated_operand_rounding`, the same attention from ``q`` / ``keys`` /
+    ``allowed`` with the scheme's rounded operands."""
+    if active_scheme() != "fp32":
+        c, r = cache.fmt.content, cache.fmt.rope  # the cache format's channel groups (BF16: DeepSeek's 128 / 64)
+        groups = (c.group_size if c is not None else 128, r.group_size if r is not None else 64)
+        return rounded_attention(q, keys, softmax_scale, allowed, dc, groups)
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ keys[:, :dc]
 
 
 def full_precision_rows(cache, b: int, n: int, n_new: int, recent: torch.Tensor | None):
@@ -161,12 +163,8 @@ def prefill_attention_torch(
                 allowed = torch.cat([allowed & ~policy.reads_full(qpos, kp),
                                      allowed[..., fp] & policy.reads_full(qpos, fp)], dim=-1)  # fmt: skip
                 keys = torch.cat([keys, full[band]])  # [S + F', Dc + Dr]
-            if active_scheme() != "fp32":  # simulated tensor-core operand rounding (operand_rounding.py)
-                o[b, :, t0:t1] = rounded_attention(q, keys, softmax_scale, allowed, Dc, _groups(cache))
-                continue
             s = (q @ keys.T * softmax_scale).masked_fill(~allowed, float("-inf"))  # [H, t, S + F']
-            p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with nothing allowed -> 0
-            o[b, :, t0:t1] = p @ keys[:, :Dc]
+            o[b, :, t0:t1] = _attend(s, q, keys, softmax_scale, allowed, Dc, cache)
     return o
 
 
