@@ -61,7 +61,8 @@ def main(argv=None) -> None:
     if args.plan not in src.get("plans", {}):
         ap.error(f"no plan {args.plan!r} in {args.results}; it has {sorted(src.get('plans', {}))}")
     torch.set_num_threads(args.threads)
-    from allocate_results import _commit, plans_in_eval
+    from allocate_results import plans_in_eval
+    from bench_prefill import commit_id
     from quantmla.analysis.allocate import Plan
     from quantmla.calibrate.shipped import apply_transforms, load_shipped
     from quantmla.data.corpus import load_split, token_stream
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     plan = Plan.from_dict(src["plans"][args.plan])
     files = {4: load_shipped("smollm2-mla", "c4r4")[0], 2: load_shipped("smollm2-mla", "c2r4")[0]}
     mixed, used = mixed_tensors(plan, files)
-    commit = _commit()
+    commit = commit_id()
     base, tok, _ = resolve_model("smollm2-mla")
     base.eval()
     ids = {c: token_stream(tok, c, "test", args.ppl_tokens) for c in corpora}

@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from unittest import mock
@@ -103,11 +102,12 @@ def parse_args(argv=None):
     ap.add_argument("--force", action="store_true", help="overwrite benchmarks/results/allocate_<tag>.*")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_prefill import commit_id  # the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
     from results_io import result_stem
 
     result_stem(RESULTS, "allocate", args.tag, args.force)  # an earlier run's results are kept unless --force
     args.command = "python benchmarks/allocate_results.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.commit = _commit()
+    args.commit = commit_id()  # read once: the run starts from it, others may commit meanwhile
     args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]
     if not args.budget_list:
         ap.error("--budgets is empty")
@@ -209,12 +209,6 @@ def main(argv=None) -> None:
             rows.append(row)
             print(json.dumps({k: row[k] for k in row if k not in ("plan",)}), flush=True)
             _write(rows, plans, budgets, sens_s, tmeta, corpora, args)
-
-
-def _commit() -> str:
-    """The commit the run starts from ($QUANTMLA_COMMIT, else git): read once, as others may commit meanwhile."""
-    return os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:

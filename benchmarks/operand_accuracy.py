@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
 
 def write(res: dict, stem: str, args) -> None:
-    commit = commit_id()
+    commit = res.setdefault("commit", commit_id())  # the commit the run started from, not one made meanwhile
     device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)
