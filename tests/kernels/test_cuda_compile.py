@@ -81,7 +81,8 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
 
     monkeypatch.setenv("QUANTMLA_CACHE", str(tmp_path))
     name, arch = _SOURCES[kernel]
-    lib = ctypes.CDLL(str(build(name, arch or "90")))
+    path = build(name, arch or "90")
+    lib = ctypes.CDLL(str(path))
     lib.qmla_params_size.restype = ctypes.c_int
     assert lib.qmla_params_size() == ctypes.sizeof(_Params)
     lib.qmla_error_string.restype = ctypes.c_char_p
@@ -111,7 +112,7 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
     # removed, loaded after ws launched unconfigured, "invalid argument", on the H200 2026-12-02)
     nm = shutil.which("nm")
     if nm:
-        syms = subprocess.run([nm, "-C", str(build(name, arch or "90"))], capture_output=True, text=True).stdout
+        syms = subprocess.run([nm, "-C", str(path)], capture_output=True, text=True).stdout
         unique = [ln for ln in syms.splitlines() if re.match(r"^[0-9a-f]+ u ", ln)]
         assert not unique, "GNU-unique symbols:\n" + "\n".join(unique[:5])
 
