@@ -83,7 +83,7 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
 def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
     """``auto``: mma off sm_90; on sm_90 wgmma for the formats only it builds, and for C4R4/C2R4 wgmma while
     sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above; past 16 heads ws for C4R4 and
-    C2R4, mma for the other quantized formats (no GPU: the capability query is replaced)."""
+    C2R4, wgmma for the other quantized formats (no GPU: the capability query is replaced)."""
     import torch
 
     from quantmla.kernels import cuda_decode as cd
@@ -116,9 +116,59 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
             assert many == ("ws" if cap == (9, 0) else "mma"), (cap, c.fmt)
         assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=128) == ("ws" if cap == (9, 0) else "mma")
         assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=16) == ("wgmma" if cap == (9, 0) else "mma")
-        assert cd.cuda_kernel_choice(dev, cache=cache("c8r8", [3]), heads=cd.WGMMA_AUTO_MAX_HEADS + 1) == "mma"
+        # C8R8 / C4R8 past 16 heads: the wgmma kernel's 16-head CTAs on sm_90 (measured 2-6x faster than Triton and
+        # ahead of wgmma64, decode_vs_flashmla_h200_s19_8bit_heads.md), mma's refusal (-> Triton) elsewhere
+        for name in ("c8r8", "c4r8"):
+            for heads in (cd.WGMMA_AUTO_MAX_HEADS + 1, 128):
+                got = cd.cuda_kernel_choice(dev, cache=cache(name, [3]), heads=heads)
+                assert got == ("wgmma" if cap == (9, 0) else "mma"), (cap, name, heads, got)
         if cap == (9, 0):
             assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs
     with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):
         monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
         cd.cuda_kernel_choice(dev, "wgmma")
+
+
+def test_bf16_pages_take_the_wgmma_kernel_only_for_small_work(monkeypatch):
+    """``auto`` with BF16 pages: the wgmma kernel on sm_90 while sequences x 16-head groups x longest length stays
+    within BF16_WGMMA_MAX_WORK (the boundary itself included), Triton above, off sm_90, or when the environment names
+    a kernel; and the dispatcher follows that answer (no GPU: capability, availability and the tensor's device are
+    replaced)."""
+    import torch
+
+    from quantmla.kernels import cuda_decode as cd
+    from quantmla.kernels import dispatch
+    from quantmla.kernels.paged import PagedMLACache
+    from quantmla.quant.formats import get_format
+
+    def cache(lens):
+        c = PagedMLACache("bf16", len(lens), max(lens), num_pages=64)
+        c.write_reference(torch.zeros(len(lens), max(lens), 512), torch.zeros(len(lens), max(lens), 64), lens)
+        return c
+
+    monkeypatch.delenv(cd.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(cd, "BF16_WGMMA_MAX_WORK", 256)
+    monkeypatch.setattr(dispatch, "cuda_kernel_available", lambda device, kernel="mma": True)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    dev = torch.device("cuda", 0)
+    small = cache([100, 128])  # 2 x 1 x 128 = 256 units at 16 heads, 512 at 17
+
+    class FakeCudaQuery:  # what resolve_impl reads of q: its device and head count
+        is_cuda = True
+        device = dev
+
+        def __init__(self, heads):
+            self.shape = (2, heads, 512)
+
+    for cap in ((9, 0), (8, 0)):
+        monkeypatch.setattr(cd, "_device_capability", lambda index, cap=cap: cap)
+        on_sm90 = cap == (9, 0)
+        assert cd.bf16_pages_on_cuda(dev, small, 16) is on_sm90
+        assert cd.bf16_pages_on_cuda(dev, small, 17) is False
+        expect = "cuda" if on_sm90 else "triton"
+        assert dispatch.resolve_impl("auto", FakeCudaQuery(16), get_format("bf16"), kernel="decode", cache=small) == expect
+        assert dispatch.resolve_impl("auto", FakeCudaQuery(17), get_format("bf16"), kernel="decode", cache=small) == "triton"
+    monkeypatch.setattr(cd, "_device_capability", lambda index: (9, 0))
+    monkeypatch.setenv(cd.KERNEL_ENV, "wgmma")  # a kernel named in the environment: BF16 pages stay on Triton
+    assert cd.bf16_pages_on_cuda(dev, small, 16) is False

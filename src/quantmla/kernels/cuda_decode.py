@@ -39,10 +39,13 @@ WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (seq
 # units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
 # one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
 # 1.49x vs 1.41x at B32x128K (2^22))
-WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or mma (C8R8 / C4R8: Triton): at 64 / 128
-# heads the wgmma kernel's 16-head CTAs measured 0.36-0.38x FlashMLA vs mma's 0.38-0.63x
-# (decode_vs_flashmla_h200_s10_heads.md); wgmma64 (0.26-0.56x, decode_vs_flashmla_h200_wgmma64_v2.md)
-# is not picked either
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or the wgmma kernel's 16-head CTAs (C8R8,
+# C4R8: 0.71-1.03x FlashMLA at 32 heads, 0.37-0.69x at 64, 0.25-0.39x at 128, where Triton gave 0.05-0.23x and wgmma64
+# 0.23-0.59x; decode_vs_flashmla_h200_s19_8bit_heads.md and _s19_heads.md, 2026-12-02); wgmma64 is never picked
+BF16_WGMMA_MAX_WORK = 1 << 17  # auto on sm_90, BF16 pages: the wgmma kernel up to this many units of work (as
+# WGMMA_MAX_WORK), Triton above (H200, decode_vs_flashmla_h200_s19_bf16.md, 2026-12-02, one run: wgmma 1.19x / 0.94x
+# FlashMLA at B1 x 128K / B32 x 4K (2^17 units) where Triton gave 0.89x / 0.86x; Triton ahead from B8 x 32K (2^18) on,
+# and at 32 heads and more)
 WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 1.12x /
 # 0.57x / 0.41x FlashMLA at 32 / 64 / 128 heads, B32 x 32K, vs mma's 0.91x / 0.46x / 0.32x, ahead or level at
@@ -120,8 +123,8 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
     BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
     sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
     grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the formats in
-    :data:`WS_AUTO_BITS` (C4R4 and C2R4) and mma for the other quantized ones (whose answer for C8R8 / C4R8 is that it
-    has none: Triton runs them)."""
+    :data:`WS_AUTO_BITS` (C4R4 and C2R4) and wgmma for the other quantized ones (C8R8, C4R8). Whether BF16 pages take
+    the CUDA kernel at all is :func:`bf16_pages_on_cuda`'s answer."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
         raise ValueError(f"CUDA decode kernel must be one of {('auto', *KERNELS)} (argument or ${KERNEL_ENV}), "
@@ -135,7 +138,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         if cache is None:
             return "wgmma"
         if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
-            return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "mma"
+            return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "wgmma"
         if _bits(cache.fmt) not in BITS["mma"]:
             return "wgmma"
         work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
@@ -144,6 +147,18 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
                            f"sm_{cap[0]}{cap[1]}: use kernel='mma'")  # fmt: skip
     return choice
+
+
+def bf16_pages_on_cuda(device, cache, heads: int) -> bool:
+    """``auto`` for a BF16-page cache: the wgmma kernel (sm_90, with ``$QUANTMLA_CUDA_KERNEL`` unset or ``auto``) when
+    the work -- sequences x 16-head groups x longest length -- is at most :data:`BF16_WGMMA_MAX_WORK`, else the Triton
+    kernel (measured faster there)."""
+    if (os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower() != "auto":
+        return False
+    if _capability(torch.device(device)) != (9, 0):
+        return False
+    work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
+    return work <= BF16_WGMMA_MAX_WORK
 
 
 @functools.lru_cache(maxsize=16)

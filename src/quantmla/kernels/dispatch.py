@@ -143,13 +143,14 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
         return "cuda"
     if impl == "auto":
         if x.is_cuda and kernel == "decode" and cache is not None and triton_available():
-            from quantmla.kernels.cuda_decode import cuda_kernel_choice, cuda_unsupported_reason
+            from quantmla.kernels.cuda_decode import bf16_pages_on_cuda, cuda_kernel_choice, cuda_unsupported_reason
 
-            # BF16 pages stay on Triton unless asked for: it was 0.81-1.03x FlashMLA, the wgmma kernel 0.71-1.01x
-            # (H200, decode_vs_flashmla_h200_s10_wgmma.md)
+            # BF16 pages take the wgmma kernel only where the work is small (measured ahead of Triton there, behind
+            # above: cuda_decode.BF16_WGMMA_MAX_WORK)
             kern = cuda_kernel_choice(x.device, cache=cache, heads=x.shape[1])
             bf16 = cache.fmt.content is None and cache.fmt.rope is None
-            if not bf16 and not cuda_unsupported_reason(cache, kern) and cuda_kernel_available(x.device, kern):
+            wanted = not bf16 or bf16_pages_on_cuda(x.device, cache, x.shape[1])
+            if wanted and not cuda_unsupported_reason(cache, kern) and cuda_kernel_available(x.device, kern):
                 return "cuda"
         return "triton" if x.is_cuda and not reason and triton_available() else "torch"
     if impl == "triton":
