@@ -166,9 +166,11 @@ def test_bf16_pages_take_the_wgmma_kernel_only_for_small_work(monkeypatch):
         on_sm90 = cap == (9, 0)
         assert cd.bf16_pages_on_cuda(dev, small, 16) is on_sm90
         assert cd.bf16_pages_on_cuda(dev, small, 17) is False
-        expect = "cuda" if on_sm90 else "triton"
-        assert dispatch.resolve_impl("auto", FakeCudaQuery(16), get_format("bf16"), kernel="decode", cache=small) == expect
-        assert dispatch.resolve_impl("auto", FakeCudaQuery(17), get_format("bf16"), kernel="decode", cache=small) == "triton"
+        def auto(heads):
+            return dispatch.resolve_impl("auto", FakeCudaQuery(heads), get_format("bf16"), kernel="decode", cache=small)
+
+        assert auto(16) == ("cuda" if on_sm90 else "triton")
+        assert auto(17) == "triton"
     monkeypatch.setattr(cd, "_device_capability", lambda index: (9, 0))
     monkeypatch.setenv(cd.KERNEL_ENV, "wgmma")  # a kernel named in the environment: BF16 pages stay on Triton
     assert cd.bf16_pages_on_cuda(dev, small, 16) is False
