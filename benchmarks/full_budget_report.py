@@ -11,9 +11,10 @@ import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"a": "smollm2-mla", "b": "smollm2-mla-b-healed"}
-METHODS = {  # label -> (CalibrationConfig.method, overrides)
+METHODS = {  # label -> (CalibrationConfig.method, overrides); each QuantMLA label names its RoPE objective, so a
+    # change of CalibrationConfig's default never changes what a label's rows (and a resumed tag's seeds) mean
     "rtn": ("rtn", {}),
-    "quantmla": ("quantmla", {}),
+    "quantmla": ("quantmla", {"rope_weighting": "uniform"}),
     "smoothquant": ("smoothquant", {}),
     "quarot": ("quarot", {}),
     "quantmla-attnw": ("quantmla", {"rope_weighting": "attention"}),
@@ -56,8 +57,8 @@ def write(results: dict, stem: str, args) -> None:
     lines = [f"# QuantMLA at the {args.preset} calibration budget vs baselines, SmolLM2-MLA ({date}, commit {commit})",
              "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
              f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
-             f"{args.ppl_context}, cache policy sink 4 / local 128; QuantMLA rows: mean ± half-range over seeds "
-             f"{args.seeds}. " + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed "
+             f"{args.ppl_context}, cache policy sink 4 / local 128; a row of several calibration seeds (its seeds column): mean ± "
+             f"half-range over them. " + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed "
                                   f"{args.seeds[0]}." if args.tasks else "No retrieval."),
              ""]  # fmt: skip
     niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
@@ -67,14 +68,14 @@ def write(results: dict, stem: str, args) -> None:
         if f == "bf16":
             continue
         lines += [f"## variant {v} ({VARIANTS[v]}), {f.upper()}", ""]
-        head = ["method"] + [f"{c} {m}" for c in args.corpora for m in ("ppl", "KL", "top-1")] + niah_keys
+        head = ["method", "seeds"] + [f"{c} {m}" for c in args.corpora for m in ("ppl", "KL", "top-1")] + niah_keys
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         ordered = [("BF16", table.get((v, "bf16"), {}).get("bf16"))] + [
             (LABELS[m], cells.get(m)) for m in METHODS if m in cells]  # fmt: skip
         for label, cell in ordered:
             if cell is None:
                 continue
-            row = [label]
+            row = [label, ", ".join(str(k) for k in sorted(cell["ppl"])) if label != "BF16" else "-"]
             seeds = list(cell["ppl"].values())
             for c in args.corpora:
                 row += [_fmt_seeds([s[c]["ppl"] for s in seeds if c in s]),

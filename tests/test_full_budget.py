@@ -133,3 +133,16 @@ def test_unit_estimates_learn_from_the_device():
     assert fb.estimate_seconds("niah", slow, "H200", True) == pytest.approx(4 * g["niah"])  # clamped
     assert fb.estimate_seconds("ppl", slow, "H200", True) == 16.1
     assert fb.estimate_seconds("niah", [], "cpu", False) == 10 * g["niah"]
+
+
+def test_each_quantmla_label_names_its_rope_objective():
+    """A results tag is resumed across sessions: what a method label means must not follow CalibrationConfig's
+    default, so each QuantMLA label sets rope_weighting itself (and the two differ)."""
+    _module()  # puts benchmarks/ on the path
+    from full_budget_report import METHODS
+
+    from quantmla.calibrate.config import ROPE_WEIGHTINGS
+
+    weights = {label: over.get("rope_weighting") for label, (method, over) in METHODS.items() if method == "quantmla"}
+    assert weights == {"quantmla": "uniform", "quantmla-attnw": "attention"}
+    assert set(weights.values()) <= set(ROPE_WEIGHTINGS)
