@@ -140,7 +140,6 @@ def test_each_quantmla_label_names_its_rope_objective():
     default, so each QuantMLA label sets rope_weighting itself (and the two differ)."""
     _module()  # puts benchmarks/ on the path
     from full_budget_report import METHODS
-
     from quantmla.calibrate.config import ROPE_WEIGHTINGS
 
     weights = {label: over.get("rope_weighting") for label, (method, over) in METHODS.items() if method == "quantmla"}
