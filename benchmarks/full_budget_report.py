@@ -58,8 +58,9 @@ def write(results: dict, stem: str, args) -> None:
              "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
              f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
              f"{args.ppl_context}, cache policy sink 4 / local 128; a row of several calibration seeds (its seeds "
-             f"column): mean ± half-range over them. " + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed "
-                                  f"{args.seeds[0]}." if args.tasks else "No retrieval."),
+             f"column): mean ± half-range over them. "
+             + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed {args.seeds[0]}."
+                if args.tasks else "No retrieval."),
              ""]  # fmt: skip
     niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
                        key=lambda k: (k.split("@")[0], int(k.split("@")[1])))  # fmt: skip
