@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # The device calls of issue 9/10/12 sessions, each one command. Next session, in order, one warm machine, calls back
 # to back (it is given back ~30 s after a call):
-# (1) `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels` (~3.5 min, carry nothing) -- the GPU tests of
-#     every CUDA decode kernel (ws's in tests_mma's process) after ws's pipelined variants and their QMLA_WS_PIPE
-#     branches were removed (4-10% slower than ws at every shape, decode_vs_flashmla_h200_ws2_s18.md); then, carry
-#     .fmbuild, `WS_FORMATS=c4r4@ws,c4r4,c2r4@ws,c2r4 QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws`
-#     (~5 min): ws's smoke test and GPU tests, then ws beside auto (ws past 16 heads for C4R4 and, since 2026-12-02,
-#     C2R4: auto's rows at 32-128 heads should equal the @ws rows) and FlashMLA BF16;
-# (2)-(5) issue 12's paper-budget chunks (session 18 ran SmoothQuant / QuaRot C2R4 and the attention-weighted C4R4
-#     calibration + ppl in two chunks after the kit's carry calls: full_budget_paper.json). `bash
-#     benchmarks/device_carry.sh prepare` here (10 s; 4 parts with a 33 MiB tree), then the carry calls back to back
-#     (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"], ~1 s each), then on the same warm machine
-#     `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device
-#     cuda --budget-s 420 --resume --tag paper --carry-out $OUT/fb --work /root/keep/fb_work --variants a --methods
-#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0` (left: QuaRot C2R4 and attention-weighted C4R4
-#     retrieval, attention-weighted C2R4: ~8 min; their transforms, if .fbcarry survived here, travel with
-#     `carry=[".fbcarry"]` + `--carry-in .fbcarry` in a call without a kit part), then `--seeds 0,1,2` (QuantMLA at
-#     both formats, ~2 x 5 min), then `--variants a,b`. Add --ship to the chunk whose units should replace the
-#     shipped files (variant b's: keep them outside the tree until the last chunk).
+# (1) issue 9: `VARIANTS=base,sync,ctas3sync,ctas3qk0 VARIANT_TESTS=1 QUANTMLA_COMMIT=<sha> bash
+#     benchmarks/gpu_next_calls.sh variants` (~6 min, carry .fmbuild): 3 CTAs per SM (168 registers, spills, no
+#     serialized wgmma offline) against today's 2, C4R4 at 16 heads beside FlashMLA; if a ctas3 variant wins, the
+#     spills are the next target (two score accumulator sets live instead of five: docs/kernels.md, session 19).
+#     Then `kernels` on any new default. (Session 19 ran `kernels` on 9550ae3: micro + 32 + 34 + 65 GPU tests passed;
+#     and every format at 16-128 heads: decode_vs_flashmla_h200_s19_*.md.)
+# (2)-(4) issue 12's paper-budget chunks, tag paper (session 19 finished seed 0 of every method and format, variant a,
+#     and QuantMLA C4R4 seed 1; attention-weighted C4R4 seed 1 is half calibrated: its progress is in .fbcarry, an
+#     ignored folder here -- if it is gone the unit restarts). `bash benchmarks/device_carry.sh prepare` here (10 s;
+#     4 parts), the carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
+#     ~1 s each), then on the same warm machine, carry [".fbcarry"] (the state of the last chunk: copy each chunk's
+#     <files_at>/fb/* into .fbcarry before the next, dropping progress files of finished units) `source
+#     benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda
+#     --budget-s 420 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fb_work
+#     --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods
+#     quantmla,quantmla-attnw` (14 units left: ~4 x 7 min of calibration at C4R4 / C2R4 seeds 1-2), then
+#     `--variants a,b` (variant b from scratch: ~25 min). If the attention-weighted objective keeps winning past the
+#     seed spread, make it CalibrationConfig's default and re-ship both formats from it (full_budget.py --ship ships
+#     the "quantmla" label: point it at the default's label first).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,

@@ -50,6 +50,12 @@ VARIANTS: dict[str, dict[str, int]] = {
     "merge4": {"QMLA_COMBINE_V4": 1, "QMLA_COMBINE_WIDE": 0},  # the 16-byte split merge at every split count
     "merge1": {"QMLA_COMBINE_V4": 0},  # the scalar merge below 128 splits (the default until 2026-12-01)
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
+    # 3 CTAs (12 warps) per SM with fewer A-fragment registers in flight (2026-12-02, offline, nvcc 13.0: 168
+    # registers, C4R4 244 B of spill stores (~46 spill instructions per warp and tile in the main loop), no serialized
+    # wgmma; QK depth 0 alone: <= 304 B, none serialized; PV depth 0 alone: C7512). Not yet run: does a third warp per
+    # scheduler (issue slots ~51% busy at two) buy more than the spills and the lost overlap cost?
+    "ctas3sync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},
+    "ctas3qk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }
