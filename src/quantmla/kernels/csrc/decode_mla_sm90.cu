@@ -134,17 +134,46 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const int tok_lo = lo - pg * kPage, tok_hi = hi - pg * kPage;  // valid tokens: [tok_lo, tok_hi)
     const bool edge = tok_lo > 0 || tok_hi < kPage;
 
-    // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE
-    float sacc[5][NH / 2];
-#pragma unroll
-    for (int gr = 0; gr < 5; ++gr) {
+    // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE (QMLA_SM90_SCORE_RUN: sacc[group % 2] for the
+    // content groups in turn, then sacc[0] for RoPE; each group is folded into srun once its products are done)
+    constexpr bool kRun = QMLA_SM90_SCORE_RUN;
+    constexpr int kSets = kRun ? 2 : 5;
+    float sacc[kSets][NH / 2];
+    auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
+    auto init_acc = [&](int gr) {  // the accumulator start of group gr (mla_swapab.cuh stage_qt)
       float iv[NC];
       load_row<NC>(iv, qb + gr * NH + t * NC);
 #pragma unroll
       for (int c = 0; c < NC; ++c)
 #pragma unroll
-        for (int ri = 0; ri < 2; ++ri) sacc[gr][acc_idx(ri, c)] = iv[c];
-      fence_operands(sacc[gr]);
+        for (int ri = 0; ri < 2; ++ri) sacc[slot(gr)][acc_idx(ri, c)] = iv[c];
+      fence_operands(sacc[slot(gr)]);
+    };
+#pragma unroll
+    for (int gr = 0; gr < kSets; ++gr) init_acc(gr);
+    float srun[2][NC];  // kRun: the score so far, s_g S_g + o_g qsum_g summed over the folded groups
+    auto fold = [&](int gr) {  // kRun: group gr's products are complete (the caller waited): srun += its term
+      fence_operands(sacc[slot(gr)]);
+      float qsv[NC];
+      load_row<NC>(qsv, qb + 5 * NH + gr * NH + t * NC);
+      const bool sym = gr < 4 ? CSYM : RSYM;
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const int tau = 16 * warp + g + 8 * ri;
+        const float sg = __half2float(meta[(gr < 4 ? M::CS + gr : M::RS) * kPage + tau]);
+        const float og = sym ? 0.f : __half2float(meta[(gr < 4 ? M::CO + gr : M::RO) * kPage + tau]);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const float a = sacc[slot(gr)][acc_idx(ri, c)];
+          srun[ri][c] = sym ? fmaf(sg, a, srun[ri][c]) : fmaf(sg, a, fmaf(og, qsv[c], srun[ri][c]));
+        }
+      }
+    };
+    if constexpr (kRun) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) srun[ri][c] = 0.f;
     }
     {
       // ldmatrix batches: NBC of content (two 16-byte chunks each), then RoPE; each batch's ldmatrix is issued one
@@ -164,6 +193,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int j = 0; j < NB; ++j) {
         uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
         if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
+        if constexpr (kRun) {  // the first batch of content group gr >= 2 or of RoPE (gr = 4): group gr - 2 is done
+          constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
+          const int gr = j < NBC ? 2 * j / CPG : 4;
+          if ((j < NBC ? (2 * j) % CPG == 0 : j == NBC) && gr >= 2) {
+            if constexpr (kQkDepth > BPG) wgmma_wait<BPG>();  // (group gr - 2's last batch is BPG + 1 batches back)
+            fold(gr - 2);
+            init_acc(gr);
+          }
+        }
         if (j < NBC) {
           const int x = 2 * j;
           uint32_t a[2][F][4];
@@ -174,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
 #pragma unroll
             for (int pl = 0; pl < F; ++pl)
-              wgmma_f16<NH>(sacc[gr], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+              wgmma_f16<NH>(sacc[slot(gr)], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
           }
           wgmma_commit();
           wgmma_wait<kQkDepth>();  // the batches before these are done: their A registers are free
@@ -187,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           for (int hx = 0; hx < 2; ++hx)
 #pragma unroll
             for (int pl = 0; pl < RF; ++pl)
-              wgmma_f16<NH>(sacc[4], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
+              wgmma_f16<NH>(sacc[slot(4)], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
           if (x + 2 < RCH) {
             wgmma_commit();
             wgmma_wait<kQkDepth>();
@@ -198,8 +236,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
+    if constexpr (kRun) {
+      fold(3);
+      fold(4);
+    } else {
 #pragma unroll
-    for (int gr = 0; gr < 5; ++gr) fence_operands(sacc[gr]);
+      for (int gr = 0; gr < 5; ++gr) fence_operands(sacc[gr]);
+    }
 #pragma unroll
     for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
 
@@ -211,18 +254,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       const int tau = 16 * warp + g + 8 * ri;
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
       load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
-      const float rs = rsv[ri], ro = rov[ri];
-      float qsv[5][NC];
+      if constexpr (kRun) {
 #pragma unroll
-      for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);
+        for (int c = 0; c < NC; ++c) sc[ri][c] = tok_ok[ri] ? srun[ri][c] : -INFINITY;
+      } else {
+        const float rs = rsv[ri], ro = rov[ri];
+        float qsv[5][NC];
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        float s = RSYM ? rs * sacc[4][acc_idx(ri, c)] : fmaf(rs, sacc[4][acc_idx(ri, c)], ro * qsv[4][c]);
+        for (int gr = 0; gr < 5; ++gr) load_row<NC>(qsv[gr], qb + 5 * NH + gr * NH + t * NC);
 #pragma unroll
-        for (int gr = 0; gr < 4; ++gr)
-          s += CSYM ? sv[gr][ri] * sacc[gr][acc_idx(ri, c)]
-                    : fmaf(sv[gr][ri], sacc[gr][acc_idx(ri, c)], ov[gr][ri] * qsv[gr][c]);
-        sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
+        for (int c = 0; c < NC; ++c) {
+          const float s4 = sacc[slot(4)][acc_idx(ri, c)];
+          float s = RSYM ? rs * s4 : fmaf(rs, s4, ro * qsv[4][c]);
+#pragma unroll
+          for (int gr = 0; gr < 4; ++gr)
+            s += CSYM ? sv[gr][ri] * sacc[slot(gr)][acc_idx(ri, c)]
+                      : fmaf(sv[gr][ri], sacc[slot(gr)][acc_idx(ri, c)], ov[gr][ri] * qsv[gr][c]);
+          sc[ri][c] = tok_ok[ri] ? s : -INFINITY;
+        }
       }
     }
     heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps

@@ -21,6 +21,10 @@ namespace sm90 {
 #define QMLA_SM90_PV_F16 1  // 2026-12-01 (H200: 1-2% faster, 10x smaller error than bf16: kernel_variants_h200_s12.md)
 #endif
 
+#ifndef QMLA_SM90_SCORE_RUN  // 1: two score accumulator sets (content groups in turn, RoPE last), each group folded
+#define QMLA_SM90_SCORE_RUN 0  // into a running fp32 score once its products are done, instead of five sets live to
+#endif                         // the end of the product (-16 registers; for 3 CTAs per SM; not yet run on a GPU)
+
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
 constexpr int kStages = 2;
