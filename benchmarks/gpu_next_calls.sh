@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The device calls of issue 9/10/12 sessions, each one command. Next session, in order, one warm machine, calls back
 # to back (it is given back ~30 s after a call):
-# (1) issue 9: `VARIANTS=base,sync,run,ctas3sync,ctas3qk0,ctas3runqk0 VARIANT_TESTS=1 QUANTMLA_COMMIT=<sha> bash
-#     benchmarks/gpu_next_calls.sh variants` (~8 min: QUANTMLA_GPU_BUDGET_S=580, carry .fmbuild): 3 CTAs per SM (168
-#     registers, spills, no serialized wgmma offline) against today's 2, and two score accumulator sets instead of
-#     five (QMLA_SM90_SCORE_RUN: fewer spills at 3 CTAs), C4R4 at 16 heads beside FlashMLA (docs/kernels.md,
-#     "Next for 16 heads"). Each variant's GPU tests run first (the fold is unverified on a GPU).
+# (1) issue 9: `VARIANTS=base,run,ctas3runqk0,ctas3runsync,ctas3qk0 VARIANT_TESTS=1 QUANTMLA_GPU_BUDGET_S=580
+#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (~8 min, carry .fmbuild): 3 CTAs per SM (168
+#     registers; with QMLA_SM90_SCORE_RUN's two score accumulator sets the C4R4 main loop keeps only 4-8 spill
+#     instructions) against today's 2, C4R4 at 16 heads beside FlashMLA (docs/kernels.md, "Next for 16 heads"). Each
+#     variant's GPU tests run first (the fold is unverified on a GPU). A winner becomes the default (then `kernels`,
+#     `mutation`, and bench_decode at every format: C2R4 / C8R8 / C4R8 instantiations spill differently).
 #     Then `kernels` on any new default. (Session 19 ran `kernels` on 9550ae3: micro + 32 + 34 + 65 GPU tests passed;
 #     and every format at 16-128 heads: decode_vs_flashmla_h200_s19_*.md.)
 # (2)-(4) issue 12's paper-budget chunks, tag paper (session 19 finished seed 0 of every method and format, variant a,

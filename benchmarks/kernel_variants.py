@@ -60,6 +60,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "run": {"QMLA_SM90_SCORE_RUN": 1},
     "ctas3run": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1},
     "ctas3runqk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_QK_DEPTH": 0},
+    "ctas3runpv0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_PV_DEPTH": 0},
+    "ctas3runsync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_QK_DEPTH": 0,
+                     "QMLA_SM90_PV_DEPTH": 0},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }
