@@ -13,7 +13,8 @@ Units, in priority order, for each model variant (a: ``smollm2-mla``; b: ``smoll
 
 Every finished unit is written at once (results JSON, markdown table, plot: temp file + rename); ``--resume``
 skips finished units, ``--budget-s`` stops before a unit that would not finish in time (a calibration stops after
-its current block and resumes there). ``--ship`` writes the seed-0 QuantMLA transforms of every finished
+its current block and resumes there). ``--ship`` writes the seed-0 QuantMLA transforms (of the label
+``--ship-method`` names: ``quantmla``, or ``quantmla-attnw`` for the attention-weighted objective) of every finished
 (variant, format) as the package's shipped transforms (``--ship-dir``, default ``src/quantmla/models/data``) with
 the recipe, the base-model key, a label and an evaluation on a small CPU slice that ``tests/calibrate/
 test_shipped.py`` reproduces.
@@ -311,7 +312,7 @@ def ship(runner: Runner) -> list[str]:
     already = {s["key"] for s in runner.results.setdefault("shipped", {}).values()}
     for v in args.variants:
         for f in args.formats:
-            key = f"{v}/{f}/quantmla/s{seed}"
+            key = f"{v}/{f}/{args.ship_method}/s{seed}"
             if f"{key}/ppl" not in done or key in already:  # shipped by an earlier call: kept in the repo
                 continue
             src = runner.transforms_path(done[f"{key}/ppl"])
@@ -371,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--force", action="store_true", help="start over (discard the results of this tag)")
     ap.add_argument("--ship", action="store_true", help="write the seed-0 QuantMLA transforms as shipped data")
+    ap.add_argument("--ship-method", default="quantmla",
+                    help="which QuantMLA label --ship ships (e.g. quantmla-attnw: the attention-weighted objective)")
     ap.add_argument("--tag", default="paper")
     ap.add_argument("--results-dir", default=RESULTS)
     ap.add_argument("--ship-dir", default=SHIP_DIR)
@@ -389,6 +392,11 @@ def main(argv=None) -> int:
     bad = [m for m in args.methods if m not in METHODS] + [v for v in args.variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown method/variant {bad}; methods {list(METHODS)}, variants {list(VARIANTS)}")
+    shippable = [m for m, (method, _) in METHODS.items() if method == "quantmla"]
+    if args.ship_method not in shippable:
+        raise SystemExit(f"--ship-method {args.ship_method!r}: only QuantMLA transforms ship; one of {shippable}")
+    if args.ship and args.ship_method not in args.methods:
+        raise SystemExit(f"--ship-method {args.ship_method!r} is not among --methods {args.methods}: add it")
     from quantmla.data.corpus import load_split
 
     for c in args.corpora:  # before the first calibration, not after it

@@ -85,7 +85,8 @@ def state_files(runner, planned: list[dict], tmp: str) -> list[str]:
         if u["kind"] != "calib":
             continue
         stem = key.rsplit("/", 1)[0]
-        to_ship = args.ship and u["method"] == "quantmla" and u["seed"] == args.seeds[0] and stem not in shipped
+        to_ship = (args.ship and u["method"] == getattr(args, "ship_method", "quantmla") and u["seed"] == args.seeds[0]
+                   and stem not in shipped)  # fmt: skip
         tf = runner.transforms_path(u)
         if os.path.exists(tf) and ({f"{stem}/ppl", f"{stem}/niah"} & pending or to_ship):
             out.append(tf)

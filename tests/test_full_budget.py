@@ -49,6 +49,16 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     before = len(keys)
     assert fb.main([*args, "--resume"]) == 0  # nothing left: no unit runs again
     assert len(json.loads((tmp_path / "full_budget_t.json").read_text())["units"]) == before
+    # --ship-method: the attention-weighted label's transforms ship under the same name (elsewhere here), recipe inside
+    (tmp_path / "ship2").mkdir()
+    args2 = [str(tmp_path / "ship2") if a == str(tmp_path / "ship") else a for a in args]
+    assert fb.main([*args2, "--resume", "--ship", "--ship-method", "quantmla-attnw"]) == 0
+    _, meta2 = load_transforms(tmp_path / "ship2" / "smollm2-mla-quantmla-c4r4.safetensors")
+    assert meta["calibration"]["rope_weighting"] == "uniform" and meta2["calibration"]["rope_weighting"] == "attention"
+    assert meta2["eval"]["kl"] != meta["eval"]["kl"]  # another calibration's numbers, measured again
+    with pytest.raises(SystemExit, match="only QuantMLA"):
+        fb.main([*args, "--resume", "--ship-method", "rtn"])
+    capsys.readouterr()
     with pytest.raises(SystemExit, match="--resume"):
         fb.main(args)
     capsys.readouterr()

@@ -137,3 +137,22 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
                  "--no-progress"]) == 0  # fmt: skip
     res = json.loads(out.read_text())["results"][fmt]["ppl"]
     assert res["perplexity"] == pytest.approx(r.perplexity, rel=1e-6)  # same machine, same path: the same number
+
+
+def test_recipe_text_states_the_budget_and_a_non_paper_rope_objective():
+    """The one-line recipe ``quantmla run`` prints beside the shipped numbers: the steps and tokens of the recipe, the
+    paper's budget named as such only when every knob reaches it, and the RoPE objective named when it is not the
+    paper's (a recipe recorded before the option existed counts as the paper's)."""
+    from quantmla.calibrate.config import CalibrationConfig
+
+    paper, fast = CalibrationConfig().to_dict(), CalibrationConfig.preset("cpu-fast").to_dict()
+    text = shipped.recipe_text(paper)
+    assert f"{paper['steps_content']}+{paper['steps_rope']} steps" in text and "the paper's budget" in text
+    fast_text = shipped.recipe_text(fast)
+    assert f"{fast['steps_content']}+{fast['steps_rope']} steps" in fast_text and "reduced budget" in fast_text
+    assert "attention-weighted" not in text + fast_text
+    for cal in (paper, fast):
+        assert "attention-weighted RoPE objective" in shipped.recipe_text({**cal, "rope_weighting": "attention"})
+        legacy = {k: v for k, v in cal.items() if k != "rope_weighting"}
+        assert shipped.recipe_text(legacy) == shipped.recipe_text(cal)
+    assert shipped.recipe_text(None) == "recipe not recorded"

@@ -192,10 +192,12 @@ def recipe_text(cal: dict | None) -> str:
     paper = CalibrationConfig()
     mine = (f"{cal['steps_content']}+{cal['steps_rope']} steps per layer on {cal['train_seqs']} x {cal['seq_len']} "
             "tokens")
+    # the RoPE objective when it is not the paper's (files and configs from before the option have none: uniform)
+    objective = "; attention-weighted RoPE objective" if cal.get("rope_weighting", "uniform") != "uniform" else ""
     if all(cal[k] >= getattr(paper, k) for k in keys):
-        return mine + " (the paper's budget)"
+        return mine + " (the paper's budget)" + objective
     return (f"{mine}; reduced budget (paper: {paper.steps_content}+{paper.steps_rope} on {paper.train_seqs} x "
-            f"{paper.seq_len})")  # fmt: skip
+            f"{paper.seq_len})" + objective)  # fmt: skip
 
 
 def format_shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> str | None:
