@@ -154,11 +154,18 @@ class Runner:
                         self.results = r
         os.makedirs(self.work, exist_ok=True)
         planned = {u["key"] for u in units(args)}
+        shipped = {s["key"] for s in self.results.get("shipped", {}).values()}
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
-            if r["kind"] == "calib" and tf and not os.path.exists(tf) and pending:
+            if r["kind"] != "calib" or not tf or os.path.exists(tf):
+                continue
+            if pending:
                 del self.results["units"][key]
+            elif args.ship and r["method"] == args.ship_method and r["seed"] == args.seeds[0] and stem not in shipped:
+                # to ship it: calibrate again and evaluate the new transforms (a GPU run need not repeat bit for bit)
+                for k in (key, f"{stem}/ppl", f"{stem}/niah"):
+                    self.results["units"].pop(k, None)
 
     # -- models ------------------------------------------------------------------------------------------------
     def model_dir(self, v: str) -> str:

@@ -49,9 +49,16 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     before = len(keys)
     assert fb.main([*args, "--resume"]) == 0  # nothing left: no unit runs again
     assert len(json.loads((tmp_path / "full_budget_t.json").read_text())["units"]) == before
-    # --ship-method: the attention-weighted label's transforms ship under the same name (elsewhere here), recipe inside
+    # --ship-method: the attention-weighted label's transforms ship under the same name (elsewhere here), recipe inside;
+    # lost with their machine first: calibrated and evaluated again (3 units), never silently left unshipped
+    for p in (tmp_path / "full_budget_t.work").glob("a-c4r4-quantmla-attnw-s0*"):
+        p.unlink()
     (tmp_path / "ship2").mkdir()
     args2 = [str(tmp_path / "ship2") if a == str(tmp_path / "ship") else a for a in args]
+    capsys.readouterr()
+    assert fb.main([*args2, "--resume", "--ship", "--ship-method", "quantmla-attnw", "--budget-s", "0"]) == 0
+    assert "3 units left" in capsys.readouterr().out
+    assert not (tmp_path / "ship2" / "smollm2-mla-quantmla-c4r4.safetensors").exists()
     assert fb.main([*args2, "--resume", "--ship", "--ship-method", "quantmla-attnw"]) == 0
     _, meta2 = load_transforms(tmp_path / "ship2" / "smollm2-mla-quantmla-c4r4.safetensors")
     assert meta["calibration"]["rope_weighting"] == "uniform" and meta2["calibration"]["rope_weighting"] == "attention"
