@@ -22,7 +22,7 @@
 #     `--variants a,b` (variant b from scratch: ~25 min). If the attention-weighted objective keeps winning past the
 #     seed spread, make it CalibrationConfig's default and re-ship both formats from it (`--ship --ship-method
 #     quantmla-attnw` in a chunk whose carry-in still has those transforms; C2R4's seed-0 transforms were not carried
-#     out in session 19: that unit recalibrates, ~2.5 min).
+#     out in session 19: with --ship that unit and its evaluations run again, ~4 min).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
