@@ -154,7 +154,6 @@ class Runner:
                         self.results = r
         os.makedirs(self.work, exist_ok=True)
         planned = {u["key"] for u in units(args)}
-        shipped = {s["key"] for s in self.results.get("shipped", {}).values()}
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
@@ -162,10 +161,17 @@ class Runner:
                 continue
             if pending:
                 del self.results["units"][key]
-            elif args.ship and r["method"] == args.ship_method and r["seed"] == args.seeds[0] and stem not in shipped:
+            elif self.to_ship(r):
                 # to ship it: calibrate again and evaluate the new transforms (a GPU run need not repeat bit for bit)
                 for k in (key, f"{stem}/ppl", f"{stem}/niah"):
                     self.results["units"].pop(k, None)
+
+    def to_ship(self, u: dict) -> bool:
+        """Whether ``--ship`` still needs the transforms of calibration unit ``u`` (not shipped by an earlier call)."""
+        a = self.args
+        shipped = {s["key"] for s in self.results.get("shipped", {}).values()}
+        stem = u["key"].rsplit("/", 1)[0]
+        return a.ship and u["method"] == a.ship_method and u["seed"] == a.seeds[0] and stem not in shipped
 
     # -- models ------------------------------------------------------------------------------------------------
     def model_dir(self, v: str) -> str:

@@ -77,18 +77,15 @@ def state_files(runner, planned: list[dict], tmp: str) -> list[str]:
     """The files the next call needs: results JSON, needed transforms, packed in-flight calibrations (in ``tmp``)."""
     from quantmla.calibrate.stream_handover import pack_progress
 
-    units, args = runner.results["units"], runner.args
+    units = runner.results["units"]
     out = [runner.stem + ".json"] if os.path.exists(runner.stem + ".json") else []
     pending = {u["key"] for u in planned if u["key"] not in units}
-    shipped = {s["key"] for s in runner.results.get("shipped", {}).values()}
     for key, u in sorted(units.items()):
         if u["kind"] != "calib":
             continue
         stem = key.rsplit("/", 1)[0]
-        to_ship = (args.ship and u["method"] == getattr(args, "ship_method", "quantmla") and u["seed"] == args.seeds[0]
-                   and stem not in shipped)  # fmt: skip
         tf = runner.transforms_path(u)
-        if os.path.exists(tf) and ({f"{stem}/ppl", f"{stem}/niah"} & pending or to_ship):
+        if os.path.exists(tf) and ({f"{stem}/ppl", f"{stem}/niah"} & pending or runner.to_ship(u)):
             out.append(tf)
     for u in planned:
         if u["kind"] != "calib" or u["key"] in units:

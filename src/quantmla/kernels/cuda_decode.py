@@ -141,8 +141,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
             return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "wgmma"
         if _bits(cache.fmt) not in BITS["mma"]:
             return "wgmma"
-        work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
-        return "wgmma" if work <= WGMMA_MAX_WORK else "mma"
+        return "wgmma" if _work(cache, heads) <= WGMMA_MAX_WORK else "mma"
     if cap != (9, 0):
         raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
                            f"sm_{cap[0]}{cap[1]}: use kernel='mma'")  # fmt: skip
@@ -157,8 +156,12 @@ def bf16_pages_on_cuda(device, cache, heads: int) -> bool:
         return False
     if _capability(torch.device(device)) != (9, 0):
         return False
-    work = cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
-    return work <= BF16_WGMMA_MAX_WORK
+    return _work(cache, heads) <= BF16_WGMMA_MAX_WORK
+
+
+def _work(cache, heads: int) -> int:
+    """The units of work auto's rules compare: sequences x 16-head groups x longest (planned) length."""
+    return cache.batch * math.ceil(max(1, heads) / HEADS_PER_CTA) * cache.plan_longest()
 
 
 @functools.lru_cache(maxsize=16)
