@@ -171,7 +171,8 @@ class Runner:
         a = self.args
         shipped = {s["key"] for s in self.results.get("shipped", {}).values()}
         stem = u["key"].rsplit("/", 1)[0]
-        return a.ship and u["method"] == a.ship_method and u["seed"] == a.seeds[0] and stem not in shipped
+        return (a.ship and u["method"] == a.ship_method and u["seed"] == a.seeds[0] and stem not in shipped
+                and u["variant"] in a.variants and u["format"] in a.formats)  # never a (variant, format) not asked for
 
     # -- models ------------------------------------------------------------------------------------------------
     def model_dir(self, v: str) -> str:
@@ -353,7 +354,8 @@ def ship(runner: Runner) -> list[str]:
                   "ppl_gap_closed_vs_rtn": (rt["ppl"] - q["ppl"]) / (rt["ppl"] - bf16) if rt["ppl"] > bf16 else None,
                   "full_table": {"result": full, "ppl_tokens": args.ppl_tokens, "ppl_context": args.ppl_context,
                                  "rtn": done.get(f"{v}/{f}/rtn/s{seed}/ppl", {}).get("result")}}  # fmt: skip
-            label = (f"{args.preset} budget, {_device_name(runner.device)}, "
+            calibrated_on = done.get(f"{key}/calib", {}).get("device") or _device_name(runner.device)
+            label = (f"{args.preset} budget, {calibrated_on}, "
                      f"{datetime.datetime.now(datetime.timezone.utc).date()}, tag {args.tag}")  # fmt: skip
             meta.update(model=VARIANTS[v], base_key=base_key_of(VARIANTS[v]), label=label, eval=ev,
                         stream_base_key=meta.get("base_key"))  # fmt: skip

@@ -103,9 +103,9 @@ def test_calibrate_config_accepts_known_keys(tmp_path):
     args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--config", str(cfg), "--seed", "7"])
     c = config_from_args(args)
     assert (c.steps_content, c.steps_rope, c.seq_len, c.seed) == (3, 5, 256, 7)
-    assert c.rope_weighting == "uniform"  # the paper's objective unless asked
-    args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--rope-weighting", "attention"])
-    assert config_from_args(args).rope_weighting == "attention"
+    assert c.rope_weighting == "attention"  # ours unless asked; the paper's objective by name
+    args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--rope-weighting", "uniform"])
+    assert config_from_args(args).rope_weighting == "uniform"
 
 
 def test_calibrate_rejects_an_unknown_rope_weighting(tmp_path, capsys):

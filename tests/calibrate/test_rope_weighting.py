@@ -1,5 +1,6 @@
-"""The attention-weighted RoPE objective (an ablation of the paper's uniform one): equal to a float64 computation of
-sum P (dlogit)^2 / sum P logit^2 over the pairs the policy quantizes, and usable by calibration."""
+"""The attention-weighted RoPE objective (our default; the paper's is uniform): equal to a float64 computation of
+sum P (dlogit)^2 / sum P logit^2 over the pairs the policy quantizes, usable by calibration, and never applied to a
+recipe recorded before the option existed."""
 
 from __future__ import annotations
 
@@ -56,3 +57,15 @@ def test_calibration_with_the_attention_weighted_objective():
     rep = calibrate_model(model, fmt, torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(1)), cfg)
     assert CalibrationConfig.from_dict(rep.config).rope_weighting == "attention"
     assert all(layer.rope["val_chosen"] <= layer.rope["val_identity"] for layer in rep.layers)
+
+
+def test_default_objective_and_recipes_recorded_before_it():
+    """The default is the attention-weighted objective; a recorded config (it carries ``version``) without
+    ``rope_weighting`` was calibrated with the paper's uniform objective and must read back as such, while a
+    hand-written partial config takes today's default."""
+    assert CalibrationConfig().rope_weighting == "attention"
+    recorded = CalibrationConfig().to_dict()
+    del recorded["rope_weighting"]
+    assert CalibrationConfig.from_dict(recorded).rope_weighting == "uniform"
+    assert CalibrationConfig.from_dict({"steps_rope": 3}).rope_weighting == "attention"
+    assert CalibrationConfig.from_dict({**recorded, "rope_weighting": "attention"}).rope_weighting == "attention"

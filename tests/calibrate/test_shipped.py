@@ -145,7 +145,8 @@ def test_recipe_text_states_the_budget_and_a_non_paper_rope_objective():
     paper's (a recipe recorded before the option existed counts as the paper's)."""
     from quantmla.calibrate.config import CalibrationConfig
 
-    paper, fast = CalibrationConfig().to_dict(), CalibrationConfig.preset("cpu-fast").to_dict()
+    paper = CalibrationConfig(rope_weighting="uniform").to_dict()
+    fast = CalibrationConfig.preset("cpu-fast", rope_weighting="uniform").to_dict()
     text = shipped.recipe_text(paper)
     assert f"{paper['steps_content']}+{paper['steps_rope']} steps" in text and "the paper's budget" in text
     fast_text = shipped.recipe_text(fast)
