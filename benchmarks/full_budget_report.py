@@ -116,8 +116,9 @@ def _summary(table, v, f, args) -> list[str]:
             gap = (rp - qp) / (rp - b) if rp > b else float("nan")
             base = [_mean(cells[m], c, "kl") for m in BASELINES if m in cells]
             best = all(qm <= k for k in base if k is not None)
+            verdict = "yes" if best else "no"
             out.append(f"- {c}, {SHORT[label]}: removes {100 * (1 - qm / rtn):.0f}% of RTN's KL and closes "
-                       f"{100 * gap:.0f}% of its perplexity gap; KL below every baseline's: {'yes' if best else 'no'}.")  # fmt: skip
+                       f"{100 * gap:.0f}% of its perplexity gap; KL below every baseline's: {verdict}.")  # fmt: skip
     return [""] + out if out else []
 
 

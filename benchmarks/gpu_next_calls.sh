@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
 # The device calls of issue 9/10/12 sessions, each one command. Next session, in order, one warm machine, calls back
 # to back (it is given back ~30 s after a call):
-# (1) issue 9: `VARIANTS=base,run,ctas3runqk0,ctas3runsync,ctas3qk0 VARIANT_TESTS=1 QUANTMLA_GPU_BUDGET_S=580
-#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (~8 min, carry .fmbuild): 3 CTAs per SM (168
-#     registers; with QMLA_SM90_SCORE_RUN's two score accumulator sets the C4R4 main loop keeps only 4-8 spill
-#     instructions) against today's 2, C4R4 at 16 heads beside FlashMLA (docs/kernels.md, "Next for 16 heads"). Each
-#     variant's GPU tests run first (the fold is unverified on a GPU). A winner becomes the default (then `kernels`,
-#     `mutation`, and bench_decode at every format: C2R4 / C8R8 / C4R8 instantiations spill differently).
-#     Then `kernels` on any new default. (Session 19 ran `kernels` on 9550ae3: micro + 32 + 34 + 65 GPU tests passed;
-#     and every format at 16-128 heads: decode_vs_flashmla_h200_s19_*.md.)
-# (2)-(4) issue 12's paper-budget chunks, tag paper (session 19 finished seed 0 of every method and format, variant a,
-#     and QuantMLA C4R4 seed 1; attention-weighted C4R4 seed 1 is half calibrated: its progress is in .fbcarry, an
-#     ignored folder here -- if it is gone the unit restarts). `bash benchmarks/device_carry.sh prepare` here (10 s;
+# (1) issue 9: `VARIANTS=base,run VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma QUANTMLA_GPU_BUDGET_S=400
+#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild): QMLA_SM90_SCORE_RUN (two score
+#     accumulator sets) at every packed format; session 20 measured it at C4R4 only (1.00-1.05x base, GPU tests passed)
+#     and 3 CTAs per SM (slower: 0.84-0.96x, kernel_variants_h200_s20_ctas3.md). If `run` is no slower anywhere, make it
+#     the default in mla_sm90_cfg.cuh, then `kernels` and `mutation` on the new default.
+# (2)-(4) issue 12's paper-budget chunks, tag paper (session 20: 6 units of variant a left -- attention-weighted C4R4
+#     seed 2, whose half-done calibration is in .fbcarry, an ignored folder here; QuantMLA and attention-weighted C2R4
+#     seed 2 -- then the C2R4 re-ship). `bash benchmarks/device_carry.sh prepare` here if .gpucarry_* are gone (10 s;
 #     4 parts), the carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
 #     ~1 s each), then on the same warm machine, carry [".fbcarry"] (the state of the last chunk: copy each chunk's
 #     <files_at>/fb/* into .fbcarry before the next, dropping progress files of finished units) `source
 #     benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda
-#     --budget-s 420 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fb_work
-#     --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods
-#     quantmla,quantmla-attnw` (14 units left: ~4 x 7 min of calibration at C4R4 / C2R4 seeds 1-2), then
-#     `--variants a,b` (variant b from scratch: ~25 min). If the attention-weighted objective keeps winning past the
-#     seed spread, make it CalibrationConfig's default and re-ship both formats from it (`--ship --ship-method
-#     quantmla-attnw` in a chunk whose carry-in still has those transforms; C2R4's seed-0 transforms were not carried
-#     out in session 19: with --ship that unit and its evaluations run again, ~4 min).
+#     --budget-s 470 --resume --ship --ship-method quantmla-attnw --tag paper --carry-in .fbcarry --carry-out $OUT/fb
+#     --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2
+#     --seed-methods quantmla,quantmla-attnw` (~2 chunks; --ship recalibrates attention-weighted C2R4 seed 0, whose
+#     transforms were lost with their machine, ~5 min, and ships it: move the returned smollm2-mla-quantmla-c2r4
+#     file into src/quantmla/models/data, `pytest -m slow tests/calibrate/test_shipped.py`), then `--variants a,b`
+#     (variant b from scratch: ~25 min). The attention-weighted objective is CalibrationConfig's default since
+#     session 20 (C4R4 shipped from it; C2R4 still the uniform objective's file).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
@@ -150,7 +147,8 @@ case $CALL in
     FM=()
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
     part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
-      --variants "${VARIANTS:-base,sync,qk2,pv2}" ${VARIANT_TESTS:+--tests} "${FM[@]}"
+      --variants "${VARIANTS:-base,sync,qk2,pv2}" --formats "${VARIANT_FORMATS:-c4r4@wgmma}" ${VARIANT_TESTS:+--tests} \
+      "${FM[@]}"
     ;;
   ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
     for k in ${NCU_KERNELS:-wgmma}; do ncu_part "$k" 150; done

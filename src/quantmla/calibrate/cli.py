@@ -66,8 +66,9 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of sampling and initial rotations (0)")
     p.add_argument("--rope-weighting", choices=ROPE_WEIGHTINGS, default=None,
                    help="RoPE objective: attention (default; each query-key pair's logit error weighted by its "
-                        "attention probability: at the paper's budget on SmolLM2-MLA, C4R4 KL -25%% in / -19%% out of "
-                        "domain vs uniform, benchmarks/results/full_budget_paper.md) or uniform (the paper's)")  # fmt: skip
+                        "attention probability: at the paper's budget on SmolLM2-MLA, C4R4 KL -25%% in / -19%% "
+                        "out of domain vs uniform, benchmarks/results/full_budget_paper.md) or uniform "
+                        "(the paper's)")  # fmt: skip
     p.add_argument("--sink", type=int, help="cache policy: leading tokens kept in BF16 (default 4)")
     p.add_argument("--local", type=int, help="cache policy: recent tokens kept in BF16 (default 128)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
