@@ -161,6 +161,22 @@ def effective_bytes(cache: PagedMLACache) -> int:
     return int(total)
 
 
+def parse_spec(spec: str) -> tuple[str, str, int | None]:
+    """``FORMAT[@KERNEL][/sN]`` -> (format, CUDA kernel or "", forced split count or None): ``c4r4@wgmma`` times that
+    CUDA kernel instead of ``auto``'s choice, ``bf16/s24`` the default kernel with 24 splits per sequence instead
+    of the split heuristic's (e.g. to sweep it)."""
+    head, sep, splits = spec.partition("/")
+    fmt, _, kernel = head.partition("@")
+    n = None
+    if sep:
+        if not (splits.startswith("s") and splits[1:].isdigit() and int(splits[1:]) > 0):
+            raise ValueError(f"format spec {spec!r}: the split suffix is /sN with N a positive integer, e.g. bf16/s24")
+        n = int(splits[1:])
+    if not fmt:
+        raise ValueError(f"format spec {spec!r}: no format (e.g. c4r4, c4r4@wgmma, bf16/s24)")
+    return fmt, kernel, n
+
+
 def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
     ok_all = True
     torch.manual_seed(H * 100003 + B * 7919 + N)
@@ -190,7 +206,7 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
             log(f"H={H} B={B} N={N} flashmla failed: {type(e).__name__}: {str(e)[:300]}")
         del kcache
     for spec in formats:
-        fmt, _, cuda_kernel = spec.partition("@")  # "c4r4@wgmma": that CUDA kernel instead of the default
+        fmt, cuda_kernel, splits = parse_spec(spec)
         try:
             c = build_cache(fmt, kv, lens, seed=B + N)
             if cuda_kernel:
@@ -198,14 +214,14 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
 
                 kind = f"cuda-{cuda_kernel}"
 
-                def run(c=c, k=cuda_kernel, **kw):
-                    return decode_attention_cuda(q_lat, q_pe, c, SCALE, kernel=k, **kw)
+                def run(c=c, k=cuda_kernel, n=splits, **kw):
+                    return decode_attention_cuda(q_lat, q_pe, c, SCALE, kernel=k, num_splits=n, **kw)
             else:
                 which = resolve_impl("auto", q_lat, c.fmt, kernel="decode", layout=c.layout, cache=c)
                 kind = which if which != "triton" or fmt == "bf16" else "triton-packed"
 
-                def run(c=c, **kw):
-                    return decode_attention(q_lat, q_pe, c, SCALE, **kw)
+                def run(c=c, n=splits, **kw):
+                    return decode_attention(q_lat, q_pe, c, SCALE, num_splits=n, **kw)
             out, lse = run(return_lse=True)
             qr_lat, qr_pe = q_as_kernel_rounds(q_lat, kind), q_as_kernel_rounds(q_pe, kind)
             ref, ref_lse = decode_attention_torch(qr_lat, qr_pe, c, SCALE, return_lse=True)
@@ -229,8 +245,9 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
 def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"decode_vs_flashmla_{tag}")
-    with open(stem + ".json", "w") as f:
+    with open(stem + ".json.tmp", "w") as f:  # every file: temp, then rename (a killed run leaves no half file)
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(stem + ".json.tmp", stem + ".json")
     fm = {(r["heads"], r["batch"], r["context"]): r["us"] for r in rows if r["impl"] == "flashmla-bf16"}
     fmts = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "flashmla-bf16"))  # in the order run
     lines = [f"# Decode attention vs FlashMLA BF16, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
@@ -249,8 +266,9 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
             cells.append(f"{r['us']:.1f}{ratio}{'' if r['ok'] else ' CHECK FAIL'}")
         fms = f"{fm[key]:.1f}" if key in fm else ""
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
-    with open(stem + ".md", "w") as f:
+    with open(stem + ".md.tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
+    os.replace(stem + ".md.tmp", stem + ".md")
     if not plot:
         return
     try:
@@ -279,7 +297,9 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
             ax.set_title(f"{H} heads")
             ax.legend(fontsize=6)
         fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=120)
+        fig.savefig(stem + ".tmp.png", dpi=120)
+        plt.close(fig)
+        os.replace(stem + ".tmp.png", stem + ".png")
     except ImportError:
         pass
 
@@ -295,11 +315,17 @@ def main() -> None:
     ap.add_argument("--heads", default="16", help="comma-separated head counts (default 16)")
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help="comma-separated; FORMAT@KERNEL times that CUDA kernel (mma, wgmma) instead of the default, "
-                         "e.g. c4r4,c4r4@wgmma (default %(default)s)")  # fmt: skip
+                         "FORMAT/sN forces N splits per sequence, e.g. c4r4,c4r4@wgmma,bf16/s34 "
+                         "(default %(default)s)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
+    for spec in args.formats.split(","):
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise SystemExit(f"--formats: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
     t0 = time.time()

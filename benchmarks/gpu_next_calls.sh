@@ -6,6 +6,11 @@
 #     accumulator sets) at every packed format; session 20 measured it at C4R4 only (1.00-1.05x base, GPU tests passed)
 #     and 3 CTAs per SM (slower: 0.84-0.96x, kernel_variants_h200_s20_ctas3.md). If `run` is no slower anywhere, make it
 #     the default in mla_sm90_cfg.cuh, then `kernels` and `mutation` on the new default.
+# (1b) issue 9, BF16 pages at B32 x 128K (82% of FlashMLA, the one BF16 miss): the Triton split heuristic gives 17 splits
+#     there and at B32 x 32K alike. Sweep it (~2 min, carry .fmbuild): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
+#     benchmarks/bench_decode.py --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so --shapes 32x131072,32x32768
+#     --formats bf16,bf16/s8,bf16/s12,bf16/s24,bf16/s33,bf16/s48,bf16/s66 --out $OUT --tag h200_bf16_splits`; if a
+#     count wins at 128K without losing at 32K, fold it into default_num_splits (triton_decode.py) and test the rule.
 # (2)-(4) issue 12's paper-budget chunks, tag paper (session 20: 6 units of variant a left -- attention-weighted C4R4
 #     seed 2, whose half-done calibration is in .fbcarry, an ignored folder here; QuantMLA and attention-weighted C2R4
 #     seed 2 -- then the C2R4 re-ship). `bash benchmarks/device_carry.sh prepare` here if .gpucarry_* are gone (10 s;

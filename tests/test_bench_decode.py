@@ -1,0 +1,36 @@
+"""``benchmarks/bench_decode.py`` off the GPU: its format specs (``FORMAT[@KERNEL][/sN]``) parse or fail with a clear
+message, and its report files are whole (temp file + rename) with each cell's speed-up over FlashMLA in the same
+row's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchutil import load_benchmark
+
+bd = load_benchmark("bench_decode")
+
+
+def test_format_specs():
+    assert bd.parse_spec("c4r4") == ("c4r4", "", None)
+    assert bd.parse_spec("c4r4@wgmma") == ("c4r4", "wgmma", None)
+    assert bd.parse_spec("bf16/s34") == ("bf16", "", 34)
+    assert bd.parse_spec("c8r8@wgmma/s7") == ("c8r8", "wgmma", 7)
+    for bad in ("bf16/34", "bf16/s0", "bf16/s", "bf16/sx", "@wgmma", "/s4"):
+        with pytest.raises(ValueError, match="format spec"):
+            bd.parse_spec(bad)
+
+
+def test_report_cells_and_no_half_files(tmp_path):
+    meta = {"device": "test", "date": "2026-12-02", "commit": "abc", "command": "x", "reps": 3, "copy_gbps": 4000.0}
+    rows = [{"batch": 32, "context": 4096, "heads": 16, "impl": "flashmla-bf16", "us": 60.0, "ok": True},
+            {"batch": 32, "context": 4096, "heads": 16, "impl": "bf16/s17", "us": 75.0, "ok": True},
+            {"batch": 32, "context": 4096, "heads": 16, "impl": "bf16/s34", "us": 48.0, "ok": False}]  # fmt: skip
+    bd.write_outputs(str(tmp_path), "t", meta, rows, plot=False)
+    assert json.loads((tmp_path / "decode_vs_flashmla_t.json").read_text())["rows"] == rows
+    md = (tmp_path / "decode_vs_flashmla_t.md").read_text()
+    assert "| bf16/s17 | bf16/s34 |" in md
+    assert f"75.0 ({60 / 75:.2f}x)" in md and f"48.0 ({60 / 48:.2f}x) CHECK FAIL" in md
+    assert not list(tmp_path.glob("*.tmp*"))
