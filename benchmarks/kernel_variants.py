@@ -52,8 +52,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "ctas3": {"QMLA_SM90_MIN_CTAS": 3},  # offline: spills (<= 324 B) and ptxas serializes the wgmma (C7512)
     # 3 CTAs (12 warps) per SM with fewer A-fragment registers in flight (2026-12-02, offline, nvcc 13.0: 168
     # registers, C4R4 244 B of spill stores (~46 spill instructions per warp and tile in the main loop), no serialized
-    # wgmma; QK depth 0 alone: <= 304 B, none serialized; PV depth 0 alone: C7512). Not yet run: does a third warp per
-    # scheduler (issue slots ~51% busy at two) buy more than the spills and the lost overlap cost?
+    # wgmma; QK depth 0 alone: <= 304 B, none serialized; PV depth 0 alone: C7512). Measured 2026-12-02
+    # (kernel_variants_h200_s20_ctas3.md): a third warp per scheduler does not pay -- ctas3qk0 0.84-0.89x base,
+    # ctas3runqk0 / ctas3runsync 0.88-0.96x; `run` 1.00-1.05x (C4R4; the other formats not yet timed).
     "ctas3sync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},
     "ctas3qk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0},
     # two score accumulator sets instead of five (QMLA_SM90_SCORE_RUN), at 2 and 3 CTAs per SM
