@@ -4,6 +4,7 @@ that transformers loads; an interrupted run resumes to the identical delta; mism
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -110,8 +111,14 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
         assert json.load(f)["blocks_done"] == 1
     with pytest.raises(FileExistsError, match="--resume"):
         calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32)
-    with pytest.raises(ValueError, match="another run"):
+    with pytest.raises(ValueError, match="another run") as e:
         calibrate_streamed(path, FMT, tiny_tokens(seed=9), CFG, out, work=work, dtype=torch.float32, resume=True)
+    assert "tokens_sha1 (changed)" in str(e.value)  # says what differs
+    other = dataclasses.replace(CFG, seed=CFG.seed + 1, rope_weighting="uniform")
+    with pytest.raises(ValueError, match="another run") as e:
+        calibrate_streamed(path, FMT, tiny_tokens(), other, out, work=work, dtype=torch.float32, resume=True)
+    assert f"calibration.seed {CFG.seed} -> {CFG.seed + 1}" in str(e.value)
+    assert "calibration.rope_weighting 'attention' -> 'uniform'" in str(e.value)
 
     # a crash inside block 1's calibration: nothing of block 1 is committed
     real = stream_mod.calibrate_attention
@@ -145,3 +152,16 @@ def test_merge_refuses_a_delta_of_another_model(tmp_path):
         merge_checkpoint(c, out, tmp_path / "merged")
     with safe_open(out, framework="pt") as f:
         assert json.loads(f.metadata()["format"]) == "quantmla-delta"
+
+
+def test_a_progress_from_before_the_rope_objective_option_names_the_way_back():
+    """Progress recorded before ``rope_weighting`` existed was calibrated with the paper's uniform objective: resuming
+    it under today's default must fail naming that change and the flag that continues it."""
+    new = stream_mod._recipe(FMT, dataclasses.replace(CFG, rope_weighting="attention"), torch.float32, tiny_tokens())
+    old = json.loads(json.dumps(new))
+    del old["calibration"]["rope_weighting"]
+    msg = stream_mod._recipe_changes(old, new)
+    assert "calibration.rope_weighting 'uniform' -> 'attention'" in msg and "--rope-weighting uniform" in msg
+    assert stream_mod._recipe_changes(None, new) == ""  # progress without a stored recipe: nothing to compare
+    same = stream_mod._recipe(FMT, dataclasses.replace(CFG, rope_weighting="uniform"), torch.float32, tiny_tokens())
+    assert stream_mod._recipe_changes(old, same) == ""

@@ -113,8 +113,28 @@ def _save_bank(path: Path, h: torch.Tensor) -> None:
     os.replace(tmp, path)
 
 
-def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict) -> int:
-    """Create / check the work directory; return the number of blocks already finished."""
+def _recipe_changes(old: dict | None, new: dict) -> str:
+    """What differs between a stored recipe and this call's, e.g. ``calibration.seed 0 -> 1`` (empty when the
+    progress predates stored recipes); a RoPE objective recorded before the option existed is the paper's."""
+    if not isinstance(old, dict):
+        return ""
+    old = {**old, "calibration": {"rope_weighting": "uniform", **old.get("calibration", {})}}
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{j} {a.get(j)!r} -> {b.get(j)!r}" for j in sorted(set(a) | set(b)) if a.get(j) != b.get(j)]
+        elif a != b:
+            out.append(f"{k} {'(changed)' if k.startswith('tokens') else f'{a!r} -> {b!r}'}")
+    hint = ""
+    if any(c.startswith("calibration.rope_weighting 'uniform' -> 'attention'") for c in out):
+        hint = " (the default RoPE objective became 'attention': pass --rope-weighting uniform to continue this run)"
+    return "; ".join(out) + hint
+
+
+def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict, recipe: dict | None = None) -> int:
+    """Create / check the work directory (``recipe`` is stored beside the stamp, so a mismatch can say what
+    changed); return the number of blocks already finished."""
     if work.exists():
         if resume:
             try:
@@ -124,9 +144,10 @@ def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict) -> int:
                 raise RuntimeError(f"{work}: cannot read {PROGRESS} ({e}); start over with --force") from None
             for k in ("recipe_sha1", "base_key"):
                 if prog.get(k) != stamp[k]:
+                    what = _recipe_changes(prog.get("recipe"), recipe) if k == "recipe_sha1" and recipe else ""
                     raise ValueError(
-                        f"{work} holds progress of another run ({k} differs): resume with the same model, format, "
-                        "calibration settings and text, or start over with --force"
+                        f"{work} holds progress of another run ({k} differs{': ' + what if what else ''}): resume "
+                        "with the same model, format, calibration settings and text, or start over with --force"
                     )
             return int(prog["blocks_done"])
         if not force:
@@ -135,7 +156,7 @@ def _prepare_work(work: Path, resume: bool, force: bool, stamp: dict) -> int:
             )
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    _write_json(work / PROGRESS, {**stamp, "blocks_done": 0, "blocks": []})
+    _write_json(work / PROGRESS, {**stamp, "recipe": recipe, "blocks_done": 0, "blocks": []})
     return 0
 
 
@@ -177,7 +198,7 @@ def calibrate_streamed(
     _check_policy_coverage(int(tokens.shape[1]), config)
     recipe = _recipe(fmt, config, dtype, tokens)
     stamp = {"recipe_sha1": _digest(recipe), "base_key": base_key(model_dir)}
-    start = _prepare_work(work, resume, force and not resume, stamp)
+    start = _prepare_work(work, resume, force and not resume, stamp, recipe)
 
     t_start = time.time()
     model = meta_model(hf_config, dtype)
