@@ -86,7 +86,7 @@ def add_call_args(ap, shapes: str, doc: str) -> None:
     """The arguments that say which decode calls to set up (``setup``): formats, heads, kernel, shapes."""
     ap.add_argument("--formats", default="c4r4,c8r8")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kernel", default="auto", help="mma, wgmma, wgmma64 or auto (default)")
+    ap.add_argument("--kernel", default="auto", help="mma, wgmma, ws or auto (default)")
     ap.add_argument("--shapes", default=shapes, help=doc)
 
 

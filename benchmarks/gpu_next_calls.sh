@@ -32,7 +32,7 @@
 # returns at most 8 files, and a killed command still returns what was done) plus $OUT/<call>_summary.txt.
 #
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh check       # ~5 min, carry nothing
-#       micro (wgmma conventions), GPU tests of the CUDA decode kernels (wgmma64, wgmma, mma + ws + Triton: a
+#       micro (wgmma conventions), GPU tests of the CUDA decode kernels (wgmma, mma + ws + Triton: a
 #       process each), issue 11's `pytest -m gpu tests/serve`, the GPU tests of the cache and the prefill paths
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels     # check without serve / cache: ~3.5 min
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants    # ~4 min: kernel_variants.py run (VARIANTS=..;
@@ -46,9 +46,8 @@
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
 #       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~5 min (a call of its own): the wgmma kernel's tests can fail
-#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation64  # ~4 min: the wgmma64 kernel's
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
-#       16/32/64/128, C4R4 on the default kernels and every format on wgmma64, beside FlashMLA
+#       16/32/64/128, every format on the default kernels, beside FlashMLA
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws          # <= 7 min (budget 420 s), carry .fmbuild:
 #       the warp-specialized many-heads kernel (csrc/decode_mla_sm90_ws.cu, kernel="ws", auto's past 16 heads for
 #       C4R4 / C2R4): a smoke test first (a hang -- an mbarrier that never completes -- or a wrong result stops the
@@ -63,7 +62,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|mutation64|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -95,7 +94,7 @@ part() {  # part NAME CAP_SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader >>"$S" 2>&1
 tests_wgmma() {
-  part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k "wgmma and not wgmma64" -q \
+  part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q \
     -rf --tb=short -p no:cacheprovider
 }
 tests_mma() {  # the mma kernel and the Triton kernels
@@ -125,8 +124,6 @@ case $CALL in
   check | kernels)
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
-    part tests_wgmma64 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma64 -q -rf --tb=short \
-      -p no:cacheprovider
     tests_wgmma
     tests_mma
     if [[ $CALL == check ]]; then
@@ -164,9 +161,6 @@ case $CALL in
   mutation)
     part mutation 560 env MUTATE_KERNEL=wgmma bash benchmarks/gpu_session_issue9.sh "$R/r9" mutation
     ;;
-  mutation64)
-    part mutation64 560 python benchmarks/mutation_check.py --kernel wgmma64
-    ;;
   breakdown)  # where a decode call's time goes: each launch apart, the fixed cost per CTA (decode_breakdown.py)
     part breakdown 300 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
     ;;
@@ -194,7 +188,7 @@ case $CALL in
     flashmla_args
     part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
       --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
-      --formats c4r4,c4r4@wgmma64,c2r4@wgmma64,c8r8@wgmma64,bf16@wgmma64
+      --formats bf16,c8r8,c4r8,c4r4,c2r4
     ;;
   ws)  # the warp-specialized kernel: smoke, tests, WS_FORMATS beside FlashMLA BF16 (and auto's choice)
     part ws_smoke 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -x -q -rf --tb=short \
@@ -217,7 +211,7 @@ case $CALL in
     fi
     ;;
   *)
-    echo "unknown call $CALL: check, kernels, speed, bench, mutation, mutation64, heads, variants, ncu, breakdown," \
+    echo "unknown call $CALL: check, kernels, speed, bench, mutation, heads, variants, ncu, breakdown," \
       "kernels_breakdown, trace, change or ws" >&2
     exit 2
     ;;

@@ -5,13 +5,12 @@ Mutations (each a one-line change of the kernel's source or a header it includes
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
 score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
 output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
-masking of rows outside the tile (NaN in unwritten slots must not reach the output); for the wgmma64 kernel the
-score's and the output's offset terms and the zeroed meta of out-of-range tokens; for ws the scale, the
+masking of rows outside the tile (NaN in unwritten slots must not reach the output); for ws the scale, the
 boundaries, the offset term, the magic term, the code bias, each in the file the kernel reads it from. Prints one line
-per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|wgmma64|ws``: sm_90);
+per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|wgmma64|ws] [--dry-run]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|ws] [--dry-run]
 """
 
 from __future__ import annotations
@@ -28,16 +27,13 @@ CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
 SOURCES = {
     "mma": "decode_mla.cu",
     "wgmma": "decode_mla_sm90.cu",
-    "wgmma64": "decode_mla_sm90_h64.cu",
     "ws": "decode_mla_sm90_ws.cu",
 }
-# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [wgmma64-...] / [ws-...]
-SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma and not wgmma64", "wgmma64": "wgmma64", "ws": "ws"}
+# the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [ws-...]
+SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma", "ws": "ws"}
 # one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
 OTHER_HEADERS = {
     "mla_sm90_bf16.cuh",
-    "mla_wgmma_h64.cuh",
-    "mla_h64_tile.cuh",
     "mla_ws_cfg.cuh",
     "mla_ws_score.cuh",
     "mla_ws_output.cuh",
@@ -72,32 +68,6 @@ MUTATIONS = {
             "(0x8001u | ((25u - B * p) << 10))",
         ),
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)", "mla_sm90_bf16.cuh"),
-    },
-    "wgmma64": {  # each pattern's file named: a shared header may read the same
-        "none (control: must pass)": ("", ""),
-        "softmax scale +1%": ("pr[i] = ex2(s[i] - ms);", "pr[i] = ex2(s[i] * 1.01f - ms);", "decode_mla_sm90_h64.cu"),
-        "sink boundary +1 token": (
-            "const int lo = p.sink, hi",
-            "const int lo = p.sink + 1, hi",
-            "decode_mla_sm90_h64.cu",
-        ),
-        "local boundary -1 token": (
-            "hi = max(n - p.local, p.sink);",
-            "hi = max(n - p.local + 1, p.sink);",
-            "decode_mla_sm90_h64.cu",
-        ),
-        "score offset term dropped": (
-            "float x = fmaf(of.x, qs[0][v1]",
-            "float x = 0.f * fmaf(of.x, qs[0][v1]",
-            "decode_mla_sm90_h64.cu",
-        ),
-        "output offset term dropped": (
-            "+ (j < 16 ? ra0 : ra1)) * inv",
-            "+ 0.f * (j < 16 ? ra0 : ra1)) * inv",
-            "decode_mla_sm90_h64.cu",
-        ),
-        "code bias 128 -> 127": ('"r"(0xC300C300u)', '"r"(0xC2FEC2FEu)', "mla_h64_tile.cuh"),
-        "out-of-range meta kept": ("meta_row[ms] = ok ? sc : 0.f;", "meta_row[ms] = sc;", "mla_h64_tile.cuh"),
     },
     "ws": {
         "none (control: must pass)": ("", ""),

@@ -117,7 +117,8 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
         assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=128) == ("ws" if cap == (9, 0) else "mma")
         assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=16) == ("wgmma" if cap == (9, 0) else "mma")
         # C8R8 / C4R8 past 16 heads: the wgmma kernel's 16-head CTAs on sm_90 (measured 2-6x faster than Triton and
-        # ahead of wgmma64, decode_vs_flashmla_h200_s19_8bit_heads.md), mma's refusal (-> Triton) elsewhere
+        # ahead of the removed wgmma64 kernel, decode_vs_flashmla_h200_s19_8bit_heads.md), mma's refusal (-> Triton)
+        # elsewhere
         for name in ("c8r8", "c4r8"):
             for heads in (cd.WGMMA_AUTO_MAX_HEADS + 1, 128):
                 got = cd.cuda_kernel_choice(dev, cache=cache(name, [3]), heads=heads)

@@ -1,6 +1,6 @@
 """The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
 
-Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma``, ``wgmma64`` and ``ws`` (sm_90 only), chosen
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma`` and ``ws`` (sm_90 only), chosen
 through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (``ws``: C4R4 and C2R4 only) skips.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
@@ -28,7 +28,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 KERNELS = ["mma"] + [
     pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
-    for k in ("wgmma", "wgmma64", "ws")
+    for k in ("wgmma", "ws")
 ]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634

@@ -1,19 +1,19 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Four kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+Three kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
-(``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA), ``"wgmma64"``
-(``csrc/decode_mla_sm90_h64.cu``, 64 heads on M, each page unpacked once per CTA; opt-in: measured slower so
-far) and ``"ws"`` (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only;
-auto's choice past 16 heads); the last three are built for sm_90a, so H100 / H200 only. ``$QUANTMLA_CUDA_KERNEL``
-(a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is the measured choice of
-:func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel of
-:mod:`quantmla.kernels.triton_decode` on a side stream and a CUDA kernel merges the splits, so the result has the
+(``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA) and ``"ws"``
+(``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only; auto's choice past 16
+heads); the last two are built for sm_90a, so H100 / H200 only. (A fourth, ``wgmma64`` -- 64 heads on M, each page
+unpacked once per CTA -- was removed on 2026-12-02: another kernel beat it at every format and head count measured.)
+``$QUANTMLA_CUDA_KERNEL`` (a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is
+the measured choice of :func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel
+of :mod:`quantmla.kernels.triton_decode` on a side stream and a CUDA kernel merges the splits, so the result has the
 contract of :func:`quantmla.kernels.reference.decode_attention_torch`.
 
 Supported: DeepSeek shapes (latent 512 in content groups of 128, RoPE 64 in one group), pages of 64 tokens,
 fp16 scales (asymmetric or symmetric), any number of heads, q in bf16 or fp32 (others are converted); content /
-RoPE bits: C4R4 and C2R4 on every kernel, C8R8, C4R8 and BF16 pages on the wgmma and wgmma64 kernels.
+RoPE bits: C4R4 and C2R4 on every kernel, C8R8, C4R8 and BF16 pages on the wgmma kernel.
 :func:`cuda_unsupported_reason` says why a cache is not.
 """
 
@@ -29,10 +29,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2, "wgmma64": 1, "ws": 1}  # fallbacks if the occupancy query fails: mma 168
-# registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; wgmma64 256 threads x 219-252
-# registers, 186-231 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 / 144), ~155 KB
-KERNELS = ("mma", "wgmma", "wgmma64", "ws")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "ws": 1}  # fallbacks if the occupancy query fails: mma 168 registers, ~74 KB
+# shared memory per CTA; wgmma 198-230 registers, 52-68 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 /
+# 144), ~155 KB
+KERNELS = ("mma", "wgmma", "ws")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
@@ -40,8 +40,8 @@ WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (seq
 # one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
 # 1.49x vs 1.41x at B32x128K (2^22))
 WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or the wgmma kernel's 16-head CTAs (C8R8,
-# C4R8: 0.71-1.03x FlashMLA at 32 heads, 0.37-0.69x at 64, 0.25-0.39x at 128, where Triton gave 0.05-0.23x and wgmma64
-# 0.23-0.59x; decode_vs_flashmla_h200_s19_8bit_heads.md and _s19_heads.md, 2026-12-02); wgmma64 is never picked
+# C4R8: 0.71-1.03x FlashMLA at 32 heads, 0.37-0.69x at 64, 0.25-0.39x at 128, where Triton gave 0.05-0.23x and the
+# removed wgmma64 kernel 0.23-0.59x; decode_vs_flashmla_h200_s19_8bit_heads.md and _s19_heads.md, 2026-12-02)
 BF16_WGMMA_MAX_WORK = 1 << 17  # auto on sm_90, BF16 pages: the wgmma kernel up to this many units of work (as
 # WGMMA_MAX_WORK), Triton above (H200, decode_vs_flashmla_h200_s19_bf16.md, 2026-12-02, one run: wgmma 1.19x / 0.94x
 # FlashMLA at B1 x 128K / B32 x 4K (2^17 units) where Triton gave 0.89x / 0.86x; Triton ahead from B8 x 32K (2^18) on,
@@ -53,7 +53,6 @@ WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats
 _SOURCES = {
     "mma": ("decode_mla", None),
     "wgmma": ("decode_mla_sm90", "90a"),
-    "wgmma64": ("decode_mla_sm90_h64", "90a"),
     "ws": ("decode_mla_sm90_ws", "90a"),
 }  # source, build arch
 
@@ -81,7 +80,6 @@ class _Params(ctypes.Structure):
 
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
-BITS["wgmma64"] = BITS["wgmma"]
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
 
 
@@ -117,9 +115,9 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"``, ``"wgmma"``, ``"wgmma64"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
+    """``"mma"``, ``"wgmma"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
-    is mma off sm_90 (it never picks wgmma64); on sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8,
+    is mma off sm_90; on sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8,
     BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
     sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
     grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the formats in
@@ -240,7 +238,7 @@ def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) ->
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
                           return_lse: bool = False, kernel: str | None = None):  # fmt: skip
     """CUDA decode attention; same contract as :func:`quantmla.kernels.reference.decode_attention_torch`.
-    ``kernel``: ``"mma"``, ``"wgmma"``, ``"wgmma64"``, ``"ws"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
+    ``kernel``: ``"mma"``, ``"wgmma"``, ``"ws"`` or ``"auto"`` (default: :func:`cuda_kernel_choice`)."""
     plan = plan_decode(q_lat, q_pe, cache, softmax_scale, num_splits=num_splits, kernel=kernel)
     out, lse = launch_decode(plan)
     return (out, lse) if return_lse else out
@@ -297,7 +295,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
     lib = _lib(dev, kernel)
-    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16); wgmma64 H / 64, ws H / 32 (ceil)
+    hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16); ws ceil(H / 32)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
     slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel, H)
     ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)

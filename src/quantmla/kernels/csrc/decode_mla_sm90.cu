@@ -492,8 +492,8 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
       (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8)) || (CB == 16 && RB == 16);
   // 16 heads per CTA. (The NH = 32 pair path -- two CTAs sharing a 32-head group, each running the output product of
   // two content groups -- ran correctly on the H200 but slower than 16-head CTAs at 64 / 128 heads, 162 / 266 vs
-  // 135 / 231 us at B1 x 128K, results/decode_vs_flashmla_h200_heads32.md: it is no longer instantiated; many heads
-  // are the wgmma64 kernel's job, decode_mla_sm90_h64.cu.)
+  // 135 / 231 us at B1 x 128K, results/decode_vs_flashmla_h200_heads32.md: it is no longer instantiated; past 16 heads
+  // auto takes these 16-head CTAs or the ws kernel, decode_mla_sm90_ws.cu.)
   static int heads_per_cta(int, int) { return 16; }
   static int head_ctas(int H, int) { return (H + 15) / 16; }
   template <int CB, int RB>
