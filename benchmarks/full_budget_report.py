@@ -22,7 +22,7 @@ METHODS = {  # label -> (CalibrationConfig.method, overrides); each QuantMLA lab
 LABELS = {"rtn": "RTN", "quantmla": "QuantMLA, the paper's uniform RoPE objective", "smoothquant": "SmoothQuant-MLA",
           "quarot": "QuaRot-MLA", "quantmla-attnw": "QuantMLA, attention-weighted RoPE objective (ours: the default)"}
 BASELINES = ("rtn", "smoothquant", "quarot")
-SHORT = {"quantmla": "QuantMLA (uniform RoPE objective)", "quantmla-attnw": "QuantMLA (attention-weighted)"}
+SHORT = {"quantmla": "QuantMLA (uniform RoPE)", "quantmla-attnw": "QuantMLA (attn.-weighted)"}  # summary, plot
 
 
 def _rows(results: dict, args) -> dict:
@@ -142,8 +142,7 @@ def _plot(table, path, args) -> None:
             vals = [1e3 * s[c]["kl"] for s in cells[m]["ppl"].values() if c in s]
             if vals:
                 ax.bar(i, sum(vals) / len(vals), yerr=(max(vals) - min(vals)) / 2 if len(vals) > 1 else 0, capsize=3)
-        ticks = [{"quantmla": "QuantMLA\nuniform RoPE", "quantmla-attnw": "QuantMLA\nattn.-weighted"}.get(m, LABELS[m])
-                 for m in names]  # fmt: skip
+        ticks = [SHORT[m].replace(" (", "\n(") if m in SHORT else LABELS[m] for m in names]
         ax.set_xticks(range(len(names)), ticks, rotation=30, fontsize=7)
         ax.set_title(f"variant {v}, {f.upper()}: KL to full precision ({c})", fontsize=8)
         ax.set_ylabel("KL, 1e-3 nats/token")

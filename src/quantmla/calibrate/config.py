@@ -149,6 +149,8 @@ class CalibrationConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> CalibrationConfig:
+        """A config from ``to_dict``'s output or a hand-written subset (missing fields take the defaults; a recorded
+        config from before ``rope_weighting`` existed keeps its objective, :func:`recorded_rope_weighting`)."""
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(known))
         if unknown:
@@ -157,8 +159,15 @@ class CalibrationConfig:
                 f"valid fields: {', '.join(known)}"
             )
         d = dict(d)
-        if "version" in d and "rope_weighting" not in d:  # recorded before the option existed: the paper's objective
-            d["rope_weighting"] = "uniform"
+        if "version" in d:  # recorded by to_dict: an objective it does not name is the one it was calibrated with
+            d["rope_weighting"] = recorded_rope_weighting(d)
         if "smoothquant_alphas" in d:
             d["smoothquant_alphas"] = tuple(d["smoothquant_alphas"])
         return cls(**d)
+
+
+def recorded_rope_weighting(recorded: dict) -> str:
+    """The RoPE objective of a recorded recipe (a config dict in a checkpoint, a transforms file or a progress file):
+    its ``rope_weighting``, or ``"uniform"`` -- the paper's, and the only one before the option existed -- when it has
+    none. The one place that rule lives."""
+    return recorded.get("rope_weighting", "uniform")

@@ -182,7 +182,7 @@ def shipped_summary(model_name: str = "smollm2-mla", fmt: str = "c4r4") -> dict 
 def recipe_text(cal: dict | None) -> str:
     """A calibration recipe in a few words, against the paper's (Table 7) budget: e.g. "24+24 steps per layer on 8 x
     512 tokens; reduced budget (paper: 300+300 on 128 x 2048)"."""
-    from quantmla.calibrate.config import CalibrationConfig
+    from quantmla.calibrate.config import CalibrationConfig, recorded_rope_weighting
 
     if not cal:
         return "recipe not recorded"
@@ -192,8 +192,7 @@ def recipe_text(cal: dict | None) -> str:
     paper = CalibrationConfig()
     mine = (f"{cal['steps_content']}+{cal['steps_rope']} steps per layer on {cal['train_seqs']} x {cal['seq_len']} "
             "tokens")
-    # the RoPE objective when it is not the paper's (files and configs from before the option have none: uniform)
-    objective = "; attention-weighted RoPE objective" if cal.get("rope_weighting", "uniform") != "uniform" else ""
+    objective = "; attention-weighted RoPE objective" if recorded_rope_weighting(cal) != "uniform" else ""
     if all(cal[k] >= getattr(paper, k) for k in keys):
         return mine + " (the paper's budget)" + objective
     return (f"{mine}; reduced budget (paper: {paper.steps_content}+{paper.steps_rope} on {paper.train_seqs} x "

@@ -49,7 +49,7 @@ from quantmla.calibrate.checkpoint import (
     rebuild_nonpersistent_buffers,
     tensor_digest,
 )
-from quantmla.calibrate.config import CalibrationConfig
+from quantmla.calibrate.config import CalibrationConfig, recorded_rope_weighting
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
 from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
@@ -118,7 +118,8 @@ def _recipe_changes(old: dict | None, new: dict) -> str:
     progress predates stored recipes); a RoPE objective recorded before the option existed is the paper's."""
     if not isinstance(old, dict):
         return ""
-    old = {**old, "calibration": {"rope_weighting": "uniform", **old.get("calibration", {})}}
+    cal = old.get("calibration", {})
+    old = {**old, "calibration": {**cal, "rope_weighting": recorded_rope_weighting(cal)}}
     out = []
     for k in sorted(set(old) | set(new)):
         a, b = old.get(k), new.get(k)
