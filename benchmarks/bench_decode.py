@@ -35,6 +35,9 @@ from quantmla.kernels.paged import PagedMLACache
 from quantmla.kernels.reference import decode_attention_torch
 from quantmla.quant.formats import CachePolicy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: results_io, flashmla_ext
+from results_io import write_results  # noqa: E402 - the one temp-file-and-rename
+
 DC, DR = 512, 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
@@ -245,9 +248,6 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
 def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"decode_vs_flashmla_{tag}")
-    with open(stem + ".json.tmp", "w") as f:  # every file: temp, then rename (a killed run leaves no half file)
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    os.replace(stem + ".json.tmp", stem + ".json")
     fm = {(r["heads"], r["batch"], r["context"]): r["us"] for r in rows if r["impl"] == "flashmla-bf16"}
     fmts = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "flashmla-bf16"))  # in the order run
     lines = [f"# Decode attention vs FlashMLA BF16, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
@@ -266,9 +266,7 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
             cells.append(f"{r['us']:.1f}{ratio}{'' if r['ok'] else ' CHECK FAIL'}")
         fms = f"{fm[key]:.1f}" if key in fm else ""
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
-    with open(stem + ".md.tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(stem + ".md.tmp", stem + ".md")
+    write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})
     if not plot:
         return
     try:
@@ -333,7 +331,6 @@ def main() -> None:
     if args.flashmla and args.flashmla_prebuilt:
         raise SystemExit("give --flashmla DIR (build) or --flashmla-prebuilt SO (load), not both")
     if args.flashmla or args.flashmla_prebuilt:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from flashmla_ext import load_flashmla, load_prebuilt
 
         tb = time.time()
