@@ -108,7 +108,10 @@ def carry_out(runner, planned: list[dict], dest: str, shipped_files: list[str], 
     tmp = os.path.join(runner.work, ".carry_pack")
     os.makedirs(tmp, exist_ok=True)
     state = state_files(runner, planned, tmp)
-    extra = list(shipped_files) + [runner.stem + ext for ext in (".md", ".png") if os.path.exists(runner.stem + ext)]
+    # this call's table and plot only: a results folder may hold older ones (the working tree's committed copies)
+    # that do not describe the state handed over (2026-12-02: a chunk that finished no unit carried them out)
+    fresh = [runner.stem + e for e in (".md", ".png") if os.path.exists(runner.stem + e)]
+    extra = list(shipped_files) + [p for p in fresh if os.path.getmtime(p) >= runner.t0]
     written, total, state_bytes = [], 0, 0
     for path in state + extra:
         size = os.path.getsize(path)

@@ -114,6 +114,10 @@ def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
         machine, out = tmp_path / f"machine{call}", tmp_path / f"out{call}"
         ship = machine / "ship"
         ship.mkdir(parents=True)
+        (machine / "results").mkdir()
+        stale = machine / "results" / "full_budget_h.md"  # the working tree's committed table of an earlier run
+        stale.write_text("STALE\n")
+        os.utime(stale, (1e9, 1e9))
         argv = [*common, "--results-dir", str(machine / "results"), "--ship-dir", str(ship), "--resume", "--ship",
                 "--carry-out", str(out)] + (["--carry-in", str(carried)] if carried else [])  # fmt: skip
         assert fb.main(argv) == 0
@@ -121,6 +125,8 @@ def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
         sizes = [p.stat().st_size for p in out.iterdir()]
         assert len(files) <= 8 and max(sizes) <= 16 << 20 and sum(sizes) <= 64 << 20
         printed = capsys.readouterr().out
+        if (out / "full_budget_h.md").exists():  # only a table this call wrote travels
+            assert "STALE" not in (out / "full_budget_h.md").read_text()
         if call < 2:
             assert "stopped inside a/c4r4/quantmla/s0/calib" in printed
             assert "a-c4r4-quantmla-s0.progress.safetensors" in files and "full_budget_h.json" in files
