@@ -1,30 +1,26 @@
 #!/usr/bin/env bash
 # The device calls of issue 9/10/12 sessions, each one command. Next session, in order, one warm machine, calls back
-# to back (it is given back ~30 s after a call):
-# (1) issue 9: `VARIANTS=base,run VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma QUANTMLA_GPU_BUDGET_S=400
-#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild): QMLA_SM90_SCORE_RUN (two score
-#     accumulator sets) at every packed format; session 20 measured it at C4R4 only (1.00-1.05x base, GPU tests passed)
-#     and 3 CTAs per SM (slower: 0.84-0.96x, kernel_variants_h200_s20_ctas3.md). If `run` is no slower anywhere, make it
-#     the default in mla_sm90_cfg.cuh, then `kernels` and `mutation` on the new default.
-# (1b) issue 9, BF16 pages at B32 x 128K (82% of FlashMLA, the one BF16 miss): the Triton split heuristic gives 17 splits
-#     there and at B32 x 32K alike. Sweep it (~2 min, carry .fmbuild): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
-#     benchmarks/bench_decode.py --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so --shapes 32x131072,32x32768
-#     --formats bf16,bf16/s8,bf16/s12,bf16/s24,bf16/s33,bf16/s48,bf16/s66 --out $OUT --tag h200_bf16_splits`; if a
-#     count wins at 128K without losing at 32K, fold it into default_num_splits (triton_decode.py) and test the rule.
-# (2)-(4) issue 12's paper-budget chunks, tag paper (session 20: 6 units of variant a left -- attention-weighted C4R4
-#     seed 2, whose half-done calibration is in .fbcarry, an ignored folder here; QuantMLA and attention-weighted C2R4
-#     seed 2 -- then the C2R4 re-ship). `bash benchmarks/device_carry.sh prepare` here if .gpucarry_* are gone (10 s;
-#     4 parts), the carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
-#     ~1 s each), then on the same warm machine, carry [".fbcarry"] (the state of the last chunk: copy each chunk's
-#     <files_at>/fb/* into .fbcarry before the next, dropping progress files of finished units) `source
-#     benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda
-#     --budget-s 470 --resume --ship --ship-method quantmla-attnw --tag paper --carry-in .fbcarry --carry-out $OUT/fb
-#     --work /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2
-#     --seed-methods quantmla,quantmla-attnw` (~2 chunks; --ship recalibrates attention-weighted C2R4 seed 0, whose
-#     transforms were lost with their machine, ~5 min, and ships it: move the returned smollm2-mla-quantmla-c2r4
-#     file into src/quantmla/models/data, `pytest -m slow tests/calibrate/test_shipped.py`), then `--variants a,b`
-#     (variant b from scratch: ~25 min). The attention-weighted objective is CalibrationConfig's default since
-#     session 20 (C4R4 shipped from it; C2R4 still the uniform objective's file).
+# to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
+# benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
+# and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
+# (1) issue 9, the new defaults of 2026-12-02 (session 21) through the GPU tests and beside FlashMLA, one call, carry
+#     [".flashmla"] (FlashMLA is built there in ~130 s; copy the returned flashmla_dense_bench.so into .fmbuild/ and
+#     carry that, 3 MB, from then on): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py
+#     --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT --tag h200_s22 --formats bf16,c8r8,c4r8,c4r4,c2r4`,
+#     then (next call) `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh kernels` (QMLA_SM90_SCORE_RUN=1 -- two
+#     score sets for C4R4 / C2R4 only
+#     -- and the BF16 split count rounded to whole waves: 8 splits at B32 x 32K / 128K). Then `mutation` (~5 min).
+# (2)-(4) issue 12's paper-budget chunks, tag paper: 4 units of variant a left (QuantMLA C2R4 seed 2 -- its half-done
+#     progress of session 21 was in the ignored .fbcarry and is lost with the checkout -- and attention-weighted
+#     C2R4 seed 2: ~12 min), then `--variants a,b` (variant b from scratch: ~25 min). The kit's carry calls back to
+#     back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"], ~1 s each), then on the same warm
+#     machine, carry [".fbcarry"] (`mkdir .fbcarry && cp benchmarks/results/full_budget_paper.json .fbcarry/` for the
+#     first chunk; then each chunk's <files_at>/fb/* -- its full_budget_paper.md / .png are the chunk's own since
+#     session 21) `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py
+#     --device cuda --budget-s 520 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work
+#     /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2
+#     --seed-methods quantmla,quantmla-attnw` (timeout 590). On the H200 a paper-budget calibration of one (format,
+#     seed) takes ~350 s, its perplexity unit ~15 s, retrieval ~140 s (seed 0 only).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,

@@ -57,12 +57,14 @@ VARIANTS: dict[str, dict[str, int]] = {
     # ctas3runqk0 / ctas3runsync 0.88-0.96x; `run` 1.00-1.05x (C4R4; the other formats not yet timed).
     "ctas3sync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0, "QMLA_SM90_PV_DEPTH": 0},
     "ctas3qk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_QK_DEPTH": 0},
-    # two score accumulator sets instead of five (QMLA_SM90_SCORE_RUN), at 2 and 3 CTAs per SM
-    "run": {"QMLA_SM90_SCORE_RUN": 1},
-    "ctas3run": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1},
-    "ctas3runqk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_QK_DEPTH": 0},
-    "ctas3runpv0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_PV_DEPTH": 0},
-    "ctas3runsync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 1, "QMLA_SM90_QK_DEPTH": 0,
+    # score accumulator sets (QMLA_SM90_SCORE_RUN): the default folds two sets for C4R4 / C2R4 and keeps five for
+    # C8R8 / C4R8 (kernel_variants_h200_s21_run.md); "norun": five everywhere, "runall": two everywhere
+    "norun": {"QMLA_SM90_SCORE_RUN": 0},
+    "runall": {"QMLA_SM90_SCORE_RUN": 2},
+    "ctas3run": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2},
+    "ctas3runqk0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_QK_DEPTH": 0},
+    "ctas3runpv0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_PV_DEPTH": 0},
+    "ctas3runsync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_QK_DEPTH": 0,
                      "QMLA_SM90_PV_DEPTH": 0},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)

@@ -52,7 +52,8 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ()),
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_F16=0", "-DQMLA_COMBINE_WIDE=0", "-DQMLA_Q_VEC=0")),  # off3
      ("decode_mla_sm90", "90a", ("-DQMLA_PDL=0", "-DQMLA_COMBINE_V4=1")),
-     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SCORE_RUN=1",)),  # kernel_variants.py's run
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SCORE_RUN=0",)),  # kernel_variants.py's norun
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SCORE_RUN=2",)),  # runall
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip

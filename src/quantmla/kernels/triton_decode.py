@@ -253,23 +253,49 @@ def _num_sms(device: torch.device) -> int:
 
 
 # tuning knobs (the benchmark may override them). Measured on the H200 (benchmarks/results/decode_h200*.md):
-# 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM.
-TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3}
-TUNING_BF16 = dict(TUNING, num_stages=2)  # the BF16 kernel's own settings
-def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None) -> int:
+# 8 warps; 3 pipeline stages for the packed kernel, 2 for BF16; up to 4 programs per SM. ``resident``: programs
+# of the kernel that run on one SM at once, for default_num_splits' rounding to whole waves (None: no rounding).
+# BF16: 2 -- Triton 3.6 (the H200's) builds it for sm_90 with 128 registers x 256 threads and 94 KB of shared
+# memory (benchmarks/compile_decode.py), and the split counts of decode_vs_flashmla_h200_bf16_splits.md time as 2
+# per SM predicts (Triton 3.9 takes 136 registers: 1 per SM, where the rounding still picks near-whole waves).
+TUNING = {"waves": 4.0, "min_pages": 4, "full_pages": 16, "block_n": 64, "num_warps": 8, "num_stages": 3,
+          "resident": None}  # fmt: skip
+TUNING_BF16 = dict(TUNING, num_stages=2, resident=2)  # the BF16 kernel's own settings
+WAVE_GAIN = 0.95  # round to whole waves only where that is estimated >= 5% faster
+
+
+def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning: dict | None = None,
+                       sms: int | None = None) -> int:  # fmt: skip
     """Split-K factor.
 
     At most ``waves`` programs per SM in total. Within that, a split covers ``full_pages`` pages once the splits
     alone fill one wave, but never more than ``min_pages`` pages while they would not: one program walks its
     pages serially (a few microseconds each), while many tiny splits cost partial writes and a long combine.
     On the H200, batch 1 at 128K: 512 splits of 4 pages took 212 us, 128 splits of 16 pages 90 us; batch 1 at
-    1K: 1 split of 16 pages 53 us, 4 splits of 4 pages 20 us."""
+    1K: 1 split of 16 pages 53 us, 4 splits of 4 pages 20 us.
+
+    Then, where ``tuning["resident"]`` says how many programs share an SM and the programs fill more than one
+    wave of them, fewer splits where the last wave would run nearly empty: the call takes about (waves) x (pages
+    per split), so the count with the least of that (the fewest splits among equals) replaces the first choice
+    when it is estimated ``WAVE_GAIN`` faster. BF16 pages, H200, batch 32: 17 splits fill 2.06 waves of 264
+    programs (3 waves of 121 pages at 128K); 8 splits one wave of 256 pages: 1154 us instead of 1381 at 128K,
+    310 instead of 322 at 32K (decode_vs_flashmla_h200_bf16_splits.md)."""
     t = tuning or TUNING
-    sms = _num_sms(device)
+    sms = sms or _num_sms(device)
     b = max(1, batch)
     fill = max(1, math.ceil(t["waves"] * sms / b))
     one_wave = min(math.ceil(sms / b), math.ceil(max_pages / t["min_pages"]))
-    return max(1, min(fill, max(math.ceil(max_pages / t["full_pages"]), one_wave)))
+    ns = max(1, min(fill, max(math.ceil(max_pages / t["full_pages"]), one_wave)))
+    slots = (t.get("resident") or 0) * sms
+    if slots and b * ns > slots and max_pages > 1:
+
+        def cost(n: int) -> int:  # waves x pages per split
+            return math.ceil(b * n / slots) * math.ceil(max_pages / n)
+
+        best = min(range(1, ns + 1), key=lambda n: (cost(n), n))
+        if cost(best) <= WAVE_GAIN * cost(ns):
+            ns = best
+    return ns
 
 
 def _spec_args(spec, width: int, srow: int, orow: int | None) -> tuple:

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
     // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE (QMLA_SM90_SCORE_RUN: sacc[group % 2] for the
     // content groups in turn, then sacc[0] for RoPE; each group is folded into srun once its products are done)
-    constexpr bool kRun = QMLA_SM90_SCORE_RUN;
+    constexpr bool kRun = QMLA_SM90_SCORE_RUN == 2 || (QMLA_SM90_SCORE_RUN == 1 && RB == 4);  // mla_sm90_cfg.cuh
     constexpr int kSets = kRun ? 2 : 5;
     float sacc[kSets][NH / 2];
     auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };

@@ -21,10 +21,11 @@ namespace sm90 {
 #define QMLA_SM90_PV_F16 1  // 2026-12-01 (H200: 1-2% faster, 10x smaller error than bf16: kernel_variants_h200_s12.md)
 #endif
 
-#ifndef QMLA_SM90_SCORE_RUN  // 1: two score accumulator sets (content groups in turn, RoPE last), each group folded
-#define QMLA_SM90_SCORE_RUN 0  // into a running fp32 score once its products are done, instead of five sets live to
-#endif                         // the end of the product (H200 2026-12-02: GPU tests pass, C4R4 1.00-1.05x; other
-                               // formats not yet timed, kernel_variants_h200_s20_ctas3.md)
+#ifndef QMLA_SM90_SCORE_RUN  // two score accumulator sets (content groups in turn, RoPE last), each group folded into
+#define QMLA_SM90_SCORE_RUN 1  // a running fp32 score once its products are done, instead of five sets live to the end
+#endif  // of the product. 0: never; 1 (default since 2026-12-02): 4-bit RoPE formats (C4R4, C2R4); 2: every packed
+        // format. H200, 16 heads, vs five sets (kernel_variants_h200_s21_run.md): C2R4 1.00-1.03x, C4R4 0.99-1.01x
+        // (session 20: 1.00-1.05x), C8R8 0.99-1.01x, C4R8 0.99-1.00x -- so on where it gains, off where it does not
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
