@@ -66,6 +66,11 @@ VARIANTS: dict[str, dict[str, int]] = {
     "ctas3runpv0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_PV_DEPTH": 0},
     "ctas3runsync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_QK_DEPTH": 0,
                      "QMLA_SM90_PV_DEPTH": 0},
+    # fewer instructions per tile (2026-12-02, offline, nvcc 13.0, C4R4 main loop 1,525 SASS instructions per warp and
+    # tile): (P s)^T written by stmatrix.x4.trans (1,457), the fold's scales kept for the softmax (1,501), both (1,434)
+    "pstsm": {"QMLA_SM90_P_STSM": 1},
+    "metaonce": {"QMLA_SM90_META_ONCE": 1},
+    "pstsm_meta": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }

@@ -137,6 +137,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     // ---- (1) score product, 2^-e units: sacc[group][d], group 4 = RoPE (QMLA_SM90_SCORE_RUN: sacc[group % 2] for the
     // content groups in turn, then sacc[0] for RoPE; each group is folded into srun once its products are done)
     constexpr bool kRun = QMLA_SM90_SCORE_RUN == 2 || (QMLA_SM90_SCORE_RUN == 1 && RB == 4);  // mla_sm90_cfg.cuh
+    constexpr bool kMetaOnce = kRun && QMLA_SM90_META_ONCE;  // the fold's scale / offset reads kept for the softmax
+    float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     constexpr int kSets = kRun ? 2 : 5;
     float sacc[kSets][NH / 2];
     auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
@@ -162,6 +164,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         const int tau = 16 * warp + g + 8 * ri;
         const float sg = __half2float(meta[(gr < 4 ? M::CS + gr : M::RS) * kPage + tau]);
         const float og = sym ? 0.f : __half2float(meta[(gr < 4 ? M::CO + gr : M::RO) * kPage + tau]);
+        if constexpr (kMetaOnce) {
+          if (gr < 4) {
+            sv[gr][ri] = sg;
+            ov[gr][ri] = og;
+          } else {
+            rsv[ri] = sg;
+            rov[ri] = og;
+          }
+        }
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           const float a = sacc[slot(gr)][acc_idx(ri, c)];
@@ -233,7 +244,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     }
-    float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
     if constexpr (kRun) {
@@ -253,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     for (int ri = 0; ri < 2; ++ri) {
       const int tau = 16 * warp + g + 8 * ri;
       if (edge) tok_ok[ri] = tau >= tok_lo && tau < tok_hi;
-      load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
+      if constexpr (!kMetaOnce) load_meta<CSYM, RSYM, M>(meta, tau, ri, sv, ov, rsv, rov);
       if constexpr (kRun) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) sc[ri][c] = tok_ok[ri] ? srun[ri][c] : -INFINITY;
@@ -339,8 +349,30 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
+    constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
+    if constexpr (kStsm) {  // matrix ri + 2 hb of group gi: tokens 16w + 8 ri + g, heads 8 hb + 2t (+ 1); c = 2 hb (+1)
+      const int mi = lane >> 3;  // this lane's row address: head 8 (mi / 2) + lane % 8, k-half mi % 2
+      const uint32_t prow =
+          smem_u32(smem + C::PT) + warp * kKBlock + (mi & 1) * 128 + (mi >> 1) * 256 + (lane & 7) * 16;
 #pragma unroll
-    for (int gi = 0; gi < NG; ++gi) {
+      for (int gi = 0; gi < NG; ++gi) {
+        float sp[2];
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const float svg = sv[gi][ri], ovg = ov[gi][ri];
+          const float s = tok_ok[ri] ? svg : 0.f;  // an out-of-range token's meta may be anything (NaN)
+          const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
+#pragma unroll
+          for (int c = 0; c < NC; ++c) po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
+          sp[ri] = s * p_up;
+        }
+        stsm_x4_t(prow + gi * 4 * kKBlock, pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
+                  pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]), pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
+                  pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1]));
+      }
+    }
+#pragma unroll
+    for (int gi = 0; gi < (kStsm ? 0 : NG); ++gi) {
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         const float svg = sv[gi][ri], ovg = ov[gi][ri];

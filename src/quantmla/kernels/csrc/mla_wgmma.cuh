@@ -78,6 +78,16 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a
   wgmma_bf16_n16(d, a, lo, hi);
 }
 
+// Four 8 x 8 matrices of 16-bit elements from fragment registers (r_i: matrix i, lane 4 g + t holding row g, columns
+// 2t and 2t + 1, as an accumulator fragment) into shared memory transposed: lane 8 i + j gives the address of the
+// 16-byte row j of matrix i, which receives column j (the 8 rows in order). So a fragment of S^T [tokens x heads]
+// becomes K-major core-matrix rows of (P s)^T (one head's 8 tokens) in one instruction per four matrices.
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // byte offset of element (k, n) of a 16 x N k-block in the layout above
 __device__ __forceinline__ int kblock_offset(int k, int n) {
   return (n >> 3) * 256 + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2;
