@@ -1,6 +1,8 @@
 """``benchmarks/sass_loop.py`` on this machine's nvcc (skipped without one): it finds each packed format's page loop
-(the HGMMA inside it), and the ``QMLA_SM90_P_STSM`` build writes the (P s)^T tiles as it says -- one stmatrix per
-content group and no two-byte stores, where the default build has 32 -- with fewer instructions per tile."""
+(the HGMMA inside it); the ``QMLA_SM90_P_STSM`` build writes the (P s)^T tiles as it says -- one stmatrix per
+content group and no two-byte stores, where the default build has 32 -- and the ``QMLA_PRMT8`` build turns 8-bit
+codes into fp16 with PRMT, each with fewer instructions per tile. (The PRMT byte selectors themselves are checked
+against the shift + LOP3 form in ``test_prmt_selectors_equal_the_shift_and_mask``.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import shutil
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (pip install nvidia-cuda-nvcc)")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (pip install nvidia-cuda-nvcc)")
 
 
 def _tool():
@@ -23,10 +25,11 @@ def _tool():
     return mod
 
 
-def test_stmatrix_build_writes_the_p_tiles_with_one_instruction_per_group():
+@needs_nvcc
+def test_levers_change_the_instructions_they_name():
     sl = _tool()
     ops = {}
-    for name, defines in (("base", []), ("pstsm", ["QMLA_SM90_P_STSM=1"])):
+    for name, defines in (("base", []), ("pstsm", ["QMLA_SM90_P_STSM=1"]), ("prmt8", ["QMLA_PRMT8=1"])):
         sass = sl.compile_sass(defines)
         ops[name] = {f: collections.Counter(sl.opcode(x) for x in sl.loop_of(sass, f)) for f in sl.FORMATS}
     for f in sl.FORMATS:
@@ -35,3 +38,31 @@ def test_stmatrix_build_writes_the_p_tiles_with_one_instruction_per_group():
         assert base["STS.U16"] == 32 and new["STS.U16"] == 0, f
         assert sum(v for k, v in new.items() if k.startswith("STSM")) == 4, f  # 4 content groups
         assert sum(new.values()) < sum(base.values()) - 40, f
+    # QMLA_PRMT8: 8-bit codes with one PRMT per pair and no shift; the 4/2-bit formats' loops are untouched
+    for f in ("c4r4", "c2r4"):
+        assert ops["prmt8"][f] == ops["base"][f], f
+    eight = ops["prmt8"]["c8r8"]
+    assert eight["PRMT"] > ops["base"]["c8r8"]["PRMT"] + 200  # 72 score + 64 output registers, two fields each
+    assert sum(eight.values()) < sum(ops["base"]["c8r8"].values()) - 100
+
+
+def test_prmt_selectors_equal_the_shift_and_mask():
+    """mla_ops.cuh magic_bytes: PRMT of (r, 0x64006400) with selectors 0x5250 / 0x5351 gives byte b of each 16-bit
+    half under the magic's 0x64 byte, as ``(r >> 8 b) & 0x00FF00FF | 0x64006400`` (PTX prmt, default mode: byte i
+    of the result is byte sel_i of the eight bytes {b, a}); bit-exact on random words."""
+    import random
+    import re
+
+    src = open(os.path.join(HERE, "..", "..", "src", "quantmla", "kernels", "csrc", "mla_ops.cuh")).read()
+    sel = [int(x, 16) for x in re.search(r"b \? (0x[0-9a-f]+)u : (0x[0-9a-f]+)u", src).groups()]  # (b = 1, b = 0)
+    magic = int(re.search(r"kMagicF16 = (0x[0-9a-f]+)u", src).group(1), 16)
+
+    def prmt(a: int, b: int, s: int) -> int:
+        pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        return sum(pool[(s >> 4 * i) & 0x7] << 8 * i for i in range(4))
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        r = rng.getrandbits(32)
+        for b, s in ((1, sel[0]), (0, sel[1])):
+            assert prmt(r, magic, s) == ((r >> 8 * b) & 0x00FF00FF) | magic

@@ -131,10 +131,22 @@ __device__ __forceinline__ uint32_t code_f16(uint32_t r, int p) {
   return y;
 }
 
+#ifndef QMLA_PRMT8  // 1: 8-bit codes become fp16 magic numbers with one PRMT per pair (byte b of each 16-bit half next
+#define QMLA_PRMT8 0  // to the magic's 0x64 byte), not a shift + LOP3 for the upper bytes: the same bits, one SHF less
+#endif                // per register (C8R8 main loop 1,796 -> ~1,660 SASS; written offline 2026-12-02, not yet on a GPU)
+
+// (byte b of r's low half, byte b of its high half) as fp16 1024 + byte: PRMT picks r's bytes b and b + 2 and the
+// magic's 0x64 bytes (index 5 of {kMagicF16, r}) above each
+__device__ __forceinline__ uint32_t magic_bytes(uint32_t r, int b) {
+  uint32_t y;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(r), "r"(kMagicF16), "r"(b ? 0x5351u : 0x5250u));
+  return y;
+}
+
 // byte b (0 or 1) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi), c in [0, 255]: the magic number
 // 1024 + c minus 1024 (one LOP3 + one fp16x2 FMA; bf16 cannot hold 128 + c for c >= 128: 8-bit output products)
 __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
-  const uint32_t m = and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
+  const uint32_t m = QMLA_PRMT8 ? magic_bytes(r, b) : and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
   uint32_t y;
   asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3C003C00u), "r"(0xE400E400u));  // m * 1 - 1024
   return y;
@@ -146,6 +158,11 @@ __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
 template <int B>
 __device__ __forceinline__ void score_fields(uint32_t r, uint32_t (&f)[16 / B]) {
   constexpr int F = 8 / B;
+  if constexpr (B == 8 && QMLA_PRMT8) {
+    f[0] = magic_bytes(r, 0);
+    f[1] = magic_bytes(r, 1);
+    return;
+  }
   const uint32_t r8 = r >> 8;
 #pragma unroll
   for (int j = 0; j < 2 * F; ++j)
