@@ -78,10 +78,11 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a
   wgmma_bf16_n16(d, a, lo, hi);
 }
 
-// Four 8 x 8 matrices of 16-bit elements from fragment registers (r_i: matrix i, lane 4 g + t holding row g, columns
-// 2t and 2t + 1, as an accumulator fragment) into shared memory transposed: lane 8 i + j gives the address of the
-// 16-byte row j of matrix i, which receives column j (the 8 rows in order). So a fragment of S^T [tokens x heads]
-// becomes K-major core-matrix rows of (P s)^T (one head's 8 tokens) in one instruction per four matrices.
+// Four 8 x 8 matrices of 16-bit elements stored transposed (ldmatrix.trans's inverse): register i of lane (g = lane
+// / 4, t = lane % 4) holds (row g, columns 2t, 2t + 1) of matrix i, as an accumulator fragment does; they land in
+// shared-memory row 2t / 2t + 1, element g, of matrix i, whose 8 rows (16 bytes each) are at the addresses lanes
+// 8 i .. 8 i + 7 give. So a fragment of S^T [tokens x heads] becomes K-major core-matrix rows of (P s)^T (one head's
+// 8 tokens) in one instruction per four matrices (the ws kernel's score warpgroup, the wgmma kernel's P_STSM).
 __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
                "r"(r1), "r"(r2), "r"(r3)

@@ -143,15 +143,6 @@ __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.a
 template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
-// Four 8 x 8 matrices of 16-bit elements stored transposed: register i of lane (g = lane / 4, t = lane % 4) holds
-// (row g, columns 2t, 2t + 1) of matrix i, which land in shared-memory row 2t / 2t + 1, element g, of matrix i, whose
-// 8 rows (16 bytes each) are at the addresses lanes 8 i .. 8 i + 7 give (ldmatrix.trans's inverse).
-__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // D[64 x 32] += A[64 x 16] (fp16, registers) * B[16 x 32] (fp16, shared memory, K-major: mla_wgmma.cuh's layout)
 __device__ __forceinline__ void wgmma_f16_n32(float (&d)[16], const uint32_t (&a)[4], uint32_t desc_lo,
                                               uint32_t desc_hi) {
