@@ -45,6 +45,10 @@ GPU recipe (the lead), one chunk per device call until a call prints "all units 
    On a warm machine the work folder is still there (``--carry-in`` then skips what it already has: nothing is
    recomputed); on a fresh one ``--carry-in`` rebuilds it.
 
+   A session's last chunk: add ``--whole-units`` (a calibration the budget cannot finish is not started), since
+   the carried state lives in an ignored folder that does not outlive the checkout (2026-12-02: a half-done
+   seed-2 calibration was lost that way, twice).
+
    ``--budget-s`` covers the units (model build on a fresh machine included); keep ~3 minutes of the call for
    start-up, shipping (three CPU evaluations of 1024 tokens) and the hand-over: ``--budget-s`` = the call's
    seconds - 180. The state in ``$OUT/fb`` is rewritten after every unit and every minute of calibration, so a
@@ -288,6 +292,10 @@ class Runner:
                 return False
             if u["kind"] == "calib" and left < 30:
                 return False
+            if u["kind"] == "calib" and self.args.whole_units and self.estimate("calib") > left:
+                print(f"budget: {left:.0f} s left, {u['key']} needs ~{self.estimate('calib'):.0f} s and --whole-units "
+                      "starts no calibration it cannot finish; rerun with --resume", flush=True)  # fmt: skip
+                return False
             t = time.time()
             try:
                 res = getattr(self, u["kind"])(u)
@@ -385,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="per depth (x 3 depths per cell)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop before a unit that would not fit")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--whole-units", action="store_true",
+                    help="start no calibration that the budget cannot finish (estimated from the longest finished "
+                         "one): for a session's last chunk, whose half-done state would not outlive the checkout")
     ap.add_argument("--force", action="store_true", help="start over (discard the results of this tag)")
     ap.add_argument("--ship", action="store_true", help="write the seed-0 QuantMLA transforms as shipped data")
     ap.add_argument("--ship-method", default="quantmla",

@@ -26,8 +26,9 @@
 #     session 21) `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py
 #     --device cuda --budget-s 520 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work
 #     /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2
-#     --seed-methods quantmla,quantmla-attnw` (timeout 590). On the H200 a paper-budget calibration of one (format,
-#     seed) takes ~350 s, its perplexity unit ~15 s, retrieval ~140 s (seed 0 only).
+#     --seed-methods quantmla,quantmla-attnw` (timeout 590; the session's last chunk with --whole-units, so that no
+#     half-done calibration is left in .fbcarry). On the H200 a paper-budget calibration of one (format, seed) takes
+#     ~350 s, its perplexity unit ~15 s, retrieval ~140 s (seed 0 only).
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,

