@@ -8,13 +8,13 @@
 #     benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT --tag h200_s22 --formats
 #     bf16,c8r8,c4r8,c4r4,c2r4` -- today's defaults beside FlashMLA (session 21: QMLA_SM90_SCORE_RUN=1, two score sets
 #     for C4R4 / C2R4 only; the BF16 split count rounded to whole waves, 8 splits at B32 x 32K / 128K).
-# (1b) carry [".fmbuild"]: `VARIANTS=base,levers3,pstsm_meta,prmt8 VARIANT_TESTS=1
+# (1b) carry [".fmbuild"]: `VARIANTS=base,levers,pstsm_meta,addr,prmt8 VARIANT_TESTS=1
 #     VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh
-#     variants` (~8 min; budget 570): the wgmma GPU tests on today's defaults (base) and on the three levers written
-#     offline in session 21 (stmatrix P tiles + scales read once: C4R4 main loop 1,525 -> 1,434 SASS instructions;
-#     PRMT for 8-bit codes: C8R8 1,796 -> 1,660; all three: levers3; docs/kernels.md), then each beside base. If a
-#     lever passes and is nowhere slower, make it the default (mla_sm90_cfg.cuh / mla_ops.cuh), then `kernels` and
-#     `mutation` (~5 min each).
+#     variants` (~9 min; QUANTMLA_GPU_BUDGET_S=570; a variant cut off by the cap: rerun it alone): the wgmma GPU
+#     tests on today's defaults (base) and on the five levers written offline in session 21 (all five: `levers`, C4R4
+#     main loop 1,525 -> 1,420 SASS instructions, C8R8 1,796 -> 1,468; docs/kernels.md), then each beside base. If a
+#     lever passes and is nowhere slower, make it the default (mla_sm90_cfg.cuh / mla_ops.cuh / mla_page.cuh), then
+#     `kernels` and `mutation` (~5 min each).
 #     Ride-along for the kit's carry calls below (no kit needed, ~5 min per model): the V3 / K2 streamed-calibration
 #     projection with the attention-weighted objective (stream_projection.py's header).
 # (2)-(4) issue 12's paper-budget chunks, tag paper: 4 units of variant a left (QuantMLA C2R4 seed 2 -- its half-done

@@ -71,10 +71,13 @@ VARIANTS: dict[str, dict[str, int]] = {
     "pstsm": {"QMLA_SM90_P_STSM": 1},
     "metaonce": {"QMLA_SM90_META_ONCE": 1},
     "pstsm_meta": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1},
-    # 8-bit codes to fp16 magic numbers by one PRMT per pair (mla_ops.cuh): C8R8 1,796 -> 1,660, C4R8 1,684 -> 1,676;
-    # all three: C4R4 1,434, C2R4 1,390, C8R8 1,594, C4R8 1,611
+    # 8-bit codes to fp16 magic numbers by one PRMT per pair (mla_ops.cuh): C8R8 1,796 -> 1,660, C4R8 1,684 -> 1,676
     "prmt8": {"QMLA_PRMT8": 1},
-    "levers3": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1, "QMLA_PRMT8": 1},
+    # ldmatrix and page-copy addresses from per-tile bases plus constants: C4R4 -16, C8R8 -67 (ADDR), C8R8 -63 (PAGE)
+    "addr": {"QMLA_SM90_ADDR_BASES": 1, "QMLA_PAGE_BASES": 1},
+    # all five: C4R4 1,420 (-6.9%), C2R4 1,388 (-6.3%), C8R8 1,468 (-18.3%), C4R8 1,597 (-5.2%)
+    "levers": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1, "QMLA_PRMT8": 1, "QMLA_SM90_ADDR_BASES": 1,
+               "QMLA_PAGE_BASES": 1},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }

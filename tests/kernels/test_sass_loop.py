@@ -1,7 +1,8 @@
 """``benchmarks/sass_loop.py`` on this machine's nvcc (skipped without one): it finds each packed format's page loop
 (the HGMMA inside it); the ``QMLA_SM90_P_STSM`` build writes the (P s)^T tiles as it says -- one stmatrix per
 content group and no two-byte stores, where the default build has 32 -- and the ``QMLA_PRMT8`` build turns 8-bit
-codes into fp16 with PRMT, each with fewer instructions per tile. (The PRMT byte selectors themselves are checked
+codes into fp16 with PRMT, and the address bases keep every ldmatrix and page copy with fewer instructions around
+them, each with fewer instructions per tile. (The PRMT byte selectors themselves are checked
 against the shift + LOP3 form in ``test_prmt_selectors_equal_the_shift_and_mask``.)"""
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _tool():
 def test_levers_change_the_instructions_they_name():
     sl = _tool()
     ops = {}
-    for name, defines in (("base", []), ("pstsm", ["QMLA_SM90_P_STSM=1"]), ("prmt8", ["QMLA_PRMT8=1"])):
+    addr = ["QMLA_SM90_ADDR_BASES=1", "QMLA_PAGE_BASES=1"]
+    for name, defines in (("base", []), ("pstsm", ["QMLA_SM90_P_STSM=1"]), ("prmt8", ["QMLA_PRMT8=1"]), ("addr", addr)):
         sass = sl.compile_sass(defines)
         ops[name] = {f: collections.Counter(sl.opcode(x) for x in sl.loop_of(sass, f)) for f in sl.FORMATS}
     for f in sl.FORMATS:
@@ -44,6 +46,12 @@ def test_levers_change_the_instructions_they_name():
     eight = ops["prmt8"]["c8r8"]
     assert eight["PRMT"] > ops["base"]["c8r8"]["PRMT"] + 200  # 72 score + 64 output registers, two fields each
     assert sum(eight.values()) < sum(ops["base"]["c8r8"].values()) - 100
+    # the address bases: the same LDSM / LDGSTS, fewer instructions around them in every format (8-bit: > 100)
+    for f in sl.FORMATS:
+        for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
+            assert ops["addr"][f][op] == ops["base"][f][op], (f, op)
+        assert sum(ops["addr"][f].values()) < sum(ops["base"][f].values()), f
+    assert sum(ops["addr"]["c8r8"].values()) < sum(ops["base"]["c8r8"].values()) - 100
 
 
 def test_prmt_selectors_equal_the_shift_and_mask():

@@ -194,7 +194,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       const int mi = lane >> 3;
       const int tok = 16 * warp + 8 * (mi & 1) + (lane & 7);
       constexpr int NBC = CX / 2, NB = NBC + RCH / 2;
+      // (QMLA_SM90_ADDR_BASES: the content addresses from four bases -- (2j + b) ^ l for l < 8 is 8 (j / 4) +
+      // ((2 (j % 4) + b) ^ l) -- plus constants, instead of the swizzle recomputed for every batch)
+      uint32_t qk_base[4];
+      if constexpr (QMLA_SM90_ADDR_BASES) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          qk_base[k] = st_u + C::C_SM + tok * C::CBYTES + 16 * ((2 * k + (mi >> 1)) ^ (lane & 7));
+      }
       auto qk_addr = [&](int j) -> uint32_t {  // token g / g+8 of chunk 2j, then of chunk 2j + 1
+        if (QMLA_SM90_ADDR_BASES && j < NBC) return qk_base[j % 4] + 128 * (j / 4);
         return j < NBC ? st_u + C::C_SM + tok * C::CBYTES + 16 * ((2 * j + (mi >> 1)) ^ (lane & 7))
                        : st_u + C::R_SM + (2 * (j - NBC) + (mi >> 1)) * (kPage * 16) + tok * 16;  // chunk-major
       };
@@ -420,8 +429,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
           for (int ks = 0; ks < 2; ++ks) {
             const int tok = 16 * (2 * kp + ks) + 8 * (mi & 1) + (lane & 7);
             const int chunk = gr * CPG + warp + 4 * (mi >> 1);
+            // (QMLA_SM90_ADDR_BASES: CPG = 8, so chunk ^ l = 8 gr + ((w + 4 (mi / 2)) ^ l): one base + constants)
+            const uint32_t at = QMLA_SM90_ADDR_BASES
+                                    ? st_u + C::C_SM + (8 * (mi & 1) + (lane & 7)) * C::CBYTES +
+                                          16 * ((warp + 4 * (mi >> 1)) ^ (lane & 7)) + 16 * (2 * kp + ks) * C::CBYTES +
+                                          128 * gr
+                                    : st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
             uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
-            ldsm_x4_t(R[0], R[1], R[2], R[3], st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7)));
+            ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
               a[ks][hh][0] = code_f16_byte(R[2 * hh], 0);

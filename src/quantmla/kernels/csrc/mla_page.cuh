@@ -71,6 +71,10 @@ struct MetaRows {
 };
 
 // Copy one page into a shared-memory stage with cp.async (16 bytes per thread and round; the caller commits).
+#ifndef QMLA_PAGE_BASES  // 1: rows of a page copied in rounds of fewer than 8 tokens (C8R8) from one destination base
+#define QMLA_PAGE_BASES 0  // per swizzle phase instead of the swizzle recomputed every round (the same addresses;
+#endif                     // written offline 2026-12-02, not yet on a GPU)
+
 template <int CB, int kThreads, int RB = 4>
 __device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {
   using C = PageCfg<CB, RB>;
@@ -84,6 +88,19 @@ __device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, c
     const uint32_t dst = stage + C::C_SM + n0 * C::CBYTES + 16 * (x ^ (n0 & 7));
 #pragma unroll
     for (int i = 0; i < kPage / STEP; ++i) cp_async16(dst + i * STEP * C::CBYTES, src + i * STEP * C::CBYTES);
+  } else if constexpr (QMLA_PAGE_BASES && 8 % STEP == 0) {
+    // the swizzle repeats every PER = 8 / STEP rounds: PER destination bases, then constant offsets (C8R8: STEP 4,
+    // two bases; the loop below recomputed the swizzle in each of its 16 rounds)
+    constexpr int PER = 8 / STEP;
+    uint32_t base[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int nn = n0 + k * STEP;
+      base[k] = stage + C::C_SM + nn * C::CBYTES + 16 * (x ^ (nn & 7));
+    }
+#pragma unroll
+    for (int i = 0; i < kPage / STEP; ++i)
+      cp_async16(base[i % PER] + (i / PER) * 8 * C::CBYTES, src + i * STEP * C::CBYTES);
   } else {
 #pragma unroll
     for (int i = 0; i < kPage / STEP; ++i) {

@@ -31,6 +31,9 @@ namespace sm90 {
 #ifndef QMLA_SM90_P_STSM  // 1: the (P s)^T tiles of the fp16 output product written with one stmatrix.x4.trans
 #define QMLA_SM90_P_STSM 0  // per group (16 paired conversions) instead of 32 two-byte stores and 32 single
 #endif                      // conversions per thread: C4R4 main loop 1,525 -> 1,457 SASS instructions
+#ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
+#define QMLA_SM90_ADDR_BASES 0  // constants, not the swizzle recomputed per batch (the same addresses)
+#endif
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
 #define QMLA_SM90_META_ONCE 0  // are kept for the softmax, not read and converted again (load_meta): -24 more
 #endif
