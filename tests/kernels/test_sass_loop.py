@@ -74,3 +74,25 @@ def test_prmt_selectors_equal_the_shift_and_mask():
         r = rng.getrandbits(32)
         for b, s in ((1, sel[0]), (0, sel[1])):
             assert prmt(r, magic, s) == ((r >> 8 * b) & 0x00FF00FF) | magic
+
+
+def test_address_bases_are_the_same_addresses():
+    """The identities behind QMLA_SM90_ADDR_BASES / QMLA_PAGE_BASES, over every lane, batch and round: a swizzled
+    chunk (c ^ (token & 7)) of the staged page computed from a per-tile base plus a constant."""
+    for lane7 in range(8):
+        for b in (0, 1):
+            for j in range(16):  # score product, content batch j: chunk 2j + b of the lane's token
+                assert (2 * j + b) ^ lane7 == 8 * (j // 4) + ((2 * (j % 4) + b) ^ lane7)
+        for gr in range(4):  # 8-bit output product: chunk 8 gr + w + 4 m
+            for w in range(4):
+                for m in (0, 1):
+                    assert (8 * gr + w + 4 * m) ^ lane7 == 8 * gr + ((w + 4 * m) ^ lane7)
+    cbytes = 512  # C8R8's page copy: 128 threads, 32 chunks per token row, 4 tokens per round
+    for step in (1, 2, 4):
+        per = 8 // step
+        for n0 in range(step):
+            for x in range(32):
+                for i in range(64 // step):
+                    nn, nk = n0 + i * step, n0 + (i % per) * step
+                    base = nk * cbytes + 16 * (x ^ (nk & 7))
+                    assert nn * cbytes + 16 * (x ^ (nn & 7)) == base + (i // per) * 8 * cbytes
