@@ -292,9 +292,10 @@ class Runner:
                 return False
             if u["kind"] == "calib" and left < 30:
                 return False
-            if u["kind"] == "calib" and self.args.whole_units and self.estimate("calib") > left:
-                print(f"budget: {left:.0f} s left, {u['key']} needs ~{self.estimate('calib'):.0f} s and --whole-units "
-                      "starts no calibration it cannot finish; rerun with --resume", flush=True)  # fmt: skip
+            need = self.estimate("calib") if u["kind"] == "calib" and self.args.whole_units else 0.0
+            if need > left:
+                print(f"budget: {left:.0f} s left, {u['key']} needs ~{need:.0f} s and --whole-units starts no "
+                      "calibration it cannot finish; rerun with --resume", flush=True)  # fmt: skip
                 return False
             t = time.time()
             try:

@@ -358,48 +358,36 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
+    // QMLA_SM90_P_STSM: the tile of group gi with one stmatrix.x4.trans (mla_wgmma.cuh p_tile_row), else value by value
     constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
-    if constexpr (kStsm) {  // matrix ri + 2 hb of group gi: tokens 16w + 8 ri + g, heads 8 hb + 2t (+ 1); c = 2 hb (+1)
-      const int mi = lane >> 3;  // this lane's row address: head 8 (mi / 2) + lane % 8, k-half mi % 2
-      const uint32_t prow =
-          smem_u32(smem + C::PT) + warp * kKBlock + (mi & 1) * 128 + (mi >> 1) * 256 + (lane & 7) * 16;
+    const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) {
-        float sp[2];
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          const float svg = sv[gi][ri], ovg = ov[gi][ri];
-          const float s = tok_ok[ri] ? svg : 0.f;  // an out-of-range token's meta may be anything (NaN)
-          const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
-#pragma unroll
-          for (int c = 0; c < NC; ++c) po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
-          sp[ri] = s * p_up;
-        }
-        stsm_x4_t(prow + gi * 4 * kKBlock, pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
-                  pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]), pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
-                  pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1]));
-      }
-    }
-#pragma unroll
-    for (int gi = 0; gi < (kStsm ? 0 : NG); ++gi) {
+    for (int gi = 0; gi < NG; ++gi) {
+      float sp[2];  // P s (2^k_run) per token slot ri
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         const float svg = sv[gi][ri], ovg = ov[gi][ri];
         // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
         const float s = tok_ok[ri] ? svg : 0.f;
         const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
+        sp[ri] = s * p_up;
         uint8_t* tile = smem + C::PT + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
+          if constexpr (kStsm) continue;
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
           if constexpr (kF16Out)
-            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * (s * p_up));
+            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * sp[ri]);
           else
-            *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * s);
+            *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * sp[ri]);
         }
       }
+      if constexpr (kStsm)  // matrix ri + 2 hb: tokens 16w + 8 ri + g, heads 8 hb + 2t and + 1, i.e. c = 2 hb, 2 hb + 1
+        stsm_x4_t(prow + gi * 4 * kKBlock, pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
+                  pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]), pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
+                  pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1]));
     }
     // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
     const int mi_v = lane >> 3;

@@ -27,7 +27,7 @@ namespace sm90 {
         // format. H200, 16 heads, vs five sets (kernel_variants_h200_s21_run.md): C2R4 1.00-1.03x, C4R4 0.99-1.01x
         // (session 20: 1.00-1.05x), C8R8 0.99-1.01x, C4R8 0.99-1.00x -- so on where it gains, off where it does not
 
-// Written offline 2026-12-02 (session 21), not yet run on a GPU (kernel_variants.py pstsm / metaonce / pstsm_meta):
+// Written offline 2026-12-02 (session 21), not yet run on a GPU (kernel_variants.py pstsm, metaonce, addr, levers):
 #ifndef QMLA_SM90_P_STSM  // 1: the (P s)^T tiles of the fp16 output product written with one stmatrix.x4.trans
 #define QMLA_SM90_P_STSM 0  // per group (16 paired conversions) instead of 32 two-byte stores and 32 single
 #endif                      // conversions per thread: C4R4 main loop 1,525 -> 1,457 SASS instructions

@@ -89,6 +89,13 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
                : "memory");
 }
 
+// Byte offset of the row that lane gives to stsm_x4_t for warp w's k-step of a k-block sequence (kblock bytes each)
+// of (P s)^T: matrix i = lane / 8 is head octet i / 2, k-half i % 2 (registers: (ri 0, heads 0-7), (ri 1, 0-7),
+// (ri 0, 8-15), (ri 1, 8-15) of a 16-head n-slice); row lane % 8 is that octet's head
+__host__ __device__ constexpr int p_tile_row(int kblock, int w, int lane) {
+  return w * kblock + ((lane >> 3) >> 1) * 256 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
+}
+
 // byte offset of element (k, n) of a 16 x N k-block in the layout above
 __device__ __forceinline__ int kblock_offset(int k, int n) {
   return (n >> 3) * 256 + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2;

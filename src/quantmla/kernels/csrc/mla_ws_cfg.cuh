@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "mla_page.cuh"
+#include "mla_wgmma.cuh"
 
 namespace qmla {
 namespace ws {
@@ -92,9 +93,7 @@ __host__ __device__ constexpr int out_channel(int CPG, int PS, int gi, int hh, i
 // m = 2 q + i / 2 and k-half ri = i % 2): byte offset in the P buffer of the row lane gives for x4 store (gi, q) of
 // warp w (its 16 tokens are k-step w), = p_store_row(w, lane) + p_store_step(gi, q); a P buffer is [group][k-step]
 // K-major 16 x 32 k-blocks of kNH * 32 bytes (mla_wgmma.cuh's layout)
-__host__ __device__ constexpr int p_store_row(int w, int lane) {
-  return w * kNH * 32 + ((lane >> 3) >> 1) * 256 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
-}
+__host__ __device__ constexpr int p_store_row(int w, int lane) { return p_tile_row(kNH * 32, w, lane); }
 __host__ __device__ constexpr int p_store_step(int gi, int q) { return gi * 4 * kNH * 32 + q * 512; }
 
 // mbarrier phase parities: the n-th completion of a barrier has parity n & 1
