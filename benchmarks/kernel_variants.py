@@ -66,18 +66,16 @@ VARIANTS: dict[str, dict[str, int]] = {
     "ctas3runpv0": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_PV_DEPTH": 0},
     "ctas3runsync": {"QMLA_SM90_MIN_CTAS": 3, "QMLA_SM90_SCORE_RUN": 2, "QMLA_SM90_QK_DEPTH": 0,
                      "QMLA_SM90_PV_DEPTH": 0},
-    # fewer instructions per tile (2026-12-02, offline, nvcc 13.0, C4R4 main loop 1,525 SASS instructions per warp and
-    # tile): (P s)^T written by stmatrix.x4.trans (1,457), the fold's scales kept for the softmax (1,501), both (1,434)
-    "pstsm": {"QMLA_SM90_P_STSM": 1},
-    "metaonce": {"QMLA_SM90_META_ONCE": 1},
-    "pstsm_meta": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1},
-    # 8-bit codes to fp16 magic numbers by one PRMT per pair (mla_ops.cuh): C8R8 1,796 -> 1,660, C4R8 1,684 -> 1,676
-    "prmt8": {"QMLA_PRMT8": 1},
-    # ldmatrix and page-copy addresses from per-tile bases plus constants: C4R4 -16, C8R8 -67 (ADDR), C8R8 -63 (PAGE)
-    "addr": {"QMLA_SM90_ADDR_BASES": 1, "QMLA_PAGE_BASES": 1},
-    # all five: C4R4 1,420 (-6.9%), C2R4 1,388 (-6.3%), C8R8 1,468 (-18.3%), C4R8 1,597 (-5.2%)
-    "levers": {"QMLA_SM90_P_STSM": 1, "QMLA_SM90_META_ONCE": 1, "QMLA_PRMT8": 1, "QMLA_SM90_ADDR_BASES": 1,
-               "QMLA_PAGE_BASES": 1},
+    # fewer instructions per tile, written offline in session 21 (C4R4 main loop 1,525 -> 1,420 SASS instructions per
+    # warp and tile, C8R8 1,796 -> 1,468), the defaults since session 22 measured them together on the H200: 1.00-1.12x
+    # over the former forms at every packed format (kernel_variants_h200_s22_levers.md; each lever apart:
+    # kernel_variants_h200_s22_each.md). These variants turn them off again: the stmatrix (P s)^T tiles and the fold's
+    # scales kept for the softmax, PRMT for 8-bit codes, the address bases, all five
+    "nopstsm_meta": {"QMLA_SM90_P_STSM": 0, "QMLA_SM90_META_ONCE": 0},
+    "noprmt8": {"QMLA_PRMT8": 0},
+    "noaddr": {"QMLA_SM90_ADDR_BASES": 0, "QMLA_PAGE_BASES": 0},
+    "nolevers": {"QMLA_SM90_P_STSM": 0, "QMLA_SM90_META_ONCE": 0, "QMLA_PRMT8": 0, "QMLA_SM90_ADDR_BASES": 0,
+                 "QMLA_PAGE_BASES": 0},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }

@@ -1,8 +1,8 @@
 """``benchmarks/sass_loop.py`` on this machine's nvcc (skipped without one): it finds each packed format's page loop
-(the HGMMA inside it); the ``QMLA_SM90_P_STSM`` build writes the (P s)^T tiles as it says -- one stmatrix per
-content group and no two-byte stores, where the default build has 32 -- and the ``QMLA_PRMT8`` build turns 8-bit
-codes into fp16 with PRMT, and the address bases keep every ldmatrix and page copy with fewer instructions around
-them, each with fewer instructions per tile. (The PRMT byte selectors themselves are checked
+(the HGMMA inside it); the default build writes the (P s)^T tiles as ``QMLA_SM90_P_STSM`` says -- one stmatrix
+per content group and no two-byte stores, where the former form (``=0``) has 32 -- turns 8-bit codes into fp16 with
+PRMT (``QMLA_PRMT8``), and keeps every ldmatrix and page copy with fewer instructions around them (the address
+bases), each with fewer instructions per tile than the former form. (The PRMT byte selectors themselves are checked
 against the shift + LOP3 form in ``test_prmt_selectors_equal_the_shift_and_mask``.)"""
 
 from __future__ import annotations
@@ -28,30 +28,32 @@ def _tool():
 
 @needs_nvcc
 def test_levers_change_the_instructions_they_name():
+    """The levers are the defaults (session 22); each is compared with its former form (macro = 0)."""
     sl = _tool()
     ops = {}
-    addr = ["QMLA_SM90_ADDR_BASES=1", "QMLA_PAGE_BASES=1"]
-    for name, defines in (("base", []), ("pstsm", ["QMLA_SM90_P_STSM=1"]), ("prmt8", ["QMLA_PRMT8=1"]), ("addr", addr)):
+    addr = ["QMLA_SM90_ADDR_BASES=0", "QMLA_PAGE_BASES=0"]
+    for name, defines in (("base", []), ("nopstsm", ["QMLA_SM90_P_STSM=0"]), ("noprmt8", ["QMLA_PRMT8=0"]),
+                          ("noaddr", addr)):  # fmt: skip
         sass = sl.compile_sass(defines)
         ops[name] = {f: collections.Counter(sl.opcode(x) for x in sl.loop_of(sass, f)) for f in sl.FORMATS}
     for f in sl.FORMATS:
-        base, new = ops["base"][f], ops["pstsm"][f]
-        assert base["HGMMA.64x16x16.F32"] == new["HGMMA.64x16x16.F32"] == 68  # 36 score + 32 output products
-        assert base["STS.U16"] == 32 and new["STS.U16"] == 0, f
+        old, new = ops["nopstsm"][f], ops["base"][f]
+        assert old["HGMMA.64x16x16.F32"] == new["HGMMA.64x16x16.F32"] == 68  # 36 score + 32 output products
+        assert old["STS.U16"] == 32 and new["STS.U16"] == 0, f
         assert sum(v for k, v in new.items() if k.startswith("STSM")) == 4, f  # 4 content groups
-        assert sum(new.values()) < sum(base.values()) - 40, f
+        assert sum(new.values()) < sum(old.values()) - 40, f
     # QMLA_PRMT8: 8-bit codes with one PRMT per pair and no shift; the 4/2-bit formats' loops are untouched
     for f in ("c4r4", "c2r4"):
-        assert ops["prmt8"][f] == ops["base"][f], f
-    eight = ops["prmt8"]["c8r8"]
-    assert eight["PRMT"] > ops["base"]["c8r8"]["PRMT"] + 200  # 72 score + 64 output registers, two fields each
-    assert sum(eight.values()) < sum(ops["base"]["c8r8"].values()) - 100
+        assert ops["noprmt8"][f] == ops["base"][f], f
+    eight, old8 = ops["base"]["c8r8"], ops["noprmt8"]["c8r8"]
+    assert eight["PRMT"] > old8["PRMT"] + 200  # 72 score + 64 output registers, two fields each
+    assert sum(eight.values()) < sum(old8.values()) - 100
     # the address bases: the same LDSM / LDGSTS, fewer instructions around them in every format (8-bit: > 100)
     for f in sl.FORMATS:
         for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
-            assert ops["addr"][f][op] == ops["base"][f][op], (f, op)
-        assert sum(ops["addr"][f].values()) < sum(ops["base"][f].values()), f
-    assert sum(ops["addr"]["c8r8"].values()) < sum(ops["base"]["c8r8"].values()) - 100
+            assert ops["base"][f][op] == ops["noaddr"][f][op], (f, op)
+        assert sum(ops["base"][f].values()) < sum(ops["noaddr"][f].values()), f
+    assert sum(ops["base"]["c8r8"].values()) < sum(ops["noaddr"]["c8r8"].values()) - 100
 
 
 def test_prmt_selectors_equal_the_shift_and_mask():

@@ -132,8 +132,8 @@ __device__ __forceinline__ uint32_t code_f16(uint32_t r, int p) {
 }
 
 #ifndef QMLA_PRMT8  // 1: 8-bit codes become fp16 magic numbers with one PRMT per pair (byte b of each 16-bit half next
-#define QMLA_PRMT8 0  // to the magic's 0x64 byte), not a shift + LOP3 for the upper bytes: the same bits, one SHF less
-#endif                // per register (C8R8 main loop 1,796 -> ~1,660 SASS; written offline 2026-12-02, not yet on a GPU)
+#define QMLA_PRMT8 1  // to the magic's 0x64 byte), not a shift + LOP3 for the upper bytes: the same bits, one SHF less
+#endif                // per register (C8R8 main loop -8%; H200: C8R8 1.04-1.08x, kernel_variants_h200_s22_each.md)
 
 // (byte b of r's low half, byte b of its high half) as fp16 1024 + byte: PRMT picks r's bytes b and b + 2 and the
 // magic's 0x64 bytes (index 5 of {kMagicF16, r}) above each

@@ -72,8 +72,8 @@ struct MetaRows {
 
 // Copy one page into a shared-memory stage with cp.async (16 bytes per thread and round; the caller commits).
 #ifndef QMLA_PAGE_BASES  // 1: rows of a page copied in rounds of fewer than 8 tokens (C8R8) from one destination base
-#define QMLA_PAGE_BASES 0  // per swizzle phase instead of the swizzle recomputed every round (the same addresses;
-#endif                     // written offline 2026-12-02, not yet on a GPU)
+#define QMLA_PAGE_BASES 1  // per swizzle phase instead of the swizzle recomputed every round (the same addresses;
+#endif                     // default since session 22, H200: kernel_variants_h200_s22_each.md)
 
 template <int CB, int kThreads, int RB = 4>
 __device__ __forceinline__ void load_page(uint32_t stage, const uint8_t* page, const Params& p, int meta_rows) {

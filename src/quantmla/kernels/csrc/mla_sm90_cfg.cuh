@@ -27,15 +27,17 @@ namespace sm90 {
         // format. H200, 16 heads, vs five sets (kernel_variants_h200_s21_run.md): C2R4 1.00-1.03x, C4R4 0.99-1.01x
         // (session 20: 1.00-1.05x), C8R8 0.99-1.01x, C4R8 0.99-1.00x -- so on where it gains, off where it does not
 
-// Written offline 2026-12-02 (session 21), not yet run on a GPU (kernel_variants.py pstsm, metaonce, addr, levers):
+// Fewer instructions per tile (written offline 2026-12-02, session 21; default since the H200 measured them, session
+// 22: all five levers together -- these three and QMLA_PRMT8 / QMLA_PAGE_BASES -- 1.00-1.12x over the former forms
+// at every packed format and shape, C8R8 1.12x, kernel_variants_h200_s22_levers.md). 0 selects the former form.
 #ifndef QMLA_SM90_P_STSM  // 1: the (P s)^T tiles of the fp16 output product written with one stmatrix.x4.trans
-#define QMLA_SM90_P_STSM 0  // per group (16 paired conversions) instead of 32 two-byte stores and 32 single
-#endif                      // conversions per thread: C4R4 main loop 1,525 -> 1,457 SASS instructions
+#define QMLA_SM90_P_STSM 1  // per group (16 paired conversions) instead of 32 two-byte stores and 32 single
+#endif                      // conversions per thread
 #ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
-#define QMLA_SM90_ADDR_BASES 0  // constants, not the swizzle recomputed per batch (the same addresses)
+#define QMLA_SM90_ADDR_BASES 1  // constants, not the swizzle recomputed per batch (the same addresses)
 #endif
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
-#define QMLA_SM90_META_ONCE 0  // are kept for the softmax, not read and converted again (load_meta): -24 more
+#define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
 
 constexpr int kThreads = 128;  // one warpgroup
