@@ -76,6 +76,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "noaddr": {"QMLA_SM90_ADDR_BASES": 0, "QMLA_PAGE_BASES": 0},
     "nolevers": {"QMLA_SM90_P_STSM": 0, "QMLA_SM90_META_ONCE": 0, "QMLA_PRMT8": 0, "QMLA_SM90_ADDR_BASES": 0,
                  "QMLA_PAGE_BASES": 0},
+    # C8R8's output product on the fp16 magic numbers 1024 + c as they are, the offset through the exact fp16 P s
+    # (written offline in session 22: C8R8 main loop 1,469 -> 1,372 SASS instructions; the 4-bit formats untouched)
+    "pvmagic8": {"QMLA_SM90_PV_MAGIC8": 1},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }

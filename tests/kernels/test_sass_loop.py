@@ -33,7 +33,7 @@ def test_levers_change_the_instructions_they_name():
     ops = {}
     addr = ["QMLA_SM90_ADDR_BASES=0", "QMLA_PAGE_BASES=0"]
     for name, defines in (("base", []), ("nopstsm", ["QMLA_SM90_P_STSM=0"]), ("noprmt8", ["QMLA_PRMT8=0"]),
-                          ("noaddr", addr)):  # fmt: skip
+                          ("noaddr", addr), ("magic8", ["QMLA_SM90_PV_MAGIC8=1"])):  # fmt: skip
         sass = sl.compile_sass(defines)
         ops[name] = {f: collections.Counter(sl.opcode(x) for x in sl.loop_of(sass, f)) for f in sl.FORMATS}
     for f in sl.FORMATS:
@@ -54,6 +54,15 @@ def test_levers_change_the_instructions_they_name():
             assert ops["base"][f][op] == ops["noaddr"][f][op], (f, op)
         assert sum(ops["base"][f].values()) < sum(ops["noaddr"][f].values()), f
     assert sum(ops["base"]["c8r8"].values()) < sum(ops["noaddr"]["c8r8"].values()) - 100
+    # QMLA_SM90_PV_MAGIC8 (off by default): C8R8's output product takes 1024 + c as it is -- none of the 128 HFMA2
+    # that subtract 1024 is left, the same PRMT (+-4: the compiler's own byte moves) and products, ~32 conversions of
+    # P s back; the other formats untouched
+    m8, b8 = ops["magic8"]["c8r8"], ops["base"]["c8r8"]
+    assert b8["HFMA2"] == 128 and m8["HFMA2"] == 0
+    assert abs(m8["PRMT"] - b8["PRMT"]) <= 4 and m8["HGMMA.64x16x16.F32"] == b8["HGMMA.64x16x16.F32"]
+    assert sum(m8.values()) < sum(b8.values()) - 64
+    for f in ("c4r4", "c2r4", "c4r8"):
+        assert ops["magic8"][f] == ops["base"][f], f
 
 
 def test_prmt_selectors_equal_the_shift_and_mask():

@@ -360,6 +360,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
     // QMLA_SM90_P_STSM: the tile of group gi with one stmatrix.x4.trans (mla_wgmma.cuh p_tile_row), else value by value
     constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
+    // QMLA_SM90_PV_MAGIC8: 8-bit codes enter the output product as 1024 + c; their offset -(1024 + 128) s per token
+    // is taken off through the exact fp16 P s (2^k_run) values that enter it, back in unscaled units
+    constexpr bool kMagic8 = kC8 && kStsm && QMLA_SM90_PV_MAGIC8;
+    const float magic_off = kMagic8 ? -1152.f * exp2i(-k_run) : 0.f;
     const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
@@ -374,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         uint8_t* tile = smem + C::PT + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-          po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
+          if constexpr (!kMagic8) po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
           if constexpr (kStsm) continue;
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
@@ -384,10 +388,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * sp[ri]);
         }
       }
-      if constexpr (kStsm)  // matrix ri + 2 hb: tokens 16w + 8 ri + g, heads 8 hb + 2t and + 1, i.e. c = 2 hb, 2 hb + 1
-        stsm_x4_t(prow + gi * 4 * kKBlock, pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
-                  pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]), pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
-                  pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1]));
+      if constexpr (kStsm) {  // matrix ri + 2 hb: tokens 16w + 8 ri + g, heads 8 hb + 2t and + 1: c = 2 hb, 2 hb + 1
+        const uint32_t x[4] = {pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
+                               pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]),
+                               pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
+                               pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1])};
+        stsm_x4_t(prow + gi * 4 * kKBlock, x[0], x[1], x[2], x[3]);
+        if constexpr (kMagic8) {
+#pragma unroll
+          for (int hb = 0; hb < 2; ++hb) {
+            const float2 a = unpack_f16(x[2 * hb]), b = unpack_f16(x[2 * hb + 1]);  // token slots ri = 0, 1
+            po[gi][2 * hb] = fmaf(a.x + b.x, magic_off, po[gi][2 * hb]);
+            po[gi][2 * hb + 1] = fmaf(a.y + b.y, magic_off, po[gi][2 * hb + 1]);
+          }
+        }
+      }
     }
     // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
     const int mi_v = lane >> 3;
@@ -426,11 +441,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
             ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
-              a[ks][hh][0] = code_f16_byte(R[2 * hh], 0);
-              a[ks][hh][1] = code_f16_byte(R[2 * hh], 1);
-              a[ks][hh][2] = code_f16_byte(R[2 * hh + 1], 0);
-              a[ks][hh][3] = code_f16_byte(R[2 * hh + 1], 1);
+            for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 (kMagic8: 1024 + c as it is)
+              a[ks][hh][0] = kMagic8 ? magic_f16_byte(R[2 * hh], 0) : code_f16_byte(R[2 * hh], 0);
+              a[ks][hh][1] = kMagic8 ? magic_f16_byte(R[2 * hh], 1) : code_f16_byte(R[2 * hh], 1);
+              a[ks][hh][2] = kMagic8 ? magic_f16_byte(R[2 * hh + 1], 0) : code_f16_byte(R[2 * hh + 1], 0);
+              a[ks][hh][3] = kMagic8 ? magic_f16_byte(R[2 * hh + 1], 1) : code_f16_byte(R[2 * hh + 1], 1);
             }
           }
           wgmma_fence();

@@ -143,10 +143,15 @@ __device__ __forceinline__ uint32_t magic_bytes(uint32_t r, int b) {
   return y;
 }
 
+// byte b (0 or 1) of both 16-bit halves of r as fp16 magic numbers (1024 + c_lo, 1024 + c_hi), c in [0, 255]
+__device__ __forceinline__ uint32_t magic_f16_byte(uint32_t r, int b) {
+  return QMLA_PRMT8 ? magic_bytes(r, b) : and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
+}
+
 // byte b (0 or 1) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi), c in [0, 255]: the magic number
 // 1024 + c minus 1024 (one LOP3 + one fp16x2 FMA; bf16 cannot hold 128 + c for c >= 128: 8-bit output products)
 __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
-  const uint32_t m = QMLA_PRMT8 ? magic_bytes(r, b) : and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
+  const uint32_t m = magic_f16_byte(r, b);
   uint32_t y;
   asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3C003C00u), "r"(0xE400E400u));  // m * 1 - 1024
   return y;
@@ -178,6 +183,10 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative er
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 unpack_f16(uint32_t x) {  // pack_f16's two values back, exactly
+  return __half22float2(*reinterpret_cast<const __half2*>(&x));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {

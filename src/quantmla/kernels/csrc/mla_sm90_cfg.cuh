@@ -36,6 +36,11 @@ namespace sm90 {
 #ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
 #define QMLA_SM90_ADDR_BASES 1  // constants, not the swizzle recomputed per batch (the same addresses)
 #endif
+#ifndef QMLA_SM90_PV_MAGIC8  // 1 (8-bit content, C8R8; with QMLA_SM90_P_STSM): the output product takes the codes as
+#define QMLA_SM90_PV_MAGIC8 0  // fp16 magic numbers 1024 + c (one PRMT per pair, no HFMA2 -1024) and the offset term
+#endif  // becomes -(1024 + 128) sum(P s) over the exact fp16 values of P s that enter the product (written offline
+        // in session 22, not yet on a GPU: C8R8 main loop 1,469 -> 1,372 SASS instructions; the accumulator carries
+        // ~1152 next to a signal of |c - 128|, ~5 of its 24 bits -- why only 8-bit codes, docs/kernels.md)
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
