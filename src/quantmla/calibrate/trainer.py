@@ -191,9 +191,9 @@ class LayerProblem:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, cfg.warmup_frac))
         gen = torch.Generator().manual_seed(self.seed + (0 if path == "content" else 7919))
         n, seq = self.banks.train.shape[:2]
-        losses = []
-        bar = progress_over(range(steps), desc, cfg.progress)
-        for _ in bar:
+        losses = []  # detached loss tensors: read back once at the end (a read per step would make the host wait
+        bar = progress_over(range(steps), desc, cfg.progress)  # for the device every step); the bar every 25 steps
+        for step in bar:
             idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
             qidx = sample_queries(seq, cfg.query_tokens, gen)
             if self._train_inputs is not None:
@@ -205,10 +205,10 @@ class LayerProblem:
             loss.backward()
             opt.step()
             sched.step()
-            losses.append(float(loss.detach()))
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(nmse=f"{losses[-1]:.3e}")
-        return losses
+            losses.append(loss.detach())
+            if hasattr(bar, "set_postfix") and (step % 25 == 0 or step == steps - 1):
+                bar.set_postfix(nmse=f"{float(losses[-1]):.3e}")
+        return torch.stack(losses).tolist()
 
 
 def calibrate_attention(
