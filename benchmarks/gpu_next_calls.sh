@@ -3,32 +3,31 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9, carry [".flashmla"] once (FlashMLA built there in ~130 s; copy the returned flashmla_dense_bench.so
-#     into .fmbuild/ and carry that, 3 MB, from then on): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
-#     benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT --tag h200_s22 --formats
-#     bf16,c8r8,c4r8,c4r4,c2r4` -- today's defaults beside FlashMLA (session 21: QMLA_SM90_SCORE_RUN=1, two score sets
-#     for C4R4 / C2R4 only; the BF16 split count rounded to whole waves, 8 splits at B32 x 32K / 128K).
-# (1b) carry [".fmbuild"]: `VARIANTS=base,levers,pstsm_meta,addr,prmt8 VARIANT_TESTS=1
-#     VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma,c8r8@wgmma,c4r8@wgmma QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh
-#     variants` (~9 min; QUANTMLA_GPU_BUDGET_S=570; a variant cut off by the cap: rerun it alone): the wgmma GPU
-#     tests on today's defaults (base) and on the five levers written offline in session 21 (all five: `levers`, C4R4
-#     main loop 1,525 -> 1,420 SASS instructions, C8R8 1,796 -> 1,468; docs/kernels.md), then each beside base. If a
-#     lever passes and is nowhere slower, make it the default (mla_sm90_cfg.cuh / mla_ops.cuh / mla_page.cuh), then
-#     `kernels` and `mutation` (~5 min each).
+# (1) issue 9, carry [".flashmla"] (FlashMLA built there in ~130 s; copy the returned flashmla_dense_bench.so into
+#     .fmbuild/ and carry that, 3 MB, in later calls): build it by a short bench_decode run (`PYTHONPATH=src
+#     QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out
+#     $OUT/b --tag h200_s23_bf16 --formats bf16 --shapes 32x32768`, then `mkdir -p .fmbuild && cp
+#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`), then in the same call `VARIANTS=base,pvmagic8
+#     VARIANT_TESTS=1 VARIANT_FORMATS=c8r8@wgmma,c4r4@wgmma QUANTMLA_GPU_BUDGET_S=300 bash benchmarks/gpu_next_calls.sh
+#     variants` (~3 min): the sixth lever written offline in session 22 (QMLA_SM90_PV_MAGIC8, C8R8's output product on
+#     1024 + c as it is: main loop 1,469 -> 1,372 SASS; C4R4 must be unchanged). If its GPU tests pass and it is faster,
+#     make it the default (mla_sm90_cfg.cuh), then `kernels` (~3.5 min). Session 22 made the five levers of session 21
+#     the defaults (1.00-1.12x over the former forms; kernel_variants_h200_s22_levers.md).
 #     Ride-along for the kit's carry calls below (no kit needed, ~5 min per model): the V3 / K2 streamed-calibration
 #     projection with the attention-weighted objective (stream_projection.py's header).
-# (2)-(4) issue 12's paper-budget chunks, tag paper: 4 units of variant a left (QuantMLA C2R4 seed 2 -- its half-done
-#     progress of session 21 was in the ignored .fbcarry and is lost with the checkout -- and attention-weighted
-#     C2R4 seed 2: ~12 min), then `--variants a,b` (variant b from scratch: ~25 min). The kit's carry calls back to
-#     back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"], ~1 s each), then on the same warm
-#     machine, carry [".fbcarry"] (`mkdir .fbcarry && cp benchmarks/results/full_budget_paper.json .fbcarry/` for the
-#     first chunk; then each chunk's <files_at>/fb/* -- its full_budget_paper.md / .png are the chunk's own since
-#     session 21) `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py
-#     --device cuda --budget-s 520 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work
-#     /root/keep/fb_work --variants a --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2
-#     --seed-methods quantmla,quantmla-attnw` (timeout 590; the session's last chunk with --whole-units, so that no
-#     half-done calibration is left in .fbcarry). On the H200 a paper-budget calibration of one (format, seed) takes
-#     ~350 s, its perplexity unit ~15 s, retrieval ~140 s (seed 0 only).
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 45 units left (its
+#     BF16 perplexity is in). Each QuantMLA calibration ~305 s on the H200 (session 22 dropped the per-step loss
+#     read-back from the training loop: the next units show whether that shortens them), retrieval ~140-160 s per
+#     unit. The kit's carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
+#     ~1 s each; the kit lives in /root/keep only while the machine stays warm: a machine given back needs them
+#     again), then on the same warm machine, carry [".fbcarry"] (`mkdir .fbcarry && cp
+#     benchmarks/results/full_budget_paper.json .fbcarry/` for the first chunk; then each chunk's <files_at>/fb/*)
+#     `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device
+#     cuda --budget-s 555 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fb_work
+#     --variants a,b --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods
+#     quantmla,quantmla-attnw` (timeout 595; the session's last chunk with --whole-units, or with a budget that the
+#     next call resumes from its carried progress file). After the last chunk of a session: copy full_budget_paper.json
+#     (and the md / png of the chunk that holds all of variant a and b, or regenerate them) to benchmarks/results.
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
