@@ -15,9 +15,10 @@
 //           S = sum_g s_g[t] S_g + o_g[t] qsum_g   (per-token scales are row scales of S^T: never per element).
 //   softmax over the 64 rows per head (one cross-warp exchange of the tile maximum; lazy running maximum as in
 //           decode_mla.cu); row sums and the offset terms sum_t P o_g[t] stay per thread until the epilogue.
-//   output  O_(g,h)^T[64 channels x 16 heads] += V_(g,h)^T (P s_g)^T   for the two 64-channel halves h of group g:
-//           A = codes as exact bf16 (128 + c minus 128), from ldmatrix.trans of the same staged bytes (pairs of
-//           tokens of one channel), B = bf16(P s_g)^T written to shared memory by the softmax.
+//   output  O_(g,h)^T[64 channels x 16 heads] += V_(g,h)^T (P s_g)^T   for the two 64-channel halves h of group g
+//           (mla_sm90_pv.cuh): A = codes made exact in fp16 (QMLA_SM90_PV_F16, the default; bf16 otherwise), from
+//           ldmatrix.trans of the same staged bytes (pairs of tokens of one channel), B = (P s_g)^T written to
+//           shared memory by the softmax.
 // The output's M rows are a permutation of the group's channels (the fields of one ldmatrix.trans element):
 // row 16w + r of half h of group g = channel 128 g + 16 (w % CPG) + 2 (r % 8) + r / 8 + PS (2 (w / CPG) + h).
 // Asynchrony: the output product of tile i runs on the tensor cores while the score product of tile i + 1 is
@@ -34,6 +35,7 @@
 #include "mla_query.cuh"
 #include "mla_sm90_bf16.cuh"
 #include "mla_sm90_cfg.cuh"
+#include "mla_sm90_pv.cuh"
 #include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
@@ -419,90 +421,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     // ---- (3) output product: O_(g,h)^T += codes^T (bf16, exact) x bf16(P s_g)^T, 4 k-steps of 16 tokens
 #pragma unroll
     for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
-    if constexpr (kC8) {
-      // 8 bits: a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, exact fp16 codes
-      const int mi = lane >> 3;
-#pragma unroll
-      for (int gi = 0; gi < NG; ++gi) {
-        const int gr = gi;
-#pragma unroll
-        for (int kp = 0; kp < 2; ++kp) {
-          uint32_t a[2][2][4];  // [k-step of the pair][half]
-#pragma unroll
-          for (int ks = 0; ks < 2; ++ks) {
-            const int tok = 16 * (2 * kp + ks) + 8 * (mi & 1) + (lane & 7);
-            const int chunk = gr * CPG + warp + 4 * (mi >> 1);
-            // (QMLA_SM90_ADDR_BASES: CPG = 8, so chunk ^ l = 8 gr + ((w + 4 (mi / 2)) ^ l): one base + constants)
-            const uint32_t at = QMLA_SM90_ADDR_BASES
-                                    ? st_u + C::C_SM + (8 * (mi & 1) + (lane & 7)) * C::CBYTES +
-                                          16 * ((warp + 4 * (mi >> 1)) ^ (lane & 7)) + 16 * (2 * kp + ks) * C::CBYTES +
-                                          128 * gr
-                                    : st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
-            uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
-            ldsm_x4_t(R[0], R[1], R[2], R[3], at);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 (kMagic8: 1024 + c as it is)
-              a[ks][hh][0] = kMagic8 ? magic_f16_byte(R[2 * hh], 0) : code_f16_byte(R[2 * hh], 0);
-              a[ks][hh][1] = kMagic8 ? magic_f16_byte(R[2 * hh], 1) : code_f16_byte(R[2 * hh], 1);
-              a[ks][hh][2] = kMagic8 ? magic_f16_byte(R[2 * hh + 1], 0) : code_f16_byte(R[2 * hh + 1], 0);
-              a[ks][hh][3] = kMagic8 ? magic_f16_byte(R[2 * hh + 1], 1) : code_f16_byte(R[2 * hh + 1], 1);
-            }
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
-          wgmma_commit();
-          wgmma_wait<kPvDepth>();
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 2 * NG; ++j) {  // batch j: group j / 2, k-steps 2 kp and 2 kp + 1 (kp = j % 2)
-        const int gi = j / 2, kp = j % 2;
-        uint32_t R[4] = {Rv[0], Rv[1], Rv[2], Rv[3]};
-        if (j + 1 < 2 * NG) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], pv_addr(j + 1));  // one batch ahead, as above
-#pragma unroll
-        for (int i = 0; i < 4; ++i) R[i] >>= vshift;
-        uint32_t a[2][2][4];
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-          if constexpr (kF16Out) {
-            const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              a[ks][hh][0] = code_f16<CB>(R[2 * ks], hh);
-              a[ks][hh][1] = code_f16<CB>(r8a, hh);
-              a[ks][hh][2] = code_f16<CB>(R[2 * ks + 1], hh);
-              a[ks][hh][3] = code_f16<CB>(r8b, hh);
-            }
-          } else {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
-              a[ks][hh][0] = code<CB>(R[2 * ks], hh);
-              a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
-              a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
-              a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
-            }
-          }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            if constexpr (kF16Out)
-              wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
-            else
-              wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
-          }
-        wgmma_commit();
-        wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
-      }
-    }
+    if constexpr (kC8)
+      pv_product_c8<C, NH, kMagic8>(oacc, st_u, pdesc, warp, lane);
+    else
+      pv_product_packed<CB, C, NH, kF16Out>(oacc, Rv, vshift, pv_addr, pdesc);
   }
   wgmma_wait<0>();
 #pragma unroll

@@ -1,0 +1,116 @@
+// The output product of the Hopper decode kernel (decode_mla_sm90.cu), one 64-token tile:
+//   O_(g,h)^T[64 channels x 16 heads] += codes_(g,h)^T (exact, fp16 or bf16) x (P s_g)^T
+// for every content group g and 64-channel half h, 4 k-steps of 16 tokens, A = the codes from ldmatrix.trans of the
+// staged page (register operand), B = the (P s)^T tiles the softmax wrote to shared memory (descriptor pdesc).
+// Issued in batches of two k-steps, each batch waiting for the one before it (QMLA_SM90_PV_DEPTH) so that its A
+// registers can be reused. The row order of the accumulators is described in decode_mla_sm90.cu's header.
+#pragma once
+
+#include <stdint.h>
+
+#include "mla_ops.cuh"
+#include "mla_sm90_cfg.cuh"
+#include "mla_wgmma.cuh"
+
+namespace qmla {
+namespace sm90 {
+
+// 8-bit content (C8R8): a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, codes as
+// exact fp16 (MAGIC8: the magic numbers 1024 + c as they are; the caller takes the 1024 off through P s)
+template <class C, int NH, bool MAGIC8>
+__device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], uint32_t st_u, const Desc& pdesc,
+                                              int warp, int lane) {
+  constexpr int NG = C::NG, CPG = C::CPG, kKBlock = C::KB;
+  const int mi = lane >> 3;
+#pragma unroll
+  for (int gi = 0; gi < NG; ++gi) {
+    const int gr = gi;
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+      uint32_t a[2][2][4];  // [k-step of the pair][half]
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int tok = 16 * (2 * kp + ks) + 8 * (mi & 1) + (lane & 7);
+        const int chunk = gr * CPG + warp + 4 * (mi >> 1);
+        // (QMLA_SM90_ADDR_BASES: CPG = 8, so chunk ^ l = 8 gr + ((w + 4 (mi / 2)) ^ l): one base + constants)
+        const uint32_t at = QMLA_SM90_ADDR_BASES
+                                ? st_u + C::C_SM + (8 * (mi & 1) + (lane & 7)) * C::CBYTES +
+                                      16 * ((warp + 4 * (mi >> 1)) ^ (lane & 7)) + 16 * (2 * kp + ks) * C::CBYTES +
+                                      128 * gr
+                                : st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
+        uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
+        ldsm_x4_t(R[0], R[1], R[2], R[3], at);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 (MAGIC8: 1024 + c as it is)
+          a[ks][hh][0] = MAGIC8 ? magic_f16_byte(R[2 * hh], 0) : code_f16_byte(R[2 * hh], 0);
+          a[ks][hh][1] = MAGIC8 ? magic_f16_byte(R[2 * hh], 1) : code_f16_byte(R[2 * hh], 1);
+          a[ks][hh][2] = MAGIC8 ? magic_f16_byte(R[2 * hh + 1], 0) : code_f16_byte(R[2 * hh + 1], 0);
+          a[ks][hh][3] = MAGIC8 ? magic_f16_byte(R[2 * hh + 1], 1) : code_f16_byte(R[2 * hh + 1], 1);
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+      wgmma_commit();
+      wgmma_wait<kPvDepth>();
+    }
+  }
+}
+
+// 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batch 0's
+// ldmatrix.trans (issued before the P barrier), and each batch loads the next one ahead from addr(j + 1). F16OUT:
+// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2), else exact bf16.
+template <int CB, class C, int NH, bool F16OUT, class Addr>
+__device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 2], uint32_t (&Rv)[4], int vshift,
+                                                  Addr&& addr, const Desc& pdesc) {
+  constexpr int NG = C::NG, F = C::F, kKBlock = C::KB;
+#pragma unroll
+  for (int j = 0; j < 2 * NG; ++j) {  // batch j: group j / 2, k-steps 2 kp and 2 kp + 1 (kp = j % 2)
+    const int gi = j / 2, kp = j % 2;
+    uint32_t R[4] = {Rv[0], Rv[1], Rv[2], Rv[3]};
+    if (j + 1 < 2 * NG) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], addr(j + 1));  // one batch ahead
+#pragma unroll
+    for (int i = 0; i < 4; ++i) R[i] >>= vshift;
+    uint32_t a[2][2][4];
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      if constexpr (F16OUT) {
+        const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          a[ks][hh][0] = code_f16<CB>(R[2 * ks], hh);
+          a[ks][hh][1] = code_f16<CB>(r8a, hh);
+          a[ks][hh][2] = code_f16<CB>(R[2 * ks + 1], hh);
+          a[ks][hh][3] = code_f16<CB>(r8b, hh);
+        }
+      } else {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
+          a[ks][hh][0] = code<CB>(R[2 * ks], hh);
+          a[ks][hh][1] = code<CB>(R[2 * ks], F + hh);
+          a[ks][hh][2] = code<CB>(R[2 * ks + 1], hh);
+          a[ks][hh][3] = code<CB>(R[2 * ks + 1], F + hh);
+        }
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        if constexpr (F16OUT)
+          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+        else
+          wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+      }
+    wgmma_commit();
+    wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
+  }
+}
+
+}  // namespace sm90
+}  // namespace qmla
