@@ -22,30 +22,30 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
                                               int warp, int lane) {
   constexpr int NG = C::NG, CPG = C::CPG, kKBlock = C::KB;
   const int mi = lane >> 3;
+  auto code8 = [](uint32_t r, int b) { return MAGIC8 ? magic_f16_byte(r, b) : code_f16_byte(r, b); };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi) {
-    const int gr = gi;
 #pragma unroll
     for (int kp = 0; kp < 2; ++kp) {
       uint32_t a[2][2][4];  // [k-step of the pair][half]
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int tok = 16 * (2 * kp + ks) + 8 * (mi & 1) + (lane & 7);
-        const int chunk = gr * CPG + warp + 4 * (mi >> 1);
-        // (QMLA_SM90_ADDR_BASES: CPG = 8, so chunk ^ l = 8 gr + ((w + 4 (mi / 2)) ^ l): one base + constants)
+        const int chunk = gi * CPG + warp + 4 * (mi >> 1);
+        // (QMLA_SM90_ADDR_BASES: CPG = 8, so chunk ^ l = 8 gi + ((w + 4 (mi / 2)) ^ l): one base + constants)
         const uint32_t at = QMLA_SM90_ADDR_BASES
                                 ? st_u + C::C_SM + (8 * (mi & 1) + (lane & 7)) * C::CBYTES +
                                       16 * ((warp + 4 * (mi >> 1)) ^ (lane & 7)) + 16 * (2 * kp + ks) * C::CBYTES +
-                                      128 * gr
+                                      128 * gi
                                 : st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
         uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
         ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 (MAGIC8: 1024 + c as it is)
-          a[ks][hh][0] = MAGIC8 ? magic_f16_byte(R[2 * hh], 0) : code_f16_byte(R[2 * hh], 0);
-          a[ks][hh][1] = MAGIC8 ? magic_f16_byte(R[2 * hh], 1) : code_f16_byte(R[2 * hh], 1);
-          a[ks][hh][2] = MAGIC8 ? magic_f16_byte(R[2 * hh + 1], 0) : code_f16_byte(R[2 * hh + 1], 0);
-          a[ks][hh][3] = MAGIC8 ? magic_f16_byte(R[2 * hh + 1], 1) : code_f16_byte(R[2 * hh + 1], 1);
+          a[ks][hh][0] = code8(R[2 * hh], 0);
+          a[ks][hh][1] = code8(R[2 * hh], 1);
+          a[ks][hh][2] = code8(R[2 * hh + 1], 0);
+          a[ks][hh][3] = code8(R[2 * hh + 1], 1);
         }
       }
       wgmma_fence();
