@@ -3,20 +3,17 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9, carry [".flashmla"] (FlashMLA built there in ~130 s; copy the returned flashmla_dense_bench.so into
-#     .fmbuild/ and carry that, 3 MB, in later calls): build it by a short bench_decode run (`PYTHONPATH=src
-#     QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out
-#     $OUT/b --tag h200_s23_bf16 --formats bf16 --shapes 32x32768`, then `mkdir -p .fmbuild && cp
-#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`), then in the same call `VARIANTS=base,pvmagic8
-#     VARIANT_TESTS=1 VARIANT_FORMATS=c8r8@wgmma,c4r4@wgmma QUANTMLA_GPU_BUDGET_S=300 bash benchmarks/gpu_next_calls.sh
-#     variants` (~3 min): the sixth lever written offline in session 22 (QMLA_SM90_PV_MAGIC8, C8R8's output product on
-#     1024 + c as it is: main loop 1,469 -> 1,372 SASS; C4R4 must be unchanged). If its GPU tests pass and it is faster,
-#     make it the default (mla_sm90_cfg.cuh), then `kernels` (~3.5 min). Session 22 made the five levers of session 21
-#     the defaults (1.00-1.12x over the former forms; kernel_variants_h200_s22_levers.md).
+# (1) issue 9: session 23 measured QMLA_SM90_PV_MAGIC8 (GPU tests pass, 1.00-1.02x: kept off;
+#     kernel_variants_h200_s23_pvmagic8.md). Next kernel work: a new lever, then `variants` with VARIANT_TESTS=1 (carry
+#     .fmbuild, or build FlashMLA first: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py
+#     --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT/b --tag h200_s24_bf16 --formats bf16 --shapes
+#     32x32768` then `mkdir -p .fmbuild && cp /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`).
 #     Ride-along for the kit's carry calls below (no kit needed, ~5 min per model): the V3 / K2 streamed-calibration
 #     projection with the attention-weighted objective (stream_projection.py's header).
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 45 units left (its
-#     BF16 perplexity is in). Each QuantMLA calibration ~305 s on the H200 (session 22 dropped the per-step loss
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 33 units left after session 23
+#     (C4R4 RTN / QuantMLA / SmoothQuant / QuaRot seed 0 in; quantmla-attnw s0 calibration partly done: its progress
+#     file was in .fbcarry; variant b's transforms are 17 MiB, over the 16 MiB a call returns: CARRY ERROR, harmless
+#     while ppl and niah run in the same call as the calibration). Each QuantMLA calibration ~305 s on the H200 (session 22 dropped the per-step loss
 #     read-back from the training loop: the next units show whether that shortens them), retrieval ~140-160 s per
 #     unit. The kit's carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
 #     ~1 s each; the kit lives in /root/keep only while the machine stays warm: a machine given back needs them
