@@ -10,10 +10,11 @@
 #     32x32768` then `mkdir -p .fmbuild && cp /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`).
 #     Ride-along for the kit's carry calls below (no kit needed, ~5 min per model): the V3 / K2 streamed-calibration
 #     projection with the attention-weighted objective (stream_projection.py's header).
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 33 units left after session 23
-#     (C4R4 RTN / QuantMLA / SmoothQuant / QuaRot seed 0 in; quantmla-attnw s0 calibration partly done: its progress
-#     file was in .fbcarry; variant b's transforms are 17 MiB, over the 16 MiB a call returns: CARRY ERROR, harmless
-#     while ppl and niah run in the same call as the calibration). Each QuantMLA calibration ~305 s on the H200 (session 22 dropped the per-step loss
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 33 units left
+#     after session 23 (C4R4 RTN / QuantMLA / SmoothQuant / QuaRot seed 0 in; quantmla-attnw s0 calibration partly
+#     done: its progress file was in .fbcarry; variant b's transforms are 17 MiB, over the 16 MiB a call returns:
+#     CARRY ERROR, harmless while ppl and niah run in the same call as the calibration). Each QuantMLA calibration
+#     ~305 s on the H200 (session 22 dropped the per-step loss
 #     read-back from the training loop: the next units show whether that shortens them), retrieval ~140-160 s per
 #     unit. The kit's carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
 #     ~1 s each; the kit lives in /root/keep only while the machine stays warm: a machine given back needs them
