@@ -15,7 +15,9 @@ with :func:`carry_in` from the carried copy of that folder:
 * the transforms shipped by this call (``smollm2-mla*-quantmla-*.safetensors``: copy them into
   ``src/quantmla/models/data/`` and commit), then the markdown table and plot when there is room.
 
-The state (json, transforms, progress) comes first; a call whose state would not fit the limits says so loudly.
+The state (json, transforms, progress) comes first; a state file over the 16 MiB a call returns per file (variant b's
+transforms: 17 MiB) travels as byte parts ``<name>.part1of2`` ... that :func:`carry_in` joins back, bit for bit; a
+call whose state would not fit the limits at all says so loudly.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 MIB = 1 << 20
 MAX_FILES, MAX_FILE, MAX_TOTAL = 8, 16 * MIB, 64 * MIB  # what comes back from one device call
 OURS = (".safetensors", ".json", ".md", ".png")  # what carry_out writes (and replaces) in its folder
+PART = re.compile(r"^(?P<name>.+)\.part(?P<k>[0-9]+)of(?P<n>[0-9]+)$")  # a state file over MAX_FILE, split in bytes
 CARRY_STATE = 32 * MIB  # the state the next call carries in, beside the ~31 MB working tree (64 MiB per call)
 
 
@@ -36,6 +40,8 @@ def carry_in(src: str, results_stem: str, work: str) -> list[str]:
     from quantmla.calibrate.stream_handover import progress_of, unpack_progress
 
     done = []
+    os.makedirs(work, exist_ok=True)
+    src = _join_parts(src, os.path.join(work, ".carry_join"))
     name = os.path.basename(results_stem) + ".json"
     carried = os.path.join(src, name)
     if os.path.exists(carried):
@@ -47,7 +53,6 @@ def carry_in(src: str, results_stem: str, work: str) -> list[str]:
             shutil.copyfile(carried, here + ".tmp")
             os.replace(here + ".tmp", here)
             done.append(f"{name} ({n_carried} units)")
-    os.makedirs(work, exist_ok=True)
     for path in sorted(glob.glob(os.path.join(src, "*.transforms.safetensors"))):
         dst = os.path.join(work, os.path.basename(path))
         if not os.path.exists(dst):
@@ -66,6 +71,48 @@ def carry_in(src: str, results_stem: str, work: str) -> list[str]:
         done.append(f"{os.path.basename(path)} ({blocks} blocks)")
     print(f"carried in from {src}: {', '.join(done) or 'nothing'}", flush=True)
     return done
+
+
+def _join_parts(src: str, joined: str) -> str:
+    """``src`` itself when it holds no split files; else a folder (``joined``, rebuilt) with links to ``src``'s whole
+    files and every split file joined back from its parts. A missing part is an error, not a shorter file."""
+    parts: dict[str, dict[int, tuple[int, str]]] = {}
+    for name in os.listdir(src):
+        m = PART.match(name)
+        if m:
+            parts.setdefault(m["name"], {})[int(m["k"])] = (int(m["n"]), os.path.join(src, name))
+    if not parts:
+        return src
+    shutil.rmtree(joined, ignore_errors=True)
+    os.makedirs(joined)
+    for name in os.listdir(src):
+        if not PART.match(name) and os.path.isfile(os.path.join(src, name)):
+            os.symlink(os.path.abspath(os.path.join(src, name)), os.path.join(joined, name))
+    for name, got in parts.items():
+        n = next(iter(got.values()))[0]
+        if sorted(got) != list(range(1, n + 1)) or any(m != n for m, _ in got.values()):
+            raise RuntimeError(f"{src}: the parts of {name} are incomplete ({sorted(got)} of 1..{n}); copy every "
+                               f"{name}.part*of{n} of the last call into it")  # fmt: skip
+        with open(os.path.join(joined, name + ".tmp"), "wb") as out:
+            for k in range(1, n + 1):
+                with open(got[k][1], "rb") as f:
+                    shutil.copyfileobj(f, out)
+        os.replace(os.path.join(joined, name + ".tmp"), os.path.join(joined, name))
+    return joined
+
+
+def _split(path: str, tmp: str) -> list[str]:
+    """``path`` as byte parts of at most MAX_FILE each (``<name>.part1ofN`` ...) in ``tmp``."""
+    size, name = os.path.getsize(path), os.path.basename(path)
+    n = -(-size // MAX_FILE)
+    out = []
+    with open(path, "rb") as f:
+        for k in range(1, n + 1):
+            dst = os.path.join(tmp, f"{name}.part{k}of{n}")
+            with open(dst, "wb") as o:
+                o.write(f.read(MAX_FILE))
+            out.append(dst)
+    return out
 
 
 def _load(path: str) -> dict:
@@ -107,7 +154,9 @@ def carry_out(runner, planned: list[dict], dest: str, shipped_files: list[str], 
     os.makedirs(dest, exist_ok=True)
     tmp = os.path.join(runner.work, ".carry_pack")
     os.makedirs(tmp, exist_ok=True)
-    state = state_files(runner, planned, tmp)
+    state = []
+    for path in state_files(runner, planned, tmp):  # a state file over one call's per-file limit goes in parts
+        state += _split(path, tmp) if os.path.getsize(path) > MAX_FILE else [path]
     # this call's table and plot only: a results folder may hold older ones (the working tree's committed copies)
     # that do not describe the state handed over (2026-12-02: a chunk that finished no unit carried them out)
     fresh = [runner.stem + e for e in (".md", ".png") if os.path.exists(runner.stem + e)]
@@ -133,7 +182,7 @@ def carry_out(runner, planned: list[dict], dest: str, shipped_files: list[str], 
         state_bytes += size if is_state else 0
     for old in os.listdir(dest):  # an earlier carry-out of this call: keep only what is current
         path = os.path.join(dest, old)
-        if path not in written and old.endswith(OURS) and os.path.isfile(path):
+        if path not in written and (old.endswith(OURS) or PART.match(old)) and os.path.isfile(path):
             os.remove(path)
     names = ", ".join(f"{os.path.basename(p)} ({os.path.getsize(p) / MIB:.1f} MiB)" for p in written)
     if not quiet:

@@ -215,3 +215,41 @@ def test_whole_units_starts_no_calibration_it_cannot_finish(tmp_path, monkeypatc
     assert not started and "--whole-units starts no calibration" in capsys.readouterr().out
     assert fb.main([*argv, "--resume"]) == 0
     assert started == [unit["key"]] and "stopped inside" in capsys.readouterr().out
+
+
+def test_a_state_file_over_the_per_file_limit_travels_in_parts(tmp_path, monkeypatch):
+    """A state file over what one call returns per file (variant b's transforms: 17 MiB > 16 MiB) leaves through
+    carry_out as byte parts that each fit, and carry_in joins them back bit for bit on the next machine; a missing
+    part is an error, not a short file."""
+    import importlib
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    try:
+        carry = importlib.import_module("full_budget_carry")
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(carry, "MAX_FILE", 1000)
+    machine = tmp_path / "machine"
+    (machine / "results").mkdir(parents=True)
+    stem = machine / "results" / "full_budget_x"
+    state = json.dumps({"units": {}, "pad": os.urandom(1200).hex()})  # 2.4 KB: three parts
+    (stem.parent / "full_budget_x.json").write_text(state)
+    runner = types.SimpleNamespace(results={"units": {}}, stem=str(stem), work=str(machine / "work"), t0=0.0)
+    out = tmp_path / "out"
+    written = carry.carry_out(runner, [], str(out), [])
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == [f"full_budget_x.json.part{k}of3" for k in (1, 2, 3)] == sorted(os.listdir(out))
+    assert all(os.path.getsize(p) <= 1000 for p in written)
+    tf = tmp_path / "b-c4r4-quantmla-s0.transforms.safetensors"
+    payload = os.urandom(2500)
+    tf.write_bytes(payload)
+    carry._split(str(tf), str(out))
+    nxt = tmp_path / "next"
+    carry.carry_in(str(out), str(nxt / "results" / "full_budget_x"), str(nxt / "work"))
+    assert (nxt / "results" / "full_budget_x.json").read_text() == state
+    assert (nxt / "work" / tf.name).read_bytes() == payload
+    os.remove(out / f"{tf.name}.part2of3")
+    with pytest.raises(RuntimeError, match="incomplete"):
+        carry.carry_in(str(out), str(tmp_path / "n2" / "results" / "full_budget_x"), str(tmp_path / "n2" / "work"))
