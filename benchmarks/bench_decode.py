@@ -9,6 +9,9 @@ the others). Every result is checked first against the fp32 torch reference of t
 q rounding the kernel uses (relative L2 <= 5e-3, LSE |err| <= 2e-2; FlashMLA against the dense fp32 reference
 of the BF16 cache), then timed: the call is captured in a CUDA graph and each replay timed with CUDA events after a
 256 MB L2 flush; the median of ``--reps`` replays is reported. Copy bandwidth is measured in the same run.
+``--rounds R`` times every implementation of a shape R times, round-robin (FlashMLA, then each format, again and
+again), and reports the median of the rounds with the spread of each speed-up over the rounds: whether an
+implementation's place in the order, or the clock drifting in the call, moves a ratio.
 
 Writes ``decode_vs_flashmla_<tag>.{json,md,png}`` to ``--out`` (rows ``{"batch", "context", "heads", "impl",
 "us"}`` plus details) and prints one JSON line last. Usage (on the GPU machine)::
@@ -180,8 +183,9 @@ def parse_spec(spec: str) -> tuple[str, str, int | None]:
     return fmt, kernel, n
 
 
-def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
+def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
     ok_all = True
+    timed = []  # (row, callable) of every implementation checked and timed once: the later rounds time them again
     torch.manual_seed(H * 100003 + B * 7919 + N)
     kv = torch.randn(B, N, DC + DR, device="cuda").bfloat16()
     kv[..., :DC] *= torch.linspace(0.2, 3.0, DC, device="cuda").bfloat16()  # uneven channel ranges
@@ -203,11 +207,13 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
             us = timer(fm, reps)
             ok = rel <= 1e-2
             rows.append({**base, "impl": "flashmla-bf16", "us": us, "rel": rel, "lse_err": le, "ok": ok,
-                         "bytes": B * N * 1152, "kernel": "flashmla"})  # fmt: skip
+                         "bytes": B * N * 1152, "kernel": "flashmla", "us_rounds": [us]})  # fmt: skip
+            timed.append((rows[-1], fm))
             log(f"H={H:3d} B={B:3d} N={N:7d} flashmla-bf16 {us:9.1f} us rel={rel:.1e} {'OK' if ok else 'FAIL'}")
         except Exception as e:  # noqa: BLE001 - report and go on with our kernels
             log(f"H={H} B={B} N={N} flashmla failed: {type(e).__name__}: {str(e)[:300]}")
-        del kcache
+        if rounds == 1:
+            del kcache
     for spec in formats:
         fmt, cuda_kernel, splits = parse_spec(spec)
         try:
@@ -233,16 +239,38 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows) -> bool:
             us = timer(run, reps)
             eb = effective_bytes(c)
             rows.append({**base, "impl": spec, "us": us, "rel": rel, "lse_err": le, "ok": ok, "bytes": eb,
-                         "kernel": kind})  # fmt: skip
+                         "kernel": kind, "us_rounds": [us]})  # fmt: skip
+            timed.append((rows[-1], run))
             log(f"H={H:3d} B={B:3d} N={N:7d} {spec:5s} [{kind}] {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
                 f"rel={rel:.1e} lse={le:.1e} {'OK' if ok else 'FAIL'}")  # fmt: skip
             ok_all &= ok
-            del c
+            if rounds == 1:
+                del c
         except Exception as e:  # noqa: BLE001 - a format that cannot run at this shape is reported, not fatal
             log(f"H={H} B={B} N={N} {spec}: {type(e).__name__}: {str(e)[:300]}")
             rows.append({**base, "impl": spec, "us": None, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         torch.cuda.empty_cache()
+    for _ in range(rounds - 1):  # the same order every round: round-robin, not one implementation's reps in a block
+        for row, fn in timed:
+            row["us_rounds"].append(timer(fn, reps))
+    summarize_rounds([row for row, _ in timed])
+    if rounds > 1:
+        for row, _ in timed:
+            xs = " ".join(f"{x:.2f}" for x in row.get("ratio_rounds", []))
+            log(f"H={H:3d} B={B:3d} N={N:7d} {row['impl']:13s} rounds: "
+                + " ".join(f"{u:.1f}" for u in row["us_rounds"]) + (f"  x FlashMLA: {xs}" if xs else ""))
     return ok_all
+
+
+def summarize_rounds(rows: list[dict]) -> None:
+    """One shape's rows, each with ``us_rounds`` (its time in every round): ``us`` becomes the median of the rounds and
+    each row but FlashMLA's gets ``ratio_rounds``, its speed-up over FlashMLA round by round (both timed in the same
+    round, side by side) when there is more than one round."""
+    fm_row = next((r for r in rows if r["impl"] == "flashmla-bf16"), None)
+    for row in rows:
+        row["us"] = statistics.median(row["us_rounds"])
+        if fm_row is not None and row is not fm_row and len(row["us_rounds"]) > 1:
+            row["ratio_rounds"] = [f / u for f, u in zip(fm_row["us_rounds"], row["us_rounds"], strict=True)]
 
 
 def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bool = True) -> None:
@@ -252,7 +280,10 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
     fmts = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "flashmla-bf16"))  # in the order run
     lines = [f"# Decode attention vs FlashMLA BF16, {meta['device']}, {meta['date']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; copy bandwidth {meta['copy_gbps']:.0f} GB/s; CUDA-graph replay after an L2 flush, "
-             f"median of {meta['reps']}. Cells: us (speed-up over FlashMLA BF16). All results checked first.", "",
+             f"median of {meta['reps']}"
+             + (f", {meta['rounds']} rounds round-robin (cells: median of the rounds; speed-up: median and range of "
+                "the per-round ratios)" if meta.get("rounds", 1) > 1 else "")
+             + ". Cells: us (speed-up over FlashMLA BF16). All results checked first.", "",
              "| heads | batch | context | FlashMLA BF16 us | " + " | ".join(fmts) + " |",
              "|---|---|---|---|" + "---|" * len(fmts)]  # fmt: skip
     for key in sorted({(r["heads"], r["batch"], r["context"]) for r in rows}):
@@ -263,6 +294,9 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
                 cells.append("fails" if r else "")
                 continue
             ratio = f" ({fm[key] / r['us']:.2f}x)" if key in fm else ""
+            if r.get("ratio_rounds"):  # the median ratio of the rounds, with its range
+                x = r["ratio_rounds"]
+                ratio = f" ({statistics.median(x):.2f}x, {min(x):.2f}-{max(x):.2f})"
             cells.append(f"{r['us']:.1f}{ratio}{'' if r['ok'] else ' CHECK FAIL'}")
         fms = f"{fm[key]:.1f}" if key in fm else ""
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
@@ -316,9 +350,14 @@ def main() -> None:
                          "FORMAT/sN forces N splits per sequence, e.g. c4r4,c4r4@wgmma,bf16/s34 "
                          "(default %(default)s)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation of a shape this many times, round-robin; report the median "
+                         "and the spread of the speed-ups (default 1)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
+    if args.rounds < 1 or args.reps < 1:
+        raise SystemExit(f"--rounds and --reps must be >= 1 (got {args.rounds}, {args.reps})")
     for spec in args.formats.split(","):
         try:
             parse_spec(spec)
@@ -348,14 +387,14 @@ def main() -> None:
     commit = commit.strip()
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes")
     meta = {"device": torch.cuda.get_device_name(), "date": now, "commit": commit or "unknown",
-            "command": " ".join(sys.argv), "reps": args.reps,
+            "command": " ".join(sys.argv), "reps": args.reps, "rounds": args.rounds,
             "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     timer, rows, ok = Timer(), [], True
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for H in [int(h) for h in args.heads.split(",")]:
         for B, N in shapes:
-            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows)
+            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows, args.rounds)
             write_outputs(args.out, args.tag, {**meta, "partial": True}, rows, plot=False)  # a killed run keeps these
     meta["seconds"] = round(time.time() - t0, 1)
     meta["all_checks_ok"] = ok

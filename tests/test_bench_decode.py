@@ -34,3 +34,24 @@ def test_report_cells_and_no_half_files(tmp_path):
     assert "| bf16/s17 | bf16/s34 |" in md
     assert f"75.0 ({60 / 75:.2f}x)" in md and f"48.0 ({60 / 48:.2f}x) CHECK FAIL" in md
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_rounds_report_the_median_and_the_per_round_ratios(tmp_path):
+    """--rounds: each row's time is the median of its rounds; each speed-up is taken round by round (FlashMLA and the
+    format of the same round) and reported as the median with its range."""
+    rows = [{"batch": 8, "context": 131072, "heads": 16, "impl": "flashmla-bf16", "us_rounds": [330.0, 310.0, 312.0],
+             "ok": True},
+            {"batch": 8, "context": 131072, "heads": 16, "impl": "c8r8", "us_rounds": [200.0, 210.0, 208.0],
+             "ok": True}]  # fmt: skip
+    bd.summarize_rounds(rows)
+    assert rows[0]["us"] == 312.0 and rows[1]["us"] == 208.0 and "ratio_rounds" not in rows[0]
+    want = [330 / 200, 310 / 210, 312 / 208]
+    assert rows[1]["ratio_rounds"] == pytest.approx(want, rel=1e-12)
+    meta = {"device": "test", "date": "2026-12-03", "commit": "abc", "command": "x", "reps": 3, "copy_gbps": 4e3,
+            "rounds": 3}  # fmt: skip
+    bd.write_outputs(str(tmp_path), "r", meta, rows, plot=False)
+    md = (tmp_path / "decode_vs_flashmla_r.md").read_text()
+    med = sorted(want)[1]
+    assert f"208.0 ({med:.2f}x, {min(want):.2f}-{max(want):.2f})" in md and "3 rounds round-robin" in md
+    with pytest.raises(ValueError):  # rounds of unequal length are a bug, not a shorter ratio list
+        bd.summarize_rounds([dict(rows[0], us_rounds=[1.0, 2.0, 3.0]), dict(rows[1], us_rounds=[1.0, 2.0])])
