@@ -39,7 +39,7 @@ def carry_in(src: str, results_stem: str, work: str) -> list[str]:
     """Bring the state of an earlier call (folder ``src``) into this machine's results and work folders."""
     from quantmla.calibrate.stream_handover import progress_of, unpack_progress
 
-    done = []
+    done, shown = [], src
     os.makedirs(work, exist_ok=True)
     src = _join_parts(src, os.path.join(work, ".carry_join"))
     name = os.path.basename(results_stem) + ".json"
@@ -69,7 +69,7 @@ def carry_in(src: str, results_stem: str, work: str) -> list[str]:
             continue  # this machine is further along already
         unpack_progress(path, dst, force=True)
         done.append(f"{os.path.basename(path)} ({blocks} blocks)")
-    print(f"carried in from {src}: {', '.join(done) or 'nothing'}", flush=True)
+    print(f"carried in from {shown}: {', '.join(done) or 'nothing'}", flush=True)
     return done
 
 
