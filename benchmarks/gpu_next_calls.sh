@@ -3,29 +3,34 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9: session 23 measured QMLA_SM90_PV_MAGIC8 (GPU tests pass, 1.00-1.02x: kept off;
-#     kernel_variants_h200_s23_pvmagic8.md). Next kernel work: a new lever, then `variants` with VARIANT_TESTS=1 (carry
-#     .fmbuild, or build FlashMLA first: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py
-#     --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT/b --tag h200_s24_bf16 --formats bf16 --shapes
-#     32x32768` then `mkdir -p .fmbuild && cp /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`).
-#     Ride-along for the kit's carry calls below (no kit needed, ~5 min per model): the V3 / K2 streamed-calibration
-#     projection with the attention-weighted objective (stream_projection.py's header).
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 33 units left
-#     after session 23 (C4R4 RTN / QuantMLA / SmoothQuant / QuaRot seed 0 in; quantmla-attnw s0 calibration partly
-#     done: its progress file was in .fbcarry; variant b's transforms are 17 MiB, over the 16 MiB a call returns:
-#     CARRY ERROR, harmless while ppl and niah run in the same call as the calibration). Each QuantMLA calibration
-#     ~305 s on the H200 (session 22 dropped the per-step loss
-#     read-back from the training loop: the next units show whether that shortens them), retrieval ~140-160 s per
-#     unit. The kit's carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"],
-#     ~1 s each; the kit lives in /root/keep only while the machine stays warm: a machine given back needs them
-#     again), then on the same warm machine, carry [".fbcarry"] (`mkdir .fbcarry && cp
-#     benchmarks/results/full_budget_paper.json .fbcarry/` for the first chunk; then each chunk's <files_at>/fb/*)
-#     `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device
-#     cuda --budget-s 555 --resume --tag paper --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fb_work
-#     --variants a,b --methods rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods
-#     quantmla,quantmla-attnw` (timeout 595; the session's last chunk with --whole-units, or with a budget that the
-#     next call resumes from its carried progress file). After the last chunk of a session: copy full_budget_paper.json
-#     (and the md / png of the chunk that holds all of variant a and b, or regenerate them) to benchmarks/results.
+# (1) issue 9: session 24 timed FlashMLA round-robin (`bench_decode.py --rounds 3`: C8R8 1.50x, C4R4 1.64-1.84x at
+#     the named shapes; FlashMLA's first timing at a shape is ~7% slow at B8 x 32K / B32 x 4K, so `bench` and `heads`
+#     below pass --rounds ${ROUNDS:-3}) and found B32 x 128K times wandering 5-10% within a call for every kernel
+#     (decode_footprint_h200_s24.md: not the memory footprint). Open: our BF16 at B32 x 4K is 0.87-0.88x FlashMLA
+#     (bar 0.9x) once that bias is gone -- a split sweep (`--formats bf16,bf16/s2,bf16/s4,bf16/s8,bf16/s16 --shapes
+#     32x4096,8x32768 --rounds 3`) is the first look. A kernel change needs a new lever first (docs/kernels.md), then
+#     `variants` with VARIANT_TESTS=1 (carry .fmbuild, or build FlashMLA first: `PYTHONPATH=src
+#     QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out
+#     $OUT/b --tag h200_s25_bf16 --formats bf16 --shapes 32x32768` then `mkdir -p .fmbuild && cp
+#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`). Ride-along for the kit's first carry call (carry
+#     .gpucarry_1 and .fmbuild together: ~56 MiB): a bench_decode run of ~70 s.
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 25 units left
+#     after session 24 (C2R4 SmoothQuant / QuaRot / quantmla-attnw seed 0, then seeds 1-2 of quantmla and
+#     quantmla-attnw at C4R4 and C2R4; ~55 min of H200). A state file over 16 MiB (variant b's transforms, 17 MiB)
+#     now travels as byte parts that carry_in joins. QuantMLA calibration ~290-305 s, retrieval ~175-226 s per unit.
+#     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
+#     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
+#     on the same warm machine, carry [".fbcarry"] (each chunk also keeps its hand-over in /root/keep/fb_last, so
+#     the next chunk on a warm machine needs no copy here first -- session 24 lost a warm machine, and the kit, to
+#     the ~30 s of copying files between two chunks):
+#     `source benchmarks/device_smollm2_setup.sh && CIN=.fbcarry; [ -d /root/keep/fb_last ] &&
+#     CIN=/root/keep/fb_last; QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 555
+#     --resume --tag paper --carry-in $CIN --carry-out $OUT/fb --work /root/keep/fb_work --variants a,b --methods
+#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla,quantmla-attnw; rm -rf
+#     /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf /root/keep/fb_last && mv
+#     /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; the session's last chunk with --whole-units). Here,
+#     after every chunk (for a machine lost in between): `rm -rf .fbcarry && mkdir .fbcarry && cp <files_at>/fb/*
+#     .fbcarry/`; after the session's last, full_budget_paper.{json,md,png} to benchmarks/results.
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
@@ -138,7 +143,7 @@ case $CALL in
     tests_wgmma
     tests_mma
     flashmla_args
-    part bench 260 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
+    part bench 260 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" \
       --tag "h200_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
     if [[ -n ${PREV_SRC:-} ]]; then
       part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
@@ -187,7 +192,7 @@ case $CALL in
     ;;
   heads)
     flashmla_args
-    part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" \
+    part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" \
       --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
       --formats bf16,c8r8,c4r8,c4r4,c2r4
     ;;
