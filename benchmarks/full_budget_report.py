@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import subprocess
 
@@ -102,11 +103,34 @@ def _mean(cell, corpus, key):
     return sum(vals) / len(vals) if vals else None
 
 
+def retrieval_vs(niah: dict | None, ref: dict | None) -> tuple[int, int, int, int, float, float] | None:
+    """Retrieval summed over the cells both results hold: (correct, samples, reference correct, reference samples,
+    difference of the two rates in points, half-width of its 95% normal interval in points); None without cells."""
+    keys = sorted(set(niah or {}) & set(ref or {}))
+    if not keys:
+        return None
+    c, n = sum(niah[k][0] for k in keys), sum(niah[k][1] for k in keys)
+    rc, rn = sum(ref[k][0] for k in keys), sum(ref[k][1] for k in keys)
+    if not n or not rn:
+        return None
+    p, rp = c / n, rc / rn
+    return c, n, rc, rn, 100 * (p - rp), 100 * 1.96 * math.sqrt(p * (1 - p) / n + rp * (1 - rp) / rn)
+
+
 def _summary(table, v, f, args) -> list[str]:
     """Per corpus and QuantMLA objective: the share of RTN's KL and perplexity gap it removes, and whether its KL
-    is below every baseline's (RTN, SmoothQuant-MLA, QuaRot-MLA)."""
+    is below every baseline's (RTN, SmoothQuant-MLA, QuaRot-MLA); then each method's retrieval over all cells
+    against BF16's, with the 95% interval of the difference (the issue's target: within 2 points of BF16)."""
     cells, bf = table.get((v, f), {}), table.get((v, "bf16"), {}).get("bf16")
-    out = []
+    out, retrieval = [], []
+    for label in METHODS:
+        r = retrieval_vs(cells.get(label, {}).get("niah"), bf and bf["niah"])
+        if r is not None:
+            c, n, rc, rn, d, w = r
+            name = SHORT.get(label, LABELS[label])
+            retrieval.append(f"- retrieval, {name}: {c}/{n} ({100 * c / n:.1f}%) vs BF16 {rc}/{rn} "
+                             f"({100 * rc / rn:.1f}%): {d:+.1f} points, 95% interval {d - w:+.1f} to "
+                             f"{d + w:+.1f}.")  # fmt: skip
     for c in args.corpora:
         rtn, rp, b = _mean(cells.get("rtn"), c, "kl"), _mean(cells.get("rtn"), c, "ppl"), _mean(bf, c, "ppl")
         for label in ("quantmla", "quantmla-attnw"):
@@ -119,6 +143,7 @@ def _summary(table, v, f, args) -> list[str]:
             verdict = "yes" if best else "no"
             out.append(f"- {c}, {SHORT[label]}: removes {100 * (1 - qm / rtn):.0f}% of RTN's KL and closes "
                        f"{100 * gap:.0f}% of its perplexity gap; KL below every baseline's: {verdict}.")  # fmt: skip
+    out += retrieval
     return [""] + out if out else []
 
 

@@ -253,3 +253,24 @@ def test_a_state_file_over_the_per_file_limit_travels_in_parts(tmp_path, monkeyp
     os.remove(out / f"{tf.name}.part2of3")
     with pytest.raises(RuntimeError, match="incomplete"):
         carry.carry_in(str(out), str(tmp_path / "n2" / "results" / "full_budget_x"), str(tmp_path / "n2" / "work"))
+
+
+def test_retrieval_summary_sums_the_shared_cells_and_gives_the_difference_interval():
+    """The report's retrieval line: correct / samples summed over the cells both results hold, the difference of the
+    rates in points and its 95% normal interval (checked against the formula written out here)."""
+    import math
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    try:
+        from full_budget_report import retrieval_vs
+    finally:
+        sys.path.pop(0)
+    bf16 = {"niah_single_1@512": [12, 12], "niah_single_1@1024": [8, 12], "passkey@512": [10, 12]}
+    ours = {"niah_single_1@512": [11, 12], "niah_single_1@1024": [11, 12], "extra@4096": [0, 12]}  # extra: not shared
+    c, n, rc, rn, d, w = retrieval_vs(ours, bf16)
+    assert (c, n, rc, rn) == (22, 24, 20, 24)
+    p, q = 22 / 24, 20 / 24
+    assert d == pytest.approx(100 * (p - q))
+    assert w == pytest.approx(196 * math.sqrt(p * (1 - p) / 24 + q * (1 - q) / 24))
+    assert retrieval_vs(ours, None) is None and retrieval_vs({"x@1": [1, 2]}, bf16) is None
