@@ -13,7 +13,11 @@
 #     QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out
 #     $OUT/b --tag h200_s25_bf16 --formats bf16 --shapes 32x32768` then `mkdir -p .fmbuild && cp
 #     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`). Ride-along for the kit's first carry call (carry
-#     .gpucarry_1 and .fmbuild together: ~56 MiB): a bench_decode run of ~70 s.
+#     .gpucarry_1 and .fmbuild together: ~56 MiB): a bench_decode run of ~70 s. Ride-along for the second carry call
+#     (issue 12, no kit needed, ~1 min): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python benchmarks/calib_profile.py
+#     --out $OUT/b --tag h200_s25` -- where a paper-budget calibration step spends its time (device, host, waits):
+#     ~300 s per QuantMLA calibration, 11 still to run; if the steps are host-bound, a captured training step
+#     (same kernels, same numbers) could shorten the rest of the table severalfold.
 # (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 25 units left
 #     after session 24 (C2R4 SmoothQuant / QuaRot / quantmla-attnw seed 0, then seeds 1-2 of quantmla and
 #     quantmla-attnw at C4R4 and C2R4; ~55 min of H200). A state file over 16 MiB (variant b's transforms, 17 MiB)
