@@ -47,6 +47,23 @@ def test_layer_inputs_masks_are_the_policy(layer):
             assert bool(x.quant_mask[t, j]) == _read_quantized(t, j), (t, j)
 
 
+@pytest.mark.parametrize("sink,local", [(0, 0), (2, 0), (0, 4), (2, 4), (0, 1), (-1, -3)])
+@pytest.mark.parametrize("queries", [None, [0], [5, 17], []])
+def test_reads_all_is_the_mask_comparison(layer, sink, local, queries):
+    """``reads_all`` (decided on the host, so the content objective needs no device read per step) says exactly
+    what comparing the two masks on the device says, for every policy and query subset, and survives select/cat."""
+    from quantmla.calibrate.objectives import LayerInputs
+
+    _, w, spec, attn = layer
+    h = torch.randn(2, S, attn.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = torch.ones(1, S, spec.qk_rope_head_dim // 2), torch.zeros(1, S, spec.qk_rope_head_dim // 2)
+    qidx = None if queries is None else torch.tensor(queries, dtype=torch.long)
+    x = layer_inputs(w, spec, h, cos, sin, qidx, sink=sink, local=local)
+    assert x.reads_all == bool(x.quant_mask.eq(x.mask).all())
+    both = LayerInputs.cat([x, x])
+    assert both.reads_all == x.reads_all and x.select(torch.tensor([1]), None).reads_all == x.reads_all
+
+
 def _pairs(v: torch.Tensor, pairing: str) -> torch.Tensor:
     """Real [..., Dr] -> complex [..., Dr/2] (float64), by hand for both layouts."""
     v = v.double()

@@ -80,6 +80,7 @@ class LayerInputs:
     mask: torch.Tensor
     ref_out: torch.Tensor | None = None
     quant_mask: torch.Tensor | None = None  # [Tq, S] True = the query reads the key's quantized copy
+    reads_all: bool = False  # quant_mask equals mask (no sink, no local window): known on the host, no device read
 
     def select(self, seqs: torch.Tensor, queries: torch.Tensor | None) -> LayerInputs:
         """Sequences ``seqs`` and (of inputs built with every query) the query positions ``queries``."""
@@ -90,7 +91,7 @@ class LayerInputs:
             q_lat, q_pe, mask = q_lat[:, :, queries], q_pe[:, :, queries], mask[queries]
             ref = None if ref is None else ref[:, queries]
             qm = None if qm is None else qm[queries]
-        return LayerInputs(q_lat, q_pe, self.c[seqs], self.k_pe[seqs], mask, ref, qm)
+        return LayerInputs(q_lat, q_pe, self.c[seqs], self.k_pe[seqs], mask, ref, qm, self.reads_all)
 
     @staticmethod
     def cat(parts: list[LayerInputs]) -> LayerInputs:
@@ -104,6 +105,7 @@ class LayerInputs:
             parts[0].mask,
             ref,
             parts[0].quant_mask,
+            parts[0].reads_all,
         )
 
 
@@ -142,7 +144,10 @@ def layer_inputs(
     kpos = torch.arange(s, device=hidden.device)[None, :]
     mask = kpos <= qpos[:, None]  # [Tq, S]
     quant = mask & (kpos >= sink) & (kpos <= qpos[:, None] - local)  # [Tq, S] read from the packed copy
-    return LayerInputs(absorb_query(q_nope.float(), w.w_uk.float()), q_pe, c.float(), k_pe, mask, None, quant)
+    # quant == mask exactly when neither the first key (sink) nor a query's own position (local) is kept exact
+    reads_all = (sink <= 0 and local <= 0) or qpos.numel() == 0
+    q_lat = absorb_query(q_nope.float(), w.w_uk.float())
+    return LayerInputs(q_lat, q_pe, c.float(), k_pe, mask, None, quant, reads_all)
 
 
 def attention_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec, c: torch.Tensor, k_pe: torch.Tensor):
@@ -155,7 +160,7 @@ def mixed_attention_output(x: LayerInputs, w: MLALayerWeights, spec: MLASpec, c_
     """Like :func:`attention_output`, but where ``x.quant_mask`` is True the query reads the reconstructed
     ``c_hat``/``k_hat`` and elsewhere the exact ``x.c``/``x.k_pe`` (the mixed-precision cache policy)."""
     qm = x.quant_mask
-    if qm is None or bool(qm.eq(x.mask).all()):
+    if qm is None or x.reads_all:
         return attention_output(x, w, spec, c_hat, k_hat)
     exact = torch.einsum("bhtc,bsc->bhts", x.q_lat, x.c) + torch.einsum("bhtr,bsr->bhts", x.q_pe, x.k_pe)
     quant = torch.einsum("bhtc,bsc->bhts", x.q_lat, c_hat) + torch.einsum("bhtr,bsr->bhts", x.q_pe, k_hat)

@@ -138,7 +138,9 @@ class ContentTransform(nn.Module):
             a = self.gen.to(dtype)
             skew = a - a.T
             eye = torch.eye(a.shape[0], dtype=dtype, device=a.device)
-            q = q @ torch.linalg.solve(eye - skew, eye + skew)  # Cayley: cheaper than matrix_exp, same family
+            # Cayley: cheaper than matrix_exp, same family; I - skew is never singular (skew-symmetric), so solve_ex
+            # without its error check: linalg.solve's check reads the LU status back, a host wait every step on a GPU
+            q = q @ torch.linalg.solve_ex(eye - skew, eye + skew, check_errors=False)[0]
         u = self.u0.to(dtype) * torch.exp(self.log_u.to(dtype))
         v = self.v0.to(dtype) * torch.exp(self.log_v.to(dtype))
         return u, q, v

@@ -52,20 +52,15 @@ class QuantizedPath:
 
 
 def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round fp32 ``x >= 0`` to ``dtype`` so that the stored value is >= x (when representable)."""
+    """Round fp32 ``x >= 0`` to ``dtype`` so that the stored value is >= x (when representable). Always through
+    ``where`` (no ``if low.any()``: on a GPU that test is a host wait, every quantization of every calibration step)."""
     r = x.to(dtype)
-    low = r.float() < x
-    if low.any():
-        r = torch.where(low, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
-    return r
+    return torch.where(r.float() < x, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     r = x.to(dtype)
-    high = r.float() > x
-    if high.any():
-        r = torch.where(high, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
-    return r
+    return torch.where(r.float() > x, torch.nextafter(r, torch.full_like(r, float("-inf"))), r)
 
 
 def _div(x: torch.Tensor, d: int) -> torch.Tensor:
