@@ -189,3 +189,47 @@ def test_calibrate_on_cuda_one_block_at_a_time():
     assert float((out - ref).norm() / ref.norm()) < 1e-5
     s = report.summary()
     assert s["content_val_chosen"] <= s["content_val_identity"] and s["rope_val_chosen"] <= s["rope_val_identity"]
+
+
+def test_training_steps_draw_their_batches_in_the_seeded_order(monkeypatch):
+    """The training loop draws every step's sequences and query positions up front (one copy to the device instead
+    of one per step): the batches it trains on are still, step by step, ``randint`` then ``sample_queries`` from the
+    path's seeded generator -- the order a step-by-step draw gives (the reference written out here)."""
+    from quantmla.calibrate import trainer
+    from quantmla.calibrate.objectives import sample_queries
+
+    monkeypatch.setattr(trainer, "TRAIN_CACHE_BYTES", 0)  # the path that gathers from the bank every step
+    seen, state = [], {"in_train": None}
+    real_inputs, real_train = trainer.LayerProblem.inputs, trainer.LayerProblem.train
+
+    def inputs(self, hidden, qidx):
+        if state["in_train"] is not None:
+            seen.append((state["in_train"], hidden.clone(), None if qidx is None else qidx.clone()))
+        return real_inputs(self, hidden, qidx)
+
+    def train(self, path, transform, steps, lr, desc):
+        state["in_train"] = (self, path)
+        try:
+            return real_train(self, path, transform, steps, lr, desc)
+        finally:
+            state["in_train"] = None
+
+    monkeypatch.setattr(trainer.LayerProblem, "inputs", inputs)
+    monkeypatch.setattr(trainer.LayerProblem, "train", train)
+    model = tiny_model("deepseek_v2")
+    tokens = torch.randint(3, 128, (10, 64), generator=torch.Generator().manual_seed(2))
+    cfg = CalibrationConfig(seq_len=64, train_seqs=7, val_seqs=3, batch_size=3, steps_content=5, steps_rope=4,
+                            query_tokens=16, sink=2, local=8, progress=False)  # fmt: skip
+    calibrate_model(model, FMT, tokens, cfg)
+    by_call: dict = {}
+    for (prob, path), hidden, qidx in seen:
+        by_call.setdefault((id(prob), path), (prob, path, []))[2].append((hidden, qidx))
+    assert len(by_call) == 2 * model.config.num_hidden_layers
+    for prob, path, got in by_call.values():
+        gen = torch.Generator().manual_seed(prob.seed + (0 if path == "content" else 7919))
+        n, seq = prob.banks.train.shape[:2]
+        assert len(got) == (cfg.steps_content if path == "content" else cfg.steps_rope)
+        for hidden, qidx in got:
+            idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
+            want_q = sample_queries(seq, cfg.query_tokens, gen)
+            assert torch.equal(hidden, prob.banks.train[idx]) and torch.equal(qidx, want_q)

@@ -157,6 +157,16 @@ class LayerProblem:
                 parts.append(x)
             self._train_inputs = LayerInputs.cat(parts)
 
+    def _device_bank(self) -> torch.Tensor | None:
+        """The training bank [N, T, D] on the accelerator (one copy per layer and path) when it takes at most a
+        quarter of the free device memory, so a step gathers its batch there; None on the CPU or when it does not
+        fit (then each step copies its batch over, as before)."""
+        if self.device.type != "cuda":
+            return None
+        nbytes = self.banks.train.numel() * self.banks.train.element_size()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return self.banks.train.to(self.device) if nbytes <= free // 4 else None
+
     def _val_batches(self) -> int:
         return math.ceil(self.banks.val.shape[0] / self.config.batch_size)
 
@@ -191,15 +201,25 @@ class LayerProblem:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, cfg.warmup_frac))
         gen = torch.Generator().manual_seed(self.seed + (0 if path == "content" else 7919))
         n, seq = self.banks.train.shape[:2]
+        # every step's sequences and query positions drawn up front, in the order the steps would draw them, and
+        # moved to the device at once: a copy from pageable host memory per step would make the host wait for the
+        # device every step (the same values as drawing them step by step: tests/calibrate/test_trainer.py)
+        b = min(cfg.batch_size, n)
+        draws = [(torch.randint(n, (b,), generator=gen), sample_queries(seq, cfg.query_tokens, gen))
+                 for _ in range(steps)]  # fmt: skip
+        idx_all = torch.stack([d[0] for d in draws]).to(self.device)  # [steps, batch]
+        q_all = None if draws[0][1] is None else torch.stack([d[1] for d in draws]).to(self.device)  # [steps, Tq]
+        bank = self._device_bank()  # the training bank on the device when it fits there, else None
         losses = []  # detached loss tensors: read back once at the end (a read per step would make the host wait
         bar = progress_over(range(steps), desc, cfg.progress)  # for the device every step); the bar every 25 steps
         for step in bar:
-            idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
-            qidx = sample_queries(seq, cfg.query_tokens, gen)
+            qidx = None if q_all is None else q_all[step]
             if self._train_inputs is not None:
-                x = self._train_inputs.select(idx.to(self.device), None if qidx is None else qidx.to(self.device))
+                x = self._train_inputs.select(idx_all[step], qidx)
+            elif bank is not None:
+                x = self.inputs(bank[idx_all[step]], qidx)
             else:
-                x = self.inputs(self.banks.train[idx], qidx)
+                x = self.inputs(self.banks.train[draws[step][0]], qidx)
             loss = self.loss(path, x, transform)
             opt.zero_grad(set_to_none=True)
             loss.backward()
