@@ -21,7 +21,8 @@
 # (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 25 units left
 #     after session 24 (C2R4 SmoothQuant / QuaRot / quantmla-attnw seed 0, then seeds 1-2 of quantmla and
 #     quantmla-attnw at C4R4 and C2R4; ~55 min of H200). A state file over 16 MiB (variant b's transforms, 17 MiB)
-#     now travels as byte parts that carry_in joins. QuantMLA calibration ~290-305 s, retrieval ~175-226 s per unit.
+#     now travels as byte parts that carry_in joins. QuantMLA calibration ~290-305 s before session 24 removed the host waits from the training step (bit-identical
+#     on the CPU; the json's per-unit seconds show what it bought), retrieval ~175-226 s per unit.
 #     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
 #     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
 #     on the same warm machine, carry [".fbcarry"] (each chunk also keeps its hand-over in /root/keep/fb_last, so
