@@ -19,7 +19,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -84,12 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             n = min(left, 4 << 30)
             ballast.append(torch.ones(n, dtype=torch.uint8, device="cuda"))
             left -= n
-        times = {k: [timer(fn, args.reps) for _ in range(1)] for k, fn in impls.items()}
-        for _ in range(args.rounds - 1):
+        times = {k: [] for k in impls}
+        for _ in range(args.rounds):  # round-robin
             for k, fn in impls.items():
                 times[k].append(timer(fn, args.reps))
-        phase = {"ballast_gb": gb, "allocated_gb": torch.cuda.memory_allocated() / 1e9, "us": times,
-                 "median_us": {k: statistics.median(v) for k, v in times.items()}}  # fmt: skip
+        phase = {"ballast_gb": gb, "allocated_gb": torch.cuda.memory_allocated() / 1e9, "us": times}
         phases.append(phase)
         bd.log(f"ballast {gb:5.0f} GB (allocated {phase['allocated_gb']:.1f} GB): "
                + "  ".join(f"{k} " + "/".join(f"{u:.1f}" for u in v) for k, v in times.items()))  # fmt: skip

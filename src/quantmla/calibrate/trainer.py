@@ -147,6 +147,7 @@ class LayerProblem:
         g = torch.Generator().manual_seed(seed + 1)
         self.val_queries = [sample_queries(seq, config.query_tokens, g) for _ in range(self._val_batches())]
         self._train_inputs: LayerInputs | None = None
+        self._bank: torch.Tensor | None = None  # _device_bank's copy of the training bank
         n, t, d = banks.train.shape
         full_bytes = 4 * n * t * (spec.num_heads * (spec.cache_width + t) + 2 * spec.cache_width + d)
         if full_bytes <= TRAIN_CACHE_BYTES:  # small problems: project the whole training bank once
@@ -158,14 +159,15 @@ class LayerProblem:
             self._train_inputs = LayerInputs.cat(parts)
 
     def _device_bank(self) -> torch.Tensor | None:
-        """The training bank [N, T, D] on the accelerator (one copy per layer and path) when it takes at most a
-        quarter of the free device memory, so a step gathers its batch there; None on the CPU or when it does not
-        fit (then each step copies its batch over, as before)."""
-        if self.device.type != "cuda":
-            return None
-        nbytes = self.banks.train.numel() * self.banks.train.element_size()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return self.banks.train.to(self.device) if nbytes <= free // 4 else None
+        """The training bank [N, T, D] on the accelerator (copied once per layer, for both paths) when it takes at
+        most a quarter of the free device memory, so a step gathers its batch there; None on the CPU or when it does
+        not fit (then each step copies its batch over, as before)."""
+        if self._bank is None and self.device.type == "cuda" and self._train_inputs is None:
+            nbytes = self.banks.train.numel() * self.banks.train.element_size()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if nbytes <= free // 4:
+                self._bank = self.banks.train.to(self.device)
+        return self._bank
 
     def _val_batches(self) -> int:
         return math.ceil(self.banks.val.shape[0] / self.config.batch_size)
