@@ -249,7 +249,12 @@ class Runner:
         os.remove(stem + ".delta.safetensors")  # the transforms are the artifact; the delta is rebuilt from them
         summary = {p: sum(r[p].get("val_chosen", 0.0) for r in rep.layers) / max(1, len(rep.layers))
                    for p in ("content", "rope")}  # fmt: skip
+        # per block: total, then load / forward (the bank through the block) / calibrate seconds; the blocks of
+        # earlier calls as they recorded them (their seconds are added to the unit's in run())
         return {"calibration": cfg.to_dict(), "blocks_s": [b["seconds"] for b in rep.blocks],
+                "blocks_phases_s": [[round(b.get(k, 0.0), 2) for k in ("load_s", "forward_s", "calibrate_s")]
+                                    for b in rep.blocks],
+                "earlier_calls_s": sum(b["seconds"] for b in rep.blocks[: rep.resumed_blocks]),
                 "val_nmse_chosen_mean": summary}  # fmt: skip
 
     def ppl(self, u: dict) -> dict:
@@ -303,9 +308,10 @@ class Runner:
             except OutOfBudget:
                 print(f"budget: stopped inside {u['key']} after a finished block; rerun with --resume")
                 return False
-            self.results["units"][u["key"]] = {**u, "result": res, "seconds": time.time() - t,
+            took = time.time() - t + res.get("earlier_calls_s", 0.0)  # a resumed calibration: all its calls
+            self.results["units"][u["key"]] = {**u, "result": res, "seconds": took,
                                                "device": _device_name(self.device)}  # fmt: skip
-            print(json.dumps({"unit": u["key"], "seconds": round(time.time() - t, 1)}), flush=True)
+            print(json.dumps({"unit": u["key"], "seconds": round(took, 1)}), flush=True)
             write(self.results, self.stem, self.args)
             write_results(self.mirror[: -len(".json")], {".json": json.dumps(self.results)})
             if self.on_progress is not None:

@@ -139,6 +139,9 @@ def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
         assert got[key]["result"] == want[key]["result"], key
     tf_want, _ = load_transforms(ref / "full_budget_h.work" / "a-c4r4-quantmla-s0.transforms.safetensors")
     assert state["blocks"] == len({k.split(".")[1] for k in tf_want})  # every block calibrated once: no call redid one
+    cal = got["a/c4r4/quantmla/s0/calib"]  # its record covers the three calls: every block, all calls' seconds
+    assert len(cal["result"]["blocks_s"]) == state["blocks"] == len(cal["result"]["blocks_phases_s"])
+    assert cal["seconds"] >= sum(cal["result"]["blocks_s"]) >= cal["result"]["earlier_calls_s"] > 0
     tf_got, meta = load_transforms(out / "smollm2-mla-quantmla-c4r4.safetensors")
     assert set(tf_got) == set(tf_want) and all(torch.equal(tf_got[k], tf_want[k]) for k in tf_want)
     assert meta["label"].startswith("smoke budget")

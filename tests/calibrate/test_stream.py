@@ -133,7 +133,12 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
         calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
     assert sorted(p.name for p in work.iterdir() if p.name.startswith("block_")) == ["block_00000.safetensors"]
     monkeypatch.setattr(stream_mod, "calibrate_attention", real)
-    calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+    with open(work / "progress.json") as f:
+        first_call = json.load(f)["blocks"]
+    rep = calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, work=work, dtype=torch.float32, resume=True)
+    # the report covers every block: block 0 as the first call recorded it, then this call's blocks 1 and 2
+    assert rep.resumed_blocks == 1 and [b["block"] for b in rep.blocks] == [0, 1, 2]
+    assert rep.blocks[0] == first_call[0] and rep.to_dict()["resumed_blocks"] == 1
     got, _ = load_delta(out)
     want, _ = load_delta(ref)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -1,7 +1,9 @@
 """Running a decoder model block by block: the hidden states entering block 0, then each block's outputs and the
 inputs of its MLA attention modules (forward pre-hooks), with only the current block on the accelerator and the
-captured banks on the CPU. Used by calibration (:mod:`quantmla.calibrate.trainer`, :mod:`quantmla.calibrate.stream`)
-and the error analysis (:mod:`quantmla.analysis`)."""
+captured banks on the CPU (in page-locked memory when the block runs on a GPU: a copy between the GPU and pageable
+memory runs at a few GB/s, ~1.5 s per SmolLM2 block at the paper's banks, and makes the host wait). Used by
+calibration (:mod:`quantmla.calibrate.trainer`, :mod:`quantmla.calibrate.stream`) and the error analysis
+(:mod:`quantmla.analysis`)."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def first_block_inputs(
     for m in others:
         m.to(device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    hs, kwargs = [], None
+    hs, kwargs = HostBank(tokens.shape[0]), None
     try:
         for i in range(0, tokens.shape[0], batch):
             try:
@@ -63,7 +65,7 @@ def first_block_inputs(
                     base(input_ids=tokens[i : i + batch].to(device), use_cache=False)
             except _Stop:
                 pass
-            hs.append(store["h"].detach().cpu())
+            hs.append(store["h"].detach())
             if kwargs is None:
                 kwargs = store["kw"]
     finally:
@@ -77,7 +79,45 @@ def first_block_inputs(
             kwargs[k] = None
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
-    return torch.cat(hs), kwargs
+    return hs.result(), kwargs
+
+
+class HostBank:
+    """Batches [b, ...] of a bank of ``n`` rows gathered on the CPU in order: a device batch is copied without a
+    host wait into one page-locked [n, ...] buffer (allocated at the first batch), a CPU batch into a pageable one.
+    ``result()`` waits for the copies and returns the [n, ...] bank. Values are the batches' exactly."""
+
+    def __init__(self, n: int):
+        self.n, self.buf, self.rows = n, None, 0
+        self.gpu: torch.device | None = None  # the device of the copies still in flight
+
+    def append(self, x: torch.Tensor) -> None:
+        if self.buf is None:
+            self.buf = _host_buffer((self.n, *x.shape[1:]), x.dtype, pin=x.is_cuda)
+        if self.rows + x.shape[0] > self.n or tuple(x.shape[1:]) != tuple(self.buf.shape[1:]):
+            raise ValueError(f"bank batch {tuple(x.shape)} does not fit the bank {tuple(self.buf.shape)} at row "
+                             f"{self.rows}")  # fmt: skip
+        async_copy = x.is_cuda and self.buf.is_pinned()
+        self.buf[self.rows : self.rows + x.shape[0]].copy_(x, non_blocking=async_copy)
+        self.gpu = x.device if async_copy else self.gpu
+        self.rows += x.shape[0]
+
+    def result(self) -> torch.Tensor:
+        if self.buf is None or self.rows != self.n:
+            raise ValueError(f"bank of {self.n} rows got {self.rows}")
+        if self.gpu is not None:
+            torch.cuda.synchronize(self.gpu)  # the non-blocking copies have landed before the host reads the bank
+        return self.buf
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An empty CPU tensor, page-locked when asked and the allocation succeeds (pageable otherwise)."""
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # page-locked memory exhausted or refused: the pageable path, slower but the same
+            pass
+    return torch.empty(shape, dtype=dtype)
 
 
 def device_of(m: nn.Module) -> torch.device | None:
@@ -105,32 +145,33 @@ def run_block(
     block: nn.Module, attns: list[nn.Module], h: torch.Tensor, kwargs: dict, batch: int, device: torch.device
 ) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
     """Run ``h`` [N, T, D] through ``block``; return its outputs and each attention module's inputs (CPU)."""
-    captured: list[list[torch.Tensor]] = [[] for _ in attns]
+    n = h.shape[0]
+    captured = [HostBank(n) for _ in attns]
     pos: dict[str, Any] = {}
 
     def make_hook(k):
         def hook(_mod, args, kw):
             x = args[0] if args else kw["hidden_states"]
-            captured[k].append(x.detach().cpu())
+            captured[k].append(x.detach())
             if "pe" not in pos and kw.get("position_embeddings") is not None:
                 pos["pe"] = _to(kw["position_embeddings"], torch.device("cpu"))
 
         return hook
 
     handles = [a.register_forward_pre_hook(make_hook(k), with_kwargs=True) for k, a in enumerate(attns)]
-    outs = []
+    outs = HostBank(n)
     kw_dev = _to(kwargs, device)
     try:
-        for i in range(0, h.shape[0], batch):
-            out = block(h[i : i + batch].to(device), **kw_dev)
+        for i in range(0, n, batch):
+            out = block(h[i : i + batch].to(device, non_blocking=True), **kw_dev)  # async from a pinned bank
             out = out[0] if isinstance(out, tuple) else out
-            outs.append(out.detach().cpu())
+            outs.append(out.detach())
     finally:
         for hd in handles:
             hd.remove()
     if "pe" not in pos:
         raise UnsupportedModelError("the attention modules did not receive position_embeddings; unsupported model")
-    return torch.cat(outs), [torch.cat(c) for c in captured], pos["pe"]
+    return outs.result(), [c.result() for c in captured], pos["pe"]
 
 
 def progress_over(it: Iterable, desc: str, enabled: bool):

@@ -67,17 +67,21 @@ THIN = "thin"  # part metadata: "1" = the block's transforms only (folded again 
 
 @dataclass
 class StreamReport:
-    """Per-block costs (seconds to load, run and calibrate; resident memory) and the per-layer reports."""
+    """Per-block costs (seconds to load, run and calibrate; resident memory) and the per-layer reports. A resumed
+    run's ``blocks`` start with the ``resumed_blocks`` finished by earlier calls (their costs as recorded then);
+    ``seconds`` is this call's wall time."""
 
     blocks: list[dict] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)
     bank_bytes: int = 0
     block_bytes_max: int = 0
     seconds: float = 0.0
+    resumed_blocks: int = 0
 
     def to_dict(self) -> dict:
         return {"blocks": self.blocks, "layers": self.layers, "bank_bytes": self.bank_bytes,
-                "block_bytes_max": self.block_bytes_max, "seconds": self.seconds}
+                "block_bytes_max": self.block_bytes_max, "seconds": self.seconds,
+                "resumed_blocks": self.resumed_blocks}  # fmt: skip
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -217,7 +221,10 @@ def calibrate_streamed(
             child.to("meta")  # the embedding is needed for block 0's inputs only
     if start:
         h = _replay_finished(start, blocks, attn_of_block, work, reader, prefix, spec, h, block_kwargs, config, device)
-    report = StreamReport(bank_bytes=3 * h.numel() * h.element_size())
+    report = StreamReport(bank_bytes=3 * h.numel() * h.element_size(), resumed_blocks=start)
+    if start:
+        with open(work / PROGRESS) as f:
+            report.blocks = list(json.load(f)["blocks"][:start])  # the earlier calls' blocks, costs as recorded
     n_train = config.train_seqs
     for b in range(start, len(blocks)):
         block, stats = blocks[b], {"block": b}

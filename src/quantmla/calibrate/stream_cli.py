@@ -104,7 +104,8 @@ def run_stream(args) -> int:
     if args.report:
         write_result(rep.to_dict(), args.report, force=args.force)
     print(args.out)
-    print(json.dumps({"blocks": len(rep.blocks), "seconds": round(rep.seconds, 1),
+    print(json.dumps({"blocks": len(rep.blocks) - rep.resumed_blocks, "resumed_blocks": rep.resumed_blocks,
+                      "seconds": round(rep.seconds, 1),
                       "block_bytes_max": rep.block_bytes_max, "bank_bytes": rep.bank_bytes}))  # fmt: skip
     return 0
 
