@@ -1,7 +1,7 @@
 """Running a decoder model block by block: the hidden states entering block 0, then each block's outputs and the
 inputs of its MLA attention modules (forward pre-hooks), with only the current block on the accelerator and the
 captured banks on the CPU (in page-locked memory when the block runs on a GPU: a copy between the GPU and pageable
-memory runs at a few GB/s, ~1.5 s per SmolLM2 block at the paper's banks, and makes the host wait). Used by
+memory runs at a few GB/s, ~1-1.5 s per SmolLM2 block at the paper's banks, and makes the host wait). Used by
 calibration (:mod:`quantmla.calibrate.trainer`, :mod:`quantmla.calibrate.stream`) and the error analysis
 (:mod:`quantmla.analysis`)."""
 
