@@ -106,6 +106,9 @@ def test_calibrate_config_accepts_known_keys(tmp_path):
     assert c.rope_weighting == "attention"  # ours unless asked; the paper's objective by name
     args = build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", "--rope-weighting", "uniform"])
     assert config_from_args(args).rope_weighting == "uniform"
+    assert c.matmul_precision == "fp32"  # full fp32 unless asked
+    args = build_parser().parse_args(["calibrate-stream", "--model", "m", "--out", "o", "--matmul-precision", "tf32"])
+    assert config_from_args(args).matmul_precision == "tf32"
 
 
 def test_calibrate_rejects_an_unknown_rope_weighting(tmp_path, capsys):

@@ -93,6 +93,9 @@ def test_config_roundtrip_and_validation():
     for bad in (dict(method="gptq"), dict(batch_size=0), dict(warmup_frac=1.0), dict(device="tpu")):
         with pytest.raises(ValueError):
             CalibrationConfig(**bad)
+    with pytest.raises(ValueError, match="matmul_precision='bf16'; choose one of"):
+        CalibrationConfig(matmul_precision="bf16")
+    assert CalibrationConfig.from_dict({"version": 1}).matmul_precision == "fp32"  # recorded before the option
     with pytest.raises(ValueError, match="unknown"):
         CalibrationConfig.from_dict({"nope": 1})
 
@@ -233,3 +236,55 @@ def test_training_steps_draw_their_batches_in_the_seeded_order(monkeypatch):
             idx = torch.randint(n, (min(cfg.batch_size, n),), generator=gen)
             want_q = sample_queries(seq, cfg.query_tokens, gen)
             assert torch.equal(hidden, prob.banks.train[idx]) and torch.equal(qidx, want_q)
+
+
+def test_matmul_precision_holds_inside_calibration_only(monkeypatch):
+    """``tf32`` switches CUDA fp32 GEMMs to TF32 while each attention module is calibrated (``fp32`` forces full
+    fp32 there even when the process allows TF32) and the process's setting comes back after; on the CPU the
+    learned transforms are the same bit for bit (TF32 is a CUDA matter)."""
+    from quantmla.calibrate import trainer
+
+    m = torch.backends.cuda.matmul
+    seen, real_path = [], trainer._path
+
+    def path(*a, **k):
+        seen.append(m.fp32_precision)
+        return real_path(*a, **k)
+
+    monkeypatch.setattr(trainer, "_path", path)
+    tokens = torch.randint(3, 128, (6, 64), generator=torch.Generator().manual_seed(3))
+    cfg = CalibrationConfig(seq_len=64, train_seqs=4, val_seqs=2, steps_content=4, steps_rope=4, query_tokens=16,
+                            sink=2, local=8, progress=False)  # fmt: skip
+    before = m.fp32_precision
+    out = {}
+    for prec in ("tf32", "fp32"):
+        seen.clear()
+        model = tiny_model("deepseek_v2")
+        calibrate_model(model, FMT, tokens, CalibrationConfig.from_dict({**cfg.to_dict(), "matmul_precision": prec}))
+        assert seen and set(seen) == {"tf32" if prec == "tf32" else "ieee"} and m.fp32_precision == before
+        out[prec] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(out["tf32"][k], out["fp32"][k]) for k in out["fp32"])
+    m.fp32_precision = "tf32"  # a process that allows TF32: fp32 calibration still computes in fp32, then restores
+    try:
+        seen.clear()
+        calibrate_model(tiny_model("deepseek_v2"), FMT, tokens, cfg)
+        assert set(seen) == {"ieee"} and m.fp32_precision == "tf32"
+    finally:
+        m.fp32_precision = before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tf32_calibration_on_cuda_lands_near_fp32():
+    """TF32 products (10-bit mantissas) are far finer than the 2-bit content quantization the objective measures:
+    the transforms learned with them validate within 5% of the fp32-learned ones, and below the identity."""
+    tokens = torch.randint(3, 128, (10, 128), generator=torch.Generator().manual_seed(4))
+    cfg = CalibrationConfig(seq_len=128, train_seqs=8, val_seqs=2, steps_content=30, steps_rope=30,
+                            query_tokens=32, sink=2, local=8, device="cuda", progress=False)  # fmt: skip
+    s = {}
+    for prec in ("fp32", "tf32"):
+        one = CalibrationConfig.from_dict({**cfg.to_dict(), "matmul_precision": prec})
+        s[prec] = calibrate_model(_outlier_model(), FMT, tokens, one).summary()
+    for path in ("content", "rope"):
+        got, want = s["tf32"][f"{path}_val_chosen"], s["fp32"][f"{path}_val_chosen"]
+        assert got <= s["tf32"][f"{path}_val_identity"] and abs(got - want) <= 0.05 * want, (path, got, want)

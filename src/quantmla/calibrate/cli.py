@@ -19,7 +19,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from quantmla.calibrate.config import METHODS, ROPE_WEIGHTINGS, CalibrationConfig
+from quantmla.calibrate.config import MATMUL_PRECISIONS, METHODS, ROPE_WEIGHTINGS, CalibrationConfig
 from quantmla.models.names import MODEL_HELP
 
 
@@ -72,6 +72,9 @@ def add_calibration_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink", type=int, help="cache policy: leading tokens kept in BF16 (default 4)")
     p.add_argument("--local", type=int, help="cache policy: recent tokens kept in BF16 (default 128)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default=None,
+                   help="the objectives' GEMMs on CUDA: fp32 (default) or tf32 (TF32 tensor cores: several times "
+                        "faster on big models; see docs/calibrate.md)")  # fmt: skip
 
 
 _FLAG_FIELDS = (
@@ -90,6 +93,7 @@ _FLAG_FIELDS = (
     "sink",
     "local",
     "rope_weighting",
+    "matmul_precision",
 )
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -243,6 +244,32 @@ def calibrate_attention(
     layer: int,
 ) -> tuple[ContentTransform | None, RopeTransform | None, LayerReport]:
     """Build one attention module's transforms with ``config.method`` (not folded yet) and report them."""
+    with matmul_precision(config.matmul_precision):
+        return _calibrate_attention(attn, spec, fmt, banks, config, device, layer)
+
+
+@contextmanager
+def matmul_precision(name: str) -> Iterator[None]:
+    """CUDA fp32 GEMMs in full fp32 (``fp32``) or on TF32 tensor cores (``tf32``) inside the block; the process's
+    setting is restored on exit. A CPU computes fp32 either way."""
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):  # torch >= 2.9
+        old = m.fp32_precision
+        m.fp32_precision = "tf32" if name == "tf32" else "ieee"
+        try:
+            yield
+        finally:
+            m.fp32_precision = old
+    else:
+        old = m.allow_tf32
+        m.allow_tf32 = name == "tf32"
+        try:
+            yield
+        finally:
+            m.allow_tf32 = old
+
+
+def _calibrate_attention(attn, spec, fmt, banks, config, device, layer):
     t0 = time.time()
     w = extract_layer_weights(attn).to(device=device, dtype=torch.float32)
     prob = LayerProblem(w, spec, banks, fmt, config, device, seed=config.seed * 100003 + layer * 97)
