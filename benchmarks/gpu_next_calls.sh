@@ -3,37 +3,38 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9: session 24 timed FlashMLA round-robin (`bench_decode.py --rounds 3`: C8R8 1.50x, C4R4 1.64-1.84x at
-#     the named shapes; FlashMLA's first timing at a shape is ~7% slow at B8 x 32K / B32 x 4K, so `bench` and `heads`
-#     below pass --rounds ${ROUNDS:-3}) and found B32 x 128K times wandering 5-10% within a call for every kernel
-#     (decode_footprint_h200_s24.md: not the memory footprint). Open: our BF16 at B32 x 4K is 0.87-0.88x FlashMLA
-#     (bar 0.9x) once that bias is gone -- a split sweep (`--formats bf16,bf16/s2,bf16/s4,bf16/s8,bf16/s16 --shapes
-#     32x4096,8x32768 --rounds 3`) is the first look. A kernel change needs a new lever first (docs/kernels.md), then
-#     `variants` with VARIANT_TESTS=1 (carry .fmbuild, or build FlashMLA first: `PYTHONPATH=src
-#     QUANTMLA_COMMIT=<sha> python benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out
-#     $OUT/b --tag h200_s25_bf16 --formats bf16 --shapes 32x32768` then `mkdir -p .fmbuild && cp
-#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`). Ride-along for the kit's first carry call (carry
-#     .gpucarry_1 and .fmbuild together: ~56 MiB): a bench_decode run of ~70 s. Ride-along for the second carry call
-#     (issue 12, no kit needed, ~1 min): `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python benchmarks/calib_profile.py
-#     --out $OUT/b --tag h200_s25` -- where a paper-budget calibration step spends its time (device, host, waits):
-#     ~300 s per QuantMLA calibration, 11 still to run; if the steps are host-bound, a captured training step
-#     (same kernels, same numbers) could shorten the rest of the table severalfold.
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 25 units left
-#     after session 24 (C2R4 SmoothQuant / QuaRot / quantmla-attnw seed 0, then seeds 1-2 of quantmla and
-#     quantmla-attnw at C4R4 and C2R4; ~55 min of H200). A state file over 16 MiB (variant b's transforms, 17 MiB)
-#     now travels as byte parts that carry_in joins. QuantMLA calibration ~290-305 s before session 24 removed the host waits from the training step (bit-identical
-#     on the CPU; the json's per-unit seconds show what it bought), retrieval ~175-226 s per unit.
+# (1) issue 9: session 25's split sweep (decode_vs_flashmla_h200_s25_bf16split.md) found the default split count
+#     already the best for BF16 at B32 x 4K (0.88x FlashMLA): what is left there is per-CTA work, not the split
+#     choice. A kernel change needs a new lever first (docs/kernels.md), then `variants` with VARIANT_TESTS=1
+#     (carry .fmbuild, or build FlashMLA first: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
+#     benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT/b --tag
+#     h200_s26_bf16 --formats bf16 --shapes 32x32768` then `mkdir -p .fmbuild && cp
+#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`).
+#     Ride-along for the kit's first carry call (issue 12, no kit needed, ~2 min, carry .gpucarry_1):
+#     `PYTHONPATH=src timeout 150 python -m pytest -q -m gpu tests/calibrate; PYTHONPATH=src QUANTMLA_COMMIT=<sha>
+#     timeout 240 python benchmarks/calib_profile.py --layers 1 --steps 100 --out $OUT/b --tag h200_s26` -- the GPU
+#     tests of session 25's page-locked banks and TF32 option, then fp32 vs tf32 calibration side by side with the
+#     banks page-locked (session 25's profile, before: 1.6 s of pageable copies for one block; its default 2 layers
+#     x 100 steps ran past 150 s under the profiler, so 1 layer).
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 17 units left
+#     after session 25 (b/c2r4/quantmla-attnw/s0/niah, then seeds 1-2 -- calibration + perplexity, no retrieval --
+#     of quantmla and quantmla-attnw at C4R4 and C2R4: 8 calibrations of ~290-300 s before session 25's page-locked
+#     banks, ~17 s per perplexity unit, ~275 s for the retrieval: ~47 min of H200). To finish the default method's
+#     row first, pass `--seed-methods quantmla-attnw` (9 units, ~26 min), then `quantmla,quantmla-attnw` for the
+#     uniform objective's seeds. A state file over 16 MiB (variant b's transforms, 17 MiB) travels as byte parts
+#     that carry_in joins. The json now records a calibration's seconds over all its calls and per block per phase
+#     (`blocks_phases_s`: load / forward / calibrate) -- compare with ~9.5 s per block before.
 #     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
 #     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
 #     on the same warm machine, carry [".fbcarry"] (each chunk also keeps its hand-over in /root/keep/fb_last, so
-#     the next chunk on a warm machine needs no copy here first -- session 24 lost a warm machine, and the kit, to
-#     the ~30 s of copying files between two chunks):
+#     the next chunk on a warm machine needs no copy here first):
 #     `source benchmarks/device_smollm2_setup.sh && CIN=.fbcarry; [ -d /root/keep/fb_last ] &&
 #     CIN=/root/keep/fb_last; QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 555
 #     --resume --tag paper --carry-in $CIN --carry-out $OUT/fb --work /root/keep/fb_work --variants a,b --methods
-#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla,quantmla-attnw; rm -rf
-#     /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf /root/keep/fb_last && mv
-#     /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; the session's last chunk with --whole-units). Here,
+#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla-attnw 2>&1 | grep -v
+#     "it/s]" | tail -15; rm -rf /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf
+#     /root/keep/fb_last && mv /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; a calibration stops after
+#     a finished block and resumes there, so the last chunk of a session can use whatever budget is left). Here,
 #     after every chunk (for a machine lost in between): `rm -rf .fbcarry && mkdir .fbcarry && cp <files_at>/fb/*
 #     .fbcarry/`; after the session's last, full_budget_paper.{json,md,png} to benchmarks/results.
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
