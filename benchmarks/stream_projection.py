@@ -204,10 +204,13 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help="shrink widths / experts by this factor (CPU smoke runs)")
     ap.add_argument("--workdir", default="/tmp/quantmla_stream_block")
     ap.add_argument("--tag", default=None, help="results/stream_projection_<tag>.{json,md} (default: the model)")
+    ap.add_argument("--matmul-precision", default="fp32", choices=("fp32", "tf32"),
+                    help="CalibrationConfig.matmul_precision of the measured block (tf32: TF32 tensor cores)")
     args = ap.parse_args()
     from quantmla.calibrate.config import CalibrationConfig
 
-    cal = CalibrationConfig.preset(args.preset, device=args.device, progress=False)
+    cal = CalibrationConfig.preset(args.preset, device=args.device, progress=False,
+                                   matmul_precision=args.matmul_precision)  # fmt: skip
     c = MODELS[args.model]
     res = {"model": args.model, "preset": args.preset, "calibration": cal.to_dict(), "analytic": analytic(c, cal),
            "assumptions": ASSUME, "layers": c["num_hidden_layers"]}  # fmt: skip
