@@ -16,6 +16,12 @@
 #     tests of session 25's page-locked banks and TF32 option, then fp32 vs tf32 calibration side by side with the
 #     banks page-locked (session 25's profile, before: 1.6 s of pageable copies for one block; its default 2 layers
 #     x 100 steps ran past 150 s under the profiler, so 1 layer).
+#     Ride-along for the kit's second carry call (issue 12, ~3 min, no kit needed): `PYTHONPATH=src
+#     QUANTMLA_COMMIT=<sha> timeout 300 python benchmarks/stream_projection.py --model deepseek-v3 --measure
+#     --matmul-precision tf32 --tag deepseek-v3-tf32 --workdir /tmp/v3blk; cp
+#     benchmarks/results/stream_projection_deepseek-v3-tf32.* $OUT/` -- one real-shape V3 block with TF32 calibration
+#     GEMMs (the fp32 measurement in stream_projection_deepseek-v3.md: 1.8 / 10.0 / 71.2 s load / forward /
+#     calibrate, 1.41 h for 61 blocks).
 # (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 17 units left
 #     after session 25 (b/c2r4/quantmla-attnw/s0/niah, then seeds 1-2 -- calibration + perplexity, no retrieval --
 #     of quantmla and quantmla-attnw at C4R4 and C2R4: 8 calibrations of ~290-300 s before session 25's page-locked
