@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in precisions:
         run(model(), cfgs[p])  # warm-up: kernels, allocator, cuBLAS handles
         w, r = run(model(), cfgs[p])
+        val = r.summary()
         timed[p] = {"wall_s": round(w, 2), "layer_s": [round(x.seconds, 2) for x in r.layers],
-                    "content_val_chosen": r.summary()["content_val_chosen"],
-                    "rope_val_chosen": r.summary()["rope_val_chosen"]}  # fmt: skip
+                    "content_val_chosen": val["content_val_chosen"], "rope_val_chosen": val["rope_val_chosen"]}
         print(f"{p}: wall {w:.2f} s, layers {timed[p]['layer_s']} s", flush=True)
     wall, layer_s = timed[precisions[0]]["wall_s"], timed[precisions[0]]["layer_s"]
     acts = [torch.profiler.ProfilerActivity.CPU] + (
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"),
             "commit": os.environ.get("QUANTMLA_COMMIT", "unknown"), "command": " ".join(sys.argv),
-            "layers": args.layers, "steps_per_path": args.steps, "wall_s": round(wall, 2), "layer_s": layer_s,
+            "layers": args.layers, "steps_per_path": args.steps,
             "ms_per_step_upper_bound": round(1e3 * wall / steps, 2), "precisions": timed}  # fmt: skip
     top_dev = sorted(rows, key=lambda r: -r["device_ms"])[:15]
     top_host = sorted(rows, key=lambda r: -r["host_ms"])[:15]
@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"## {title}", "", "| op | calls | host ms | device ms |", "|---|---|---|---|"]
         lines += [f"| `{r['op'][:60]}` | {r['calls']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} |" for r in sel]
         lines.append("")
-    os.makedirs(args.out, exist_ok=True)
     write_results(os.path.join(args.out, f"calib_profile_{args.tag}"),
                   {".json": json.dumps({"meta": meta, "ops": rows}, indent=1), ".md": "\n".join(lines)})  # fmt: skip
     print("\n".join(lines))

@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     whole = dataclasses.replace(shipped, name="c4r4-g512",
                                 content=dataclasses.replace(shipped.content, group_size=512))
     formats.FORMATS[whole.name] = whole  # a name of its own: nothing keyed by "c4r4" can hand back the other
+    settings = (("128 channels (shipped)", shipped), ("one per token", whole))
     dc, dr = base.config.kv_lora_rank, base.config.qk_rope_head_dim
-    bpt = {g: f.adapted(dc, dr).bytes_per_token(dc, dr)
-           for g, f in (("128 channels (shipped)", shipped), ("one per token", whole))}  # fmt: skip
+    bpt = {g: f.adapted(dc, dr).bytes_per_token(dc, dr) for g, f in settings}
     rows = []
     for corpus in args.corpora.split(","):
         ids = token_stream(tok, corpus, "test", args.tokens)
         ref = reference_logprobs(base, ids, context=args.context)
-        for groups, fmt in (("128 channels (shipped)", shipped), ("one per token", whole)):
+        for groups, fmt in settings:
             cache = make_cache(base, CacheSpec(fmt.name))
             want = fmt.adapted(dc, dr)  # groups > width: one
             if cache.fmt is None or cache.fmt.content != want.content:
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             "commit": os.environ.get("QUANTMLA_COMMIT", "unknown"), "command": " ".join(sys.argv),
             "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "tokens": args.tokens,
             "context": args.context, "bytes_per_token_smollm2": bpt,
-            "bytes_per_token_deepseek": {g: f.bytes_per_token() for g, f in
-                                         (("128 channels (shipped)", shipped), ("one per token", whole))}}  # fmt: skip
+            "bytes_per_token_deepseek": {g: f.bytes_per_token() for g, f in settings}}  # fmt: skip
     lines = [f"# C4R4 content groups: 128 channels vs one per token, SmolLM2-MLA ({meta['date']}, commit "
              f"{meta['commit']})", "",
              f"`{meta['command']}` on {meta['device']}: {args.tokens} test tokens per corpus in windows of "
@@ -84,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
              "| corpus | content groups | method | ppl | KL | top-1 |", "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['corpus']} | {r['content_groups']} | {r['method']} | {r['ppl']:.3f} | {1e3 * r['kl']:.2f} | "
               f"{r['top1']:.3f} |" for r in rows]  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     write_results(os.path.join(args.out, f"content_groups_{args.tag}"),
                   {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines)})  # fmt: skip
     print("\n".join(lines))

@@ -196,6 +196,8 @@ def measure(c: dict, cal, device: torch.device, workdir: str, scale: int) -> dic
 
 
 def main() -> None:
+    from quantmla.calibrate.config import MATMUL_PRECISIONS, CalibrationConfig
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
     ap.add_argument("--preset", default="paper", help="calibration preset (paper = Table 7)")
@@ -204,11 +206,9 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=1, help="shrink widths / experts by this factor (CPU smoke runs)")
     ap.add_argument("--workdir", default="/tmp/quantmla_stream_block")
     ap.add_argument("--tag", default=None, help="results/stream_projection_<tag>.{json,md} (default: the model)")
-    ap.add_argument("--matmul-precision", default="fp32", choices=("fp32", "tf32"),
+    ap.add_argument("--matmul-precision", default="fp32", choices=MATMUL_PRECISIONS,
                     help="CalibrationConfig.matmul_precision of the measured block (tf32: TF32 tensor cores)")
     args = ap.parse_args()
-    from quantmla.calibrate.config import CalibrationConfig
-
     cal = CalibrationConfig.preset(args.preset, device=args.device, progress=False,
                                    matmul_precision=args.matmul_precision)  # fmt: skip
     c = MODELS[args.model]

@@ -254,19 +254,15 @@ def matmul_precision(name: str) -> Iterator[None]:
     setting is restored on exit. A CPU computes fp32 either way."""
     m = torch.backends.cuda.matmul
     if hasattr(m, "fp32_precision"):  # torch >= 2.9
-        old = m.fp32_precision
-        m.fp32_precision = "tf32" if name == "tf32" else "ieee"
-        try:
-            yield
-        finally:
-            m.fp32_precision = old
+        attr, value = "fp32_precision", "tf32" if name == "tf32" else "ieee"
     else:
-        old = m.allow_tf32
-        m.allow_tf32 = name == "tf32"
-        try:
-            yield
-        finally:
-            m.allow_tf32 = old
+        attr, value = "allow_tf32", name == "tf32"
+    old = getattr(m, attr)
+    setattr(m, attr, value)
+    try:
+        yield
+    finally:
+        setattr(m, attr, old)
 
 
 def _calibrate_attention(attn, spec, fmt, banks, config, device, layer):
