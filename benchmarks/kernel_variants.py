@@ -79,6 +79,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     # C8R8's output product on the fp16 magic numbers 1024 + c as they are, the offset through the exact fp16 P s
     # (written offline in session 22: C8R8 main loop 1,469 -> 1,372 SASS instructions; the 4-bit formats untouched)
     "pvmagic8": {"QMLA_SM90_PV_MAGIC8": 1},
+    # spike (session 26, offline: C4R4 main loop 1,420 -> 1,185 SASS instructions per warp and tile, C2R4 1,388 ->
+    # 1,150): ONE content scale / offset per token -- one score accumulator for the content, one fold, one (P s)^T
+    # tile. Only right on pages whose four group scales are equal: run every variant with --equal-content-scales
+    "tokscale": {"QMLA_SM90_TOKEN_SCALE": 1},
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }
@@ -139,7 +143,7 @@ def compile_report(names: list[str], root: Path) -> None:
 
 
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
-        tests: bool = False, flashmla_prebuilt: str | None = None) -> None:  # fmt: skip
+        tests: bool = False, flashmla_prebuilt: str | None = None, equal_scales: bool = False) -> None:  # fmt: skip
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -151,6 +155,8 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         vtag = f"variant_{tag}_{label(name)}"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
+        if equal_scales:
+            cmd.append("--equal-content-scales")
         if flashmla_prebuilt and name == names[0]:  # FlashMLA's rows once, in the first variant's run
             cmd += ["--flashmla-prebuilt", flashmla_prebuilt]
         print(f"== {label(name)}: {defines(name)}", flush=True)
@@ -238,6 +244,8 @@ def main() -> None:
     ap.add_argument("--flashmla-prebuilt", default=None,
                     help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
                          "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip
+    ap.add_argument("--equal-content-scales", action="store_true",
+                    help="run: pages with one content scale per token (bench_decode.py), for the tokscale variant")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)
@@ -245,7 +253,8 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
+        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt,
+            a.equal_content_scales)
 
 
 if __name__ == "__main__":

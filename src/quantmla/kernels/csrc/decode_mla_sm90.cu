@@ -59,6 +59,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // with one LOP3 in place -- one shared 8-bit shift per register for the upper byte -- and exact c with one HFMA2,
   // instead of bf16's shift + LOP3 + FMA per pair; P s then needs the 2^k scaling below, and carries 11 bits)
   constexpr bool kF16Out = kC8 || QMLA_SM90_PV_F16;
+  // QMLA_SM90_TOKEN_SCALE (spike, mla_sm90_cfg.cuh): one content scale / offset per token -- the content groups share
+  // one score accumulator (started at the sum of the four groups' starts), one fold and one (P s)^T tile
+  constexpr bool kTS = QMLA_SM90_TOKEN_SCALE && RB == 4 && CB != 8 && QMLA_SM90_SCORE_RUN >= 1;
+  constexpr int NPT = kTS ? 1 : 4;  // (P s)^T tiles, offset sums and scale vectors per tile
   static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
   static_assert(RB == 4 || RB == 8, "RoPE bits");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -102,6 +106,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow>(smem + C::QT, qst, exp2i(-e), qb);
   const float two_e = exp2i(e);
   const uint32_t qt_u = smem_u32(smem + C::QT);
+  if constexpr (kTS) {  // row 0 of the starts and q sums becomes the whole content's (read after the loop's barrier)
+    if (tid < NH) {
+      float a = 0.f, q = 0.f;
+#pragma unroll
+      for (int gr = 0; gr < 4; ++gr) {
+        a += qb[gr * NH + tid];
+        q += qb[5 * NH + gr * NH + tid];
+      }
+      qb[tid] = a;
+      qb[5 * NH + tid] = q;
+    }
+  }
 
   const Desc qdesc(wgmma_desc(qt_u, 128, 256)), pdesc(wgmma_desc(smem_u32(smem + C::PT), 128, 256));
 
@@ -143,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     constexpr int kSets = kRun ? 2 : 5;
     float sacc[kSets][NH / 2];
-    auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
+    auto slot = [](int gr) { return kTS ? (gr == 4 ? 1 : 0) : kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
     auto init_acc = [&](int gr) {  // the accumulator start of group gr (mla_swapab.cuh stage_qt)
       float iv[NC];
       load_row<NC>(iv, qb + gr * NH + t * NC);
@@ -154,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       fence_operands(sacc[slot(gr)]);
     };
 #pragma unroll
-    for (int gr = 0; gr < kSets; ++gr) init_acc(gr);
+    for (int gr = 0; gr < kSets; ++gr) init_acc(kTS && gr == 1 ? 4 : gr);
     float srun[2][NC];  // kRun: the score so far, s_g S_g + o_g qsum_g summed over the folded groups
     auto fold = [&](int gr) {  // kRun: group gr's products are complete (the caller waited): srun += its term
       fence_operands(sacc[slot(gr)]);
@@ -215,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int j = 0; j < NB; ++j) {
         uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
         if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
-        if constexpr (kRun) {  // the first batch of content group gr >= 2 or of RoPE (gr = 4): group gr - 2 is done
+        if constexpr (kRun && !kTS) {  // the first batch of content group gr >= 2 or of RoPE (gr = 4): group gr - 2 is done
           constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
           const int gr = j < NBC ? 2 * j / CPG : 4;
           if ((j < NBC ? (2 * j) % CPG == 0 : j == NBC) && gr >= 2) {
@@ -258,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
     if constexpr (kRun) {
-      fold(3);
+      fold(kTS ? 0 : 3);
       fold(4);
     } else {
 #pragma unroll
@@ -299,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     if constexpr (kF16Out) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
       float sm = 0.f;
 #pragma unroll
-      for (int gr = 0; gr < 4; ++gr)
+      for (int gr = 0; gr < NPT; ++gr)
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
 #pragma unroll
@@ -339,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         m_run[c] = m_new;
         l_run[c] *= alpha[c];
 #pragma unroll
-        for (int gi = 0; gi < NG; ++gi) po[gi][c] *= alpha[c];
+        for (int gi = 0; gi < NPT; ++gi) po[gi][c] *= alpha[c];
       }
 #pragma unroll
       for (int i = 0; i < 2 * NG; ++i)
@@ -368,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const float magic_off = kMagic8 ? -1152.f * exp2i(-k_run) : 0.f;
     const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
 #pragma unroll
-    for (int gi = 0; gi < NG; ++gi) {
+    for (int gi = 0; gi < NPT; ++gi) {
       float sp[2];  // P s (2^k_run) per token slot ri
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
@@ -424,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     if constexpr (kC8)
       pv_product_c8<C, NH, kMagic8>(oacc, st_u, pdesc, warp, lane);
     else
-      pv_product_packed<CB, C, NH, kF16Out>(oacc, Rv, vshift, pv_addr, pdesc);
+      pv_product_packed<CB, C, NH, kF16Out, kTS>(oacc, Rv, vshift, pv_addr, pdesc);
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -434,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   __syncthreads();
   heads_sum_to(red, l_run, warp, g, t);
 #pragma unroll
-  for (int gi = 0; gi < NG; ++gi) heads_sum_to(roff + gi * kHeads * 4, po[gi], warp, g, t);
+  for (int gi = 0; gi < NPT; ++gi) heads_sum_to(roff + gi * kHeads * 4, po[gi], warp, g, t);
   __syncthreads();
   float inv_l[NC], corr[NG][NC];
   const float o_down = kF16Out ? exp2i(-k_run) : 1.f;
@@ -445,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const float l = head_total(red, c, t);
     inv_l[c] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-    for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(roff + gi * kHeads * 4, c, t);
+    for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(roff + (kTS ? 0 : gi) * kHeads * 4, c, t);
     if (warp == 0 && g == 0 && h0 + h < p.H)
       p.pl[row0 + h0 + h] = l > 0.f ? m_run[c] + log2f(l) : -INFINITY;
   }

@@ -62,14 +62,15 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
 
 // 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batch 0's
 // ldmatrix.trans (issued before the P barrier), and each batch loads the next one ahead from addr(j + 1). F16OUT:
-// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2), else exact bf16.
-template <int CB, class C, int NH, bool F16OUT, class Addr>
+// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2), else exact bf16. TS (QMLA_SM90_TOKEN_SCALE): one (P s)^T
+// tile serves every group.
+template <int CB, class C, int NH, bool F16OUT, bool TS, class Addr>
 __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 2], uint32_t (&Rv)[4], int vshift,
                                                   Addr&& addr, const Desc& pdesc) {
   constexpr int NG = C::NG, F = C::F, kKBlock = C::KB;
 #pragma unroll
   for (int j = 0; j < 2 * NG; ++j) {  // batch j: group j / 2, k-steps 2 kp and 2 kp + 1 (kp = j % 2)
-    const int gi = j / 2, kp = j % 2;
+    const int gi = j / 2, kp = j % 2, pt = TS ? 0 : gi;  // pt: the (P s)^T tile of group gi
     uint32_t R[4] = {Rv[0], Rv[1], Rv[2], Rv[3]};
     if (j + 1 < 2 * NG) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], addr(j + 1));  // one batch ahead
 #pragma unroll
@@ -103,9 +104,9 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         if constexpr (F16OUT)
-          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
         else
-          wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
       }
     wgmma_commit();
     wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
