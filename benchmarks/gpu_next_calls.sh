@@ -3,33 +3,22 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9: session 25's split sweep (decode_vs_flashmla_h200_s25_bf16split.md) found the default split count
-#     already the best for BF16 at B32 x 4K (0.88x FlashMLA): what is left there is per-CTA work, not the split
-#     choice. A kernel change needs a new lever first (docs/kernels.md), then `variants` with VARIANT_TESTS=1
-#     (carry .fmbuild, or build FlashMLA first: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
-#     benchmarks/bench_decode.py --flashmla .flashmla --flashmla-build /tmp/fmbuild --out $OUT/b --tag
-#     h200_s26_bf16 --formats bf16 --shapes 32x32768` then `mkdir -p .fmbuild && cp
-#     /tmp/fmbuild/flashmla_dense_bench.so .fmbuild/ $OUT/`).
-#     Ride-along for the kit's first carry call (issue 12, no kit needed, ~2 min, carry .gpucarry_1):
-#     `PYTHONPATH=src timeout 150 python -m pytest -q -m gpu tests/calibrate; PYTHONPATH=src QUANTMLA_COMMIT=<sha>
-#     timeout 240 python benchmarks/calib_profile.py --layers 1 --steps 100 --out $OUT/b --tag h200_s26` -- the GPU
-#     tests of session 25's page-locked banks and TF32 option, then fp32 vs tf32 calibration side by side with the
-#     banks page-locked (session 25's profile, before: 1.6 s of pageable copies for one block; its default 2 layers
-#     x 100 steps ran past 150 s under the profiler, so 1 layer).
-#     Ride-along for the kit's second carry call (issue 12, ~3 min, no kit needed): `PYTHONPATH=src
-#     QUANTMLA_COMMIT=<sha> timeout 300 python benchmarks/stream_projection.py --model deepseek-v3 --measure
-#     --matmul-precision tf32 --tag deepseek-v3-tf32 --workdir /tmp/v3blk; cp
-#     benchmarks/results/stream_projection_deepseek-v3-tf32.* $OUT/` -- one real-shape V3 block with TF32 calibration
-#     GEMMs (the fp32 measurement in stream_projection_deepseek-v3.md: 1.8 / 10.0 / 71.2 s load / forward /
-#     calibrate, 1.41 h for 61 blocks).
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 17 units left
-#     after session 25 (b/c2r4/quantmla-attnw/s0/niah, then seeds 1-2 -- calibration + perplexity, no retrieval --
-#     of quantmla and quantmla-attnw at C4R4 and C2R4: 8 calibrations of ~290-300 s before session 25's page-locked
-#     banks, ~17 s per perplexity unit, ~275 s for the retrieval: ~47 min of H200). To finish the default method's
-#     row first, pass `--seed-methods quantmla-attnw` (9 units, ~26 min), then `quantmla,quantmla-attnw` for the
-#     uniform objective's seeds. A state file over 16 MiB (variant b's transforms, 17 MiB) travels as byte parts
-#     that carry_in joins. The json now records a calibration's seconds over all its calls and per block per phase
-#     (`blocks_phases_s`: load / forward / calibrate) -- compare with ~9.5 s per block before.
+# (1) issue 9: session 26's spike `tokscale` (QMLA_SM90_TOKEN_SCALE: one content scale per token) ran 1.09-1.10x
+#     faster than the default at the long shapes (kernel_variants_h200_s26_tokscale.md: C4R4 1.88x / 1.78x FlashMLA
+#     at B32 x 32K / B8 x 128K, C2R4 2.01x / 1.90x). Next: the named formats c4r4t / c2r4t built offline
+#     (docs/kernels.md, "Next: the named format"), then `VARIANT_TESTS=1` GPU tests and `bench` with c4r4t,c2r4t
+#     beside c4r4,c2r4 and FlashMLA (--rounds 3). The spike again: `VARIANTS=base,tokscale
+#     VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma VARIANT_EQUAL_SCALES=1 QUANTMLA_COMMIT=<sha> bash
+#     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild, 107 s).
+#     (Session 26 ran the ride-alongs of the page-locked banks and TF32: calib_profile_h200_s26.md,
+#     stream_projection_deepseek-v3-tf32.md.) A device start that is refused costs 90-180 s of the budget: read
+#     `status` (none_now) before calling.
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 12 units left
+#     after session 26 (quantmla-attnw seed 2 at C4R4 -- resumes from a carried progress file -- and C2R4,
+#     calibration + perplexity each; then seeds 1-2 of the uniform objective `quantmla` at both formats). With the
+#     page-locked banks a calibration unit takes 224-234 s (was ~300), a perplexity unit ~15 s: ~50 min of H200 in
+#     all. `--seed-methods quantmla-attnw` first (4 units, ~8 min), then `quantmla,quantmla-attnw`. A state file over
+#     16 MiB (variant b's transforms, 17 MiB) travels as byte parts that carry_in joins.
 #     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
 #     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
 #     on the same warm machine, carry [".fbcarry"] (each chunk also keeps its hand-over in /root/keep/fb_last, so
