@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int j = 0; j < NB; ++j) {
         uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
         if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
-        if constexpr (kRun && !kTS) {  // the first batch of content group gr >= 2 or of RoPE (gr = 4): group gr - 2 is done
+        if constexpr (kRun && !kTS) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
           constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
           const int gr = j < NBC ? 2 * j / CPG : 4;
           if ((j < NBC ? (2 * j) % CPG == 0 : j == NBC) && gr >= 2) {
