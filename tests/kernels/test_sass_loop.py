@@ -107,3 +107,22 @@ def test_address_bases_are_the_same_addresses():
                     nn, nk = n0 + i * step, n0 + (i % per) * step
                     base = nk * cbytes + 16 * (x ^ (nk & 7))
                     assert nn * cbytes + 16 * (x ^ (nn & 7)) == base + (i // per) * 8 * cbytes
+
+
+@needs_nvcc
+def test_token_scale_spike_shares_one_p_tile_and_one_fold():
+    """QMLA_SM90_TOKEN_SCALE=1 (the one-content-scale-per-token spike, off by default): C4R4 / C2R4 write one (P s)^T
+    tile per tile instead of four and issue the same 68 products with > 200 fewer instructions around them; the
+    8-bit formats, which it does not apply to, compile to the same loop."""
+    sl = _tool()
+    ops = {}
+    for name, defines in (("base", []), ("tokscale", ["QMLA_SM90_TOKEN_SCALE=1"])):
+        sass = sl.compile_sass(defines)
+        ops[name] = {f: collections.Counter(sl.opcode(x) for x in sl.loop_of(sass, f)) for f in sl.FORMATS}
+    for f in ("c4r4", "c2r4"):
+        ts, base = ops["tokscale"][f], ops["base"][f]
+        assert ts["HGMMA.64x16x16.F32"] == base["HGMMA.64x16x16.F32"] == 68, f
+        assert sum(v for k, v in ts.items() if k.startswith("STSM")) == 1, f
+        assert sum(ts.values()) < sum(base.values()) - 200, f
+    for f in ("c8r8", "c4r8"):
+        assert ops["tokscale"][f] == ops["base"][f], f
