@@ -141,9 +141,9 @@ def equalize_content_scales(cache: PagedMLACache) -> None:
     same bytes agree. A no-op for one content group or unquantized content."""
     lay = cache.layout
     spec = lay.fmt.content
-    if spec is None or spec.num_groups(lay.kv_lora_rank) < 2:
+    groups, P = (0 if spec is None else spec.num_groups(lay.kv_lora_rank)), lay.page_size
+    if groups < 2:
         return
-    groups, P = spec.num_groups(lay.kv_lora_rank), lay.page_size
     meta = cache.pool[:, lay.meta_offset : lay.meta_offset + lay.meta_rows * P * 2].view(torch.float16)
     meta = meta.view(-1, lay.meta_rows, P)  # [pages, rows, tokens]
     rows = [lay.content_scale_row] + ([] if spec.symmetric else [lay.content_offset_row])

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = (("128 channels (shipped)", shipped), ("one per token", whole))
     dc, dr = base.config.kv_lora_rank, base.config.qk_rope_head_dim
     bpt = {g: f.adapted(dc, dr).bytes_per_token(dc, dr) for g, f in settings}
-    calibrated = {}  # grouping -> a copy of base calibrated for it (--calibrate)
+    calibrated, calibrated_for = {}, {}  # grouping -> a copy of base calibrated for it, the format it used
     if args.calibrate:
         from quantmla.calibrate.config import CalibrationConfig
         from quantmla.calibrate.trainer import calibrate_model
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         calib = token_stream(tok, split="calibration", n_tokens=n * cfg.seq_len).view(n, cfg.seq_len)
         for groups, fmt in settings:
             calibrated[groups] = copy.deepcopy(base)
-            report = calibrate_model(calibrated[groups], fmt, calib, cfg)
-            print(f"calibrated for {fmt.name} ({report.format}) at preset {args.calibrate}", flush=True)
+            calibrated_for[groups] = calibrate_model(calibrated[groups], fmt, calib, cfg).format
+            print(f"calibrated for {calibrated_for[groups]} at preset {args.calibrate}", flush=True)
     rows = []
     for corpus in args.corpora.split(","):
         ids = token_stream(tok, corpus, "test", args.tokens)
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"),
             "commit": os.environ.get("QUANTMLA_COMMIT", "unknown"), "command": " ".join(sys.argv),
             "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "tokens": args.tokens,
-            "context": args.context, "calibrate": args.calibrate, "bytes_per_token_smollm2": bpt,
+            "context": args.context, "calibrate": args.calibrate, "calibrated_for": calibrated_for,
+            "bytes_per_token_smollm2": bpt,
             "bytes_per_token_deepseek": {g: f.bytes_per_token() for g, f in settings}}  # fmt: skip
     lines = [f"# C4R4 content groups: 128 channels vs one per token, SmolLM2-MLA ({meta['date']}, commit "
              f"{meta['commit']})", "",

@@ -61,7 +61,7 @@ def test_rounds_report_the_median_and_the_per_round_ratios(tmp_path):
 def test_equal_content_scales_copies_group_0_meta_only(fmt):
     """--equal-content-scales (the whole-token-scale kernel spike's pages): every content group's scale (and offset)
     row becomes group 0's on every page; codes, RoPE meta and group 0 itself stay byte for byte."""
-    torch = pytest.importorskip("torch")
+    torch = bd.torch
     torch.manual_seed(0)
     c = bd.PagedMLACache(fmt, 2, 200, policy=bd.POLICY, device="cpu", shuffle=True, seed=1)
     c.write(torch.randn(2, 200, bd.DC).bfloat16(), torch.randn(2, 200, bd.DR).bfloat16(), [200, 130])

@@ -34,6 +34,7 @@ def test_content_groups_calibrates_each_grouping(tmp_path):
     assert cg.main(args + ["--tag", "c", "--calibrate", "smoke"]) == 0
     res = json.loads((tmp_path / "content_groups_c.json").read_text())
     assert res["meta"]["calibrate"] == "smoke"
+    assert res["meta"]["calibrated_for"] == {"128 channels (shipped)": "c4r4", "one per token": "c4r4-g512"}
     rows = {(r["content_groups"], r["method"]): r for r in res["rows"]}
     mine = "QuantMLA (calibrated for these groups, smoke)"
     for g in ("128 channels (shipped)", "one per token"):
