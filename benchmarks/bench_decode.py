@@ -45,7 +45,7 @@ DC, DR = 512, 64
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
 POLICY = CachePolicy(sink=4, local=128, page_size=64)
-FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
+FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4", "c4r4t", "c2r4t"]
 SHAPES = "32x4096,32x32768,32x131072,8x32768,8x131072,1x131072"
 REL_TOL, LSE_TOL = 5e-3, 2e-2
 
@@ -137,7 +137,7 @@ def build_cache(fmt: str, kv: torch.Tensor, lens: list[int], seed: int) -> Paged
 def equalize_content_scales(cache: PagedMLACache) -> None:
     """Every content group of a token gets group 0's scale and offset (meta rows copied in place, every page): pages
     a whole-token content scale would hold, in today's byte layout, so that the kernel spike
-    ``QMLA_SM90_TOKEN_SCALE=1`` (one scale per token, the other groups' rows unread) and the torch reference of the
+    ``QMLA_SM90_TOKEN_SCALE=1`` (session 26; now the C4R4T / C2R4T formats) and the torch reference of the
     same bytes agree. A no-op for one content group or unquantized content."""
     lay = cache.layout
     spec = lay.fmt.content
@@ -374,7 +374,7 @@ def main() -> None:
                          "and the spread of the speed-ups (default 1)")  # fmt: skip
     ap.add_argument("--equal-content-scales", action="store_true",
                     help="give every content group of a token group 0's scale and offset after writing (pages a "
-                         "whole-token content scale would hold), for the kernel spike QMLA_SM90_TOKEN_SCALE")
+                         "whole-token scale would hold in C4R4's layout: session 26's spike, now the T formats)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()

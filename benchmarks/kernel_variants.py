@@ -79,10 +79,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     # C8R8's output product on the fp16 magic numbers 1024 + c as they are, the offset through the exact fp16 P s
     # (written offline in session 22: C8R8 main loop 1,469 -> 1,372 SASS instructions; the 4-bit formats untouched)
     "pvmagic8": {"QMLA_SM90_PV_MAGIC8": 1},
-    # spike (session 26, offline: C4R4 main loop 1,420 -> 1,185 SASS instructions per warp and tile, C2R4 1,388 ->
-    # 1,150): ONE content scale / offset per token -- one score accumulator for the content, one fold, one (P s)^T
-    # tile. Only right on pages whose four group scales are equal: run every variant with --equal-content-scales
-    "tokscale": {"QMLA_SM90_TOKEN_SCALE": 1},
+    # (session 26's spike "tokscale", QMLA_SM90_TOKEN_SCALE, is the T formats' instantiation now: --formats c4r4t)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
 }
@@ -245,7 +242,7 @@ def main() -> None:
                     help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
                          "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip
     ap.add_argument("--equal-content-scales", action="store_true",
-                    help="run: pages with one content scale per token (bench_decode.py), for the tokscale variant")
+                    help="run: every group scale of a page equal to group 0's (bench_decode.py --equal-content-scales)")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)

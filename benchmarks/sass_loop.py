@@ -22,8 +22,10 @@ import sys
 import tempfile
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "quantmla", "kernels", "csrc")
-# (content bits, RoPE bits, content symmetric, RoPE symmetric): the instantiation each format's cache uses
-FORMATS = {"c4r4": (4, 4, 0, 0), "c2r4": (2, 4, 0, 0), "c8r8": (8, 8, 1, 1), "c4r8": (4, 8, 0, 1)}
+# (content bits, RoPE bits, content symmetric, RoPE symmetric, one content scale per token): the instantiation each
+# format's cache uses
+FORMATS = {"c4r4": (4, 4, 0, 0, 0), "c2r4": (2, 4, 0, 0, 0), "c8r8": (8, 8, 1, 1, 0), "c4r8": (4, 8, 0, 1, 0),
+           "c4r4t": (4, 4, 0, 0, 1), "c2r4t": (2, 4, 0, 0, 1)}  # fmt: skip
 
 
 def cuobjdump() -> str:
@@ -77,8 +79,8 @@ def compile_sass(defines: list[str]) -> str:
 
 def loop_of(sass: str, fmt: str) -> list[str]:
     """The main loop of the packed format's instantiation (``FORMATS``)."""
-    cb, rb, cs, rs = FORMATS[fmt]
-    return main_loop(sass, f"_ZN4qmla4sm9018decode_kernel_sm90ILi{cb}ELi{rb}ELb{cs}ELb{rs}ELi16E")
+    cb, rb, cs, rs, ts = FORMATS[fmt]
+    return main_loop(sass, f"_ZN4qmla4sm9018decode_kernel_sm90ILi{cb}ELi{rb}ELb{cs}ELb{rs}ELi16ELb{ts}E")
 
 
 def main(argv=None) -> int:

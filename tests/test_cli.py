@@ -21,12 +21,14 @@ def test_info_json_matches_hand_computation(tmp_path, capsys):
     code, out = _run(capsys, "info", "--model-config", str(cfg), "--format", "c4r4", "--context", "131072", "--json")
     assert code == 0
     rows = {r["format"]: r for r in json.loads(out)["formats"]}
-    assert set(rows) == {"bf16", "c8r8", "c4r8", "c4r4", "c2r4"}
+    assert set(rows) == {"bf16", "c8r8", "c4r8", "c4r4", "c2r4", "c4r4t", "c2r4t"}
     pages = 131072 // 64
     bf16 = 27 * 131072 * 1152 + pages * 4 + 4
     c4r4 = 27 * (131072 * 308 + 132 * 1152) + pages * 4 + 4
+    c4r4t = 27 * (131072 * 296 + 132 * 1152) + pages * 4 + 4  # one content scale + offset per token: 12 B less
     assert rows["bf16"]["total_bytes"] == bf16
     assert rows["c4r4"]["total_bytes"] == c4r4
+    assert rows["c4r4t"]["total_bytes"] == c4r4t
     assert rows["c4r4"]["compression_vs_bf16"] == pytest.approx(bf16 / c4r4)
     assert rows["c4r4"]["compression_vs_bf16"] >= 3.7 and rows["c2r4"]["compression_vs_bf16"] >= 6.0
 

@@ -68,13 +68,13 @@ def make(fmt, lens, heads, *, seed=0, policy=POLICY, value_scale=1.0):
 
 def skip_unbuilt(cache):
     """Skip when the kernel under test ($QUANTMLA_CUDA_KERNEL) is not built for the cache's format (the ws kernel:
-    C4R4 / C2R4); the other kernels' tests say themselves what they skip."""
+    C4R4 / C2R4; mma and ws: no T formats); the wgmma kernel is built for every format these tests use."""
     import os
 
     from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_unsupported_reason
 
     kernel = os.environ.get(KERNEL_ENV, "")
-    if kernel == "ws" and cuda_unsupported_reason(cache, kernel):
+    if kernel in ("ws", "mma") and cuda_unsupported_reason(cache, kernel):
         pytest.skip(cuda_unsupported_reason(cache, kernel))
 
 
@@ -124,6 +124,20 @@ def test_cuda_decode_formats_of_the_wgmma_kernel(fmt, cuda_kernel):
 def test_cuda_decode_heads(fmt, heads):
     cache, q_lat, q_pe = make(fmt, [700, 3000, 129], heads, seed=heads)
     check(cache, q_lat, q_pe)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4t", "c2r4t"])
+def test_cuda_decode_token_scale(fmt, cuda_kernel):
+    """One content scale per token (the wgmma kernel's TS instantiation): every edge of test_cuda_decode_edges, then
+    7 / 40 / 128 heads with tiny and large values, ragged lengths and the default splits."""
+    lens = [0, 1, 3, 4, 5, 63, 64, 65, 127, 128, 129, 131, 132, 133, 195, 196, 197, 4097]
+    cache, q_lat, q_pe = make(fmt, lens, 16, seed=23)
+    out, lse, _, _ = check(cache, q_lat, q_pe, splits=3)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+    for vs, heads in ((1e-3, 7), (40.0, 40), (1.0, 128)):
+        cache, q_lat, q_pe = make(fmt, [3000, 70, 9000], heads, seed=29, value_scale=vs)
+        check(cache, q_lat, q_pe)
 
 
 @needs_cuda
@@ -221,8 +235,10 @@ def test_cuda_decode_small_and_large_values():
 
 
 @needs_cuda
-def test_cuda_decode_million_tokens_batch1():
-    cache, q_lat, q_pe = make("c4r4", [1 << 20], 16, seed=13)
+@pytest.mark.parametrize("fmt", ["c4r4", "c4r4t", "c2r4t"])
+def test_cuda_decode_million_tokens_batch1(fmt):
+    """(The T formats' one fp32 content accumulator cancels 512 channels' magic-number terms: watched here.)"""
+    cache, q_lat, q_pe = make(fmt, [1 << 20], 16, seed=13)
     check(cache, q_lat, q_pe)
 
 
@@ -230,5 +246,6 @@ def test_cuda_decode_million_tokens_batch1():
 def test_cuda_decode_is_auto_default_on_gpu():
     from quantmla.kernels.dispatch import resolve_impl
 
-    cache, q_lat, _ = make("c2r4", [100], 16)
-    assert resolve_impl("auto", q_lat, cache.fmt, kernel="decode", layout=cache.layout, cache=cache) == "cuda"
+    for fmt in ("c2r4", "c4r4t"):
+        cache, q_lat, _ = make(fmt, [100], 16)
+        assert resolve_impl("auto", q_lat, cache.fmt, kernel="decode", layout=cache.layout, cache=cache) == "cuda"

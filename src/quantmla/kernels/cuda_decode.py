@@ -75,12 +75,22 @@ class _Params(ctypes.Structure):
         ("qk_scale", ctypes.c_float),
         ("q_fp32", ctypes.c_int),
         ("pdl_late", ctypes.c_int),
+        ("c_groups", ctypes.c_int),
     ]  # fmt: skip
 
 
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
+
+
+TOKEN_SCALE_KERNELS = ("wgmma",)  # the kernels built for one content scale per token (C4R4T, C2R4T)
+
+
+def token_scale(fmt) -> bool:
+    """Whether a format keeps one content scale per token (one quantization group spanning the latent: the T
+    formats), which only the kernels in :data:`TOKEN_SCALE_KERNELS` are built for."""
+    return fmt.content is not None and fmt.content.group_size > 128
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -102,8 +112,15 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
         return f"the CUDA kernel needs pages of 64 tokens, got {L.page_size}"
     if c is None:
         return ""  # BF16 pages: no groups, scales or buffers
-    if c.group_size != 128 or r.group_size != 64:
-        return f"content groups must be 128 and RoPE one group of 64 (got {c.group_size} / {r.group_size})"
+    if c.group_size not in (128, 512) or r.group_size != 64:
+        return (f"content groups must be 128 (or 512, one per token) and RoPE one group of 64 (got {c.group_size} / "
+                f"{r.group_size})")
+    if c.group_size == 512:
+        if kernel not in TOKEN_SCALE_KERNELS:
+            return (f"one content scale per token ({fmt.name}) is built into the {'/'.join(TOKEN_SCALE_KERNELS)} "
+                    f"kernel only (sm_90), not {kernel}")  # fmt: skip
+        if (c.bits, r.bits) not in ((4, 4), (2, 4)) or c.symmetric or r.symmetric:
+            return f"one content scale per token is built for asymmetric C4R4T / C2R4T, not {fmt.name}"
     if (c.bits, r.bits) not in BITS[kernel]:
         built = ", ".join("BF16" if a == 16 else f"C{a}R{b}" for a, b in BITS[kernel])
         return f"the {kernel} CUDA kernel is built for {built}, not C{c.bits}R{r.bits}"
@@ -134,6 +151,8 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         if cap != (9, 0):
             return "mma"
         if cache is None:
+            return "wgmma"
+        if token_scale(cache.fmt):  # C4R4T / C2R4T: the one kernel built for them, at every head count
             return "wgmma"
         if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
             return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "wgmma"
@@ -317,6 +336,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         lens=cache.seq_lens.data_ptr(), po=po.data_ptr(), pl=pl.data_ptr(),
         H=H, ns_total=ns_total, pps=pps, sink=cache.n_sink, local=cache.n_local,
         qk_scale=softmax_scale * LOG2E, q_fp32=int(q_lat.dtype == torch.float32),
+        c_groups=0 if c is None else c.num_groups(L.kv_lora_rank),
     )  # fmt: skip
     return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl,
                       one_stream)  # fmt: skip

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from quantmla.kernels.layout import content_pack_group
 from quantmla.quant.formats import CacheFormat
 
 IMPLS = ("auto", "torch", "triton", "cuda")
@@ -74,11 +75,12 @@ def triton_unsupported_reason(fmt: CacheFormat, kv_lora_rank: int, rope_dim: int
         return f"content bits must be 2, 4 or 8 and RoPE bits 4 or 8 (got C{c.bits}R{r.bits})"
     if c.group_size % sub:
         return f"content group_size {c.group_size} must be a multiple of kv_lora_rank/4 = {sub}"
-    two_planes = c.bits == 2 and c.group_size == 2 * sub  # a sub-tile = two planes of a group (latent 256, C2R4)
-    if c.bits < 8 and c.group_size != sub and c.group_size * c.bits // 8 < sub and not two_planes:
-        return (f"content group_size {c.group_size} must be kv_lora_rank/4 = {sub}, "
+    pg = content_pack_group(c)  # where the codes sit (the scale group above says which meta row scales them)
+    two_planes = c.bits == 2 and pg == 2 * sub  # a sub-tile = two planes of a group (latent 256, C2R4)
+    if c.bits < 8 and pg != sub and pg * c.bits // 8 < sub and not two_planes:
+        return (f"content packing group {pg} must be kv_lora_rank/4 = {sub}, "
                 f"{'2 x that or ' if c.bits == 2 else ''}at least {sub * 8 // c.bits}")
-    if c.bits < 8 and (c.group_size == sub or two_planes) and page_size < 64:
+    if c.bits < 8 and (pg == sub or two_planes) and page_size < 64:
         # the grouped-planar sub-tiles (one group per sub-tile) gave wrong results on the H200 (Triton 3.6) with
         # 16-token tiles while the interpreter and 64-token tiles are right; unverified there, so not offered
         return f"grouped {c.bits}-bit content needs pages of at least 64 tokens in the Triton decode kernel"

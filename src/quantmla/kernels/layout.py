@@ -13,14 +13,15 @@ and is padded to one), for a format with content spec ``Sc`` (width ``Dc``) and 
     [ content codes  P x Cb  uint8 ]  token-major: row t = the Cb packed bytes of token t
     [ RoPE codes     P x Rb  uint8 ]  token-major, Rb bytes per token
 
-Within a token row the content codes are packed *grouped planar* (:func:`quantmla.quant.packing.pack` with
-``group`` = the content quantization group): each group owns ``G * bits / 8`` consecutive bytes, and byte ``j``
-of group ``g`` holds channel ``g*G + j + p*G*bits/8`` in bits ``[p*bits, (p+1)*bits)``, so every 16-byte chunk
-of a row belongs to one group (what the CUDA decode kernel needs to give each warp one group). The RoPE codes
-are packed *plain planar* (``group=None``: byte ``j`` holds channel ``j + p*Dr*bits/8``), so each bit plane is
-a run of whole RoPE groups (what the Triton decode kernel reads: one scale row per plane). For one RoPE group
-(DeepSeek's 64 dims) and for 8-bit codes the two packings are the same bytes. :meth:`PagedLayout.pack_group`
-says which; the torch writer/reader and the Triton writer all take it from there.
+Within a token row the content codes are packed *grouped planar* (:func:`quantmla.quant.packing.pack` with ``group``
+= the content *packing group*: the quantization group, or 128 channels when the quantization group is a multiple of
+128 -- the ``T`` formats' one group per token keeps C4R4's packing): each packing group of ``G`` channels owns ``G *
+bits / 8`` consecutive bytes, and byte ``j`` of group ``g`` holds channel ``g*G + j + p*G*bits/8`` in bits
+``[p*bits, (p+1)*bits)``, so every 16-byte chunk of a row belongs to one group (what the CUDA decode kernel needs to
+give each warp one group). The RoPE codes are packed *plain planar* (``group=None``: byte ``j`` holds channel ``j +
+p*Dr*bits/8``), so each bit plane is a run of whole RoPE groups (what the Triton decode kernel reads: one scale row
+per plane). For one RoPE group (DeepSeek's 64 dims) and for 8-bit codes the two packings are the same bytes.
+:meth:`PagedLayout.pack_group` says which; the torch writer/reader and the Triton writer all take it from there.
     [ meta           M x P   fp16  ]  group-major: row r = one scale (or offset) for each of the P tokens
 
 ``Cb = Dc * bits_c / 8`` (planar packing of :mod:`quantmla.quant.packing`; ``Dc * 2`` BF16 bytes when the
@@ -38,10 +39,13 @@ C8R8     64 x 512                    64 x 64              5 x 64 fp16      37504
 C4R8     64 x 256                    64 x 64              9 x 64 fp16      21632       338
 C4R4     64 x 256                    64 x 32              10 x 64 fp16     19712       308
 C2R4     64 x 128                    64 x 32              10 x 64 fp16     11520       180
+C4R4T    64 x 256                    64 x 32              4 x 64 fp16      18944       296
+C2R4T    64 x 128                    64 x 32              4 x 64 fp16      10752       168
 =======  ==========================  ===================  ===============  ==========  =========
 
 C4R4 meta rows: 4 content scales, 4 content offsets (groups of 128), 1 RoPE scale, 1 RoPE offset.
-C8R8 meta rows (symmetric, no offsets): 4 content scales, 1 RoPE scale.
+C8R8 meta rows (symmetric, no offsets): 4 content scales, 1 RoPE scale. C4R4T / C2R4T meta rows: 1 content scale,
+1 content offset, 1 RoPE scale, 1 RoPE offset.
 
 Beside the pool: block table ``[B, max_pages]`` int32, sequence lengths ``[B]`` int32, and for a
 quantized format the BF16 buffers ``sink [B, sink, Dc + Dr]`` and ``local [B, local, Dc + Dr]`` (1152 B
@@ -58,6 +62,14 @@ from quantmla.quant.formats import CacheFormat, CachePolicy
 from quantmla.quant.spec import QuantSpec
 
 _ALIGN = 16
+CONTENT_PACK_GROUP = 128  # the widest content packing group: what the CUDA kernels' fragments are built for
+
+
+def content_pack_group(spec: QuantSpec) -> int:
+    """Channels per packing group of a content row: the quantization group, or :data:`CONTENT_PACK_GROUP` when the
+    group is a multiple of it (a wider scale group does not change where the codes sit)."""
+    g = spec.group_size
+    return CONTENT_PACK_GROUP if g > CONTENT_PACK_GROUP and g % CONTENT_PACK_GROUP == 0 else g
 
 
 def _align(n: int) -> int:
@@ -85,11 +97,11 @@ class PagedLayout:
 
     def pack_group(self, which: str) -> int | None:
         """The ``group`` argument of :func:`quantmla.quant.packing.pack` for a path's token rows: the content
-        quantization group (grouped planar) or ``None`` for RoPE (plain planar)."""
+        packing group (:func:`content_pack_group`, grouped planar) or ``None`` for RoPE (plain planar)."""
         if which not in ("content", "rope"):
             raise ValueError(f"path must be 'content' or 'rope', got {which!r}")
         spec = self.fmt.content if which == "content" else self.fmt.rope
-        return None if spec is None or which == "rope" else spec.group_size
+        return None if spec is None or which == "rope" else content_pack_group(spec)
 
     @staticmethod
     def _meta_rows(spec: QuantSpec | None, width: int) -> tuple[int, int]:

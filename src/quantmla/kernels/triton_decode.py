@@ -56,7 +56,8 @@ def _decode_kernel(
     PAGE_BYTES: tl.constexpr, C_OFF: tl.constexpr, R_OFF: tl.constexpr, M_OFF: tl.constexpr,
     P: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
     QUANT: tl.constexpr,
-    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
+    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CPG: tl.constexpr, CSROW: tl.constexpr,
+    COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
     SINK: tl.constexpr, LOCAL: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
@@ -66,9 +67,9 @@ def _decode_kernel(
     n = tl.load(LENS + b)
     hs = tl.arange(0, BLOCK_H)
     hm = hs < H
-    if QUANT and CG == SUB:  # the packed sub-tiles hold their group's channels in _group_perm order
+    if QUANT and CPG == SUB:  # the packed sub-tiles hold their group's channels in _group_perm order
         cs = _group_perm(SUB, CBITS)[None, :]
-    elif QUANT and CBITS == 2 and CG == 2 * SUB:  # two planes per sub-tile, interleaved (_plane_pair)
+    elif QUANT and CBITS == 2 and CPG == 2 * SUB:  # two planes per sub-tile, interleaved (_plane_pair)
         cs = _group_perm(SUB, 4)[None, :]
     else:
         cs = tl.arange(0, SUB)[None, :]
@@ -125,7 +126,7 @@ def _decode_kernel(
                     m_i, l_i, o0, o1, o2, o3, f0, f1, f2, f3,
                     h0, h1, h2, h3, qs0, qs1, qs2, qs3, hA, hB, qsA, qsB,
                     base8, mptr, rows, valid,
-                    C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
+                    C_OFF, R_OFF, P, DC, DR, CBITS, CSYM, CG, CPG, CSROW, COROW, RBITS, RSYM, RG, RSROW, ROROW,
                 )  # fmt: skip
     else:
         qr = tl.load(qpb + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0).to(tl.float32) * qk_scale
@@ -376,7 +377,7 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
         PAGE_BYTES=L.page_bytes, C_OFF=L.content_offset, R_OFF=L.rope_offset, M_OFF=L.meta_offset,
         P=P, BLOCK_N=block_n, DC=Dc, DR=Dr, BLOCK_H=max(16, triton.next_power_of_2(H)),
         QUANT=quant,
-        CBITS=c[0], CSYM=c[1], CG=c[2], CSROW=c[3], COROW=c[4],
+        CBITS=c[0], CSYM=c[1], CG=c[2], CPG=L.pack_group("content") or c[2], CSROW=c[3], COROW=c[4],
         RBITS=r[0], RSYM=r[1], RG=r[2], RSROW=r[3], ROROW=r[4],
         SINK=cache.n_sink, LOCAL=cache.n_local,
         INTERP=os.environ.get("TRITON_INTERPRET") == "1",

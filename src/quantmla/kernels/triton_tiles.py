@@ -125,9 +125,11 @@ def _packed_tile(
     q0, q1, q2, q3, qs0, qs1, qs2, qs3, qrA, qrB, qsA, qsB,
     base8, mptr, rows, valid,
     C_OFF: tl.constexpr, R_OFF: tl.constexpr, P: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
-    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CSROW: tl.constexpr, COROW: tl.constexpr,
+    CBITS: tl.constexpr, CSYM: tl.constexpr, CG: tl.constexpr, CPG: tl.constexpr, CSROW: tl.constexpr,
+    COROW: tl.constexpr,
     RBITS: tl.constexpr, RSYM: tl.constexpr, RG: tl.constexpr, RSROW: tl.constexpr, ROROW: tl.constexpr,
 ):  # fmt: skip
+    # CG: the content scale group (meta rows), CPG: its packing group (layout.content_pack_group: where codes sit)
     SUB: tl.constexpr = DC // 4
     CB: tl.constexpr = DC * CBITS // 8  # packed content bytes per token
     RB: tl.constexpr = DR * RBITS // 8  # packed RoPE bytes per token (= RoPE plane width)
@@ -142,7 +144,7 @@ def _packed_tile(
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
-    elif SUB == CG:  # grouped planar packing, sub-tile i = group i = GB bytes, fields in _group_perm order
+    elif SUB == CPG:  # grouped planar packing, sub-tile i = group i = GB bytes, fields in _group_perm order
         GB: tl.constexpr = SUB * CBITS // 8
         gptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, GB)[None, :]  # [BLOCK_N, GB]
         k0 = _grouped_codes(tl.load(gptr).to(tl.int16), CBITS)
@@ -152,7 +154,7 @@ def _packed_tile(
         SH1: tl.constexpr = 0
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
-    elif CBITS == 2 and CG == 2 * SUB:  # GB = SUB / 2 bytes per group: sub-tile i = two planes of group i // 2
+    elif CBITS == 2 and CPG == 2 * SUB:  # GB = SUB / 2 bytes per group: sub-tile i = two planes of group i // 2
         GB: tl.constexpr = SUB // 2
         gptr = base8 + C_OFF + rows[:, None] * CB + tl.arange(0, GB)[None, :]  # [BLOCK_N, GB]
         a01 = tl.load(gptr).to(tl.int16)  # group 0: sub-tile 0 = planes 0, 1; sub-tile 1 = planes 2, 3
@@ -165,15 +167,15 @@ def _packed_tile(
         SH2: tl.constexpr = 0
         SH3: tl.constexpr = 0
     else:  # groups of >= SUB * 8 / CBITS channels: each sub-tile is one bit field of SUB consecutive bytes
-        GB: tl.constexpr = CG * CBITS // 8  # bytes per group = width of a plane within the group
+        GB: tl.constexpr = CPG * CBITS // 8  # bytes per packing group = width of a plane within the group
         M: tl.constexpr = (1 << CBITS) - 1
-        F1: tl.constexpr = (SUB % CG) // GB
-        F2: tl.constexpr = ((2 * SUB) % CG) // GB
-        F3: tl.constexpr = ((3 * SUB) % CG) // GB
+        F1: tl.constexpr = (SUB % CPG) // GB
+        F2: tl.constexpr = ((2 * SUB) % CPG) // GB
+        F3: tl.constexpr = ((3 * SUB) % CPG) // GB
         k0 = _magic(tl.load(cptr).to(tl.int16), M)
-        k1 = _magic(tl.load(cptr + (SUB // CG) * GB + (SUB % CG) % GB).to(tl.int16), M << (CBITS * F1))
-        k2 = _magic(tl.load(cptr + (2 * SUB // CG) * GB + (2 * SUB % CG) % GB).to(tl.int16), M << (CBITS * F2))
-        k3 = _magic(tl.load(cptr + (3 * SUB // CG) * GB + (3 * SUB % CG) % GB).to(tl.int16), M << (CBITS * F3))
+        k1 = _magic(tl.load(cptr + (SUB // CPG) * GB + (SUB % CPG) % GB).to(tl.int16), M << (CBITS * F1))
+        k2 = _magic(tl.load(cptr + (2 * SUB // CPG) * GB + (2 * SUB % CPG) % GB).to(tl.int16), M << (CBITS * F2))
+        k3 = _magic(tl.load(cptr + (3 * SUB // CPG) * GB + (3 * SUB % CPG) % GB).to(tl.int16), M << (CBITS * F3))
         SH1: tl.constexpr = CBITS * F1
         SH2: tl.constexpr = CBITS * F2
         SH3: tl.constexpr = CBITS * F3

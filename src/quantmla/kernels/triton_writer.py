@@ -156,6 +156,7 @@ def _writer_kernel(
     DR: tl.constexpr,
     CBITS: tl.constexpr,
     CGROUP: tl.constexpr,
+    CPGROUP: tl.constexpr,  # content packing group (layout.content_pack_group): CGROUP, or 128 for wider groups
     CSYM: tl.constexpr,
     CSROW: tl.constexpr,
     COROW: tl.constexpr,
@@ -186,7 +187,7 @@ def _writer_kernel(
         _copy_bf16(x_c, POOLBF + page * (PAGE_BYTES // 2) + C_OFF // 2 + slot * DC, valid, DC, CWP)
     else:
         _write_path(
-            x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CGROUP, CSYM, CSROW,
+            x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CPGROUP, CSYM, CSROW,
             COROW, P, CWP,
         )  # fmt: skip
     if RBITS == 16:
@@ -295,6 +296,7 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
         DR=L.rope_dim,
         CBITS=c_args[0],
         CGROUP=c_args[1],
+        CPGROUP=L.pack_group("content") or L.kv_lora_rank,
         CSYM=c_args[2],
         CSROW=c_args[3],
         COROW=c_args[4],

@@ -17,7 +17,17 @@ C4R4     256 B int4 content | 4 x (fp16 scale, fp16 min) | 32 B int4 RoPE |     
          1 x (fp16 scale, fp16 min)
 C2R4     128 B int2 content | 4 x (fp16 scale, fp16 min) | 32 B int4 RoPE |      180
          1 x (fp16 scale, fp16 min)
+C4R4T    256 B int4 content | 1 x (fp16 scale, fp16 min) | 32 B int4 RoPE |      296
+         1 x (fp16 scale, fp16 min)
+C2R4T    128 B int2 content | 1 x (fp16 scale, fp16 min) | 32 B int4 RoPE |      168
+         1 x (fp16 scale, fp16 min)
 =======  ===================================================================  ===========
+
+The ``T`` formats keep **one content scale and offset per token** (one group spanning the whole latent) instead of
+one per 128 channels: 12 bytes less per token, and the Hopper decode kernel folds one content score and builds one
+``(P s)^T`` tile per 64-token tile instead of four (1.09-1.10x faster at the long shapes in the session-26 spike,
+docs/kernels.md). With transforms calibrated for it, the coarser scale costs no accuracy on the converted model
+(benchmarks/results/content_groups_cpu_calibrated.md); with transforms learned for 128-channel groups it does.
 
 Codes are packed in the planar layout of :mod:`quantmla.quant.packing`. Under the mixed-precision
 policy every token also has its packed copy, and the first ``sink`` plus the last ``local`` tokens of
@@ -110,13 +120,23 @@ def _path_spec(bits: int, width_hint: str) -> QuantSpec | None:
     return QuantSpec(bits=bits, group_size=64, symmetric=bits == 8)
 
 
-def make_format(content_bits: int, rope_bits: int) -> CacheFormat:
-    """The default format ``C{content_bits}R{rope_bits}`` (16 = keep that path in BF16)."""
+TOKEN_GROUP = 512  # the content group of the ``T`` formats: DeepSeek's whole latent (``adapted`` shrinks it to a
+# narrower model's latent, so it is one group per token on every shipped MLA model)
+
+
+def make_format(content_bits: int, rope_bits: int, token_scale: bool = False) -> CacheFormat:
+    """The default format ``C{content_bits}R{rope_bits}`` (16 = keep that path in BF16); ``token_scale``: one content
+    scale (and offset) per token instead of one per 128 channels, the ``T`` formats (``c4r4t``)."""
     for label, b in (("content", content_bits), ("rope", rope_bits)):
         if b not in (2, 4, 8, 16):
             raise ValueError(f"{label} bits {b} not supported; choose 2, 4, 8 or 16 (16 = unquantized BF16)")
-    name = "bf16" if content_bits == rope_bits == 16 else f"c{content_bits}r{rope_bits}"
-    return CacheFormat(name, _path_spec(content_bits, "content"), _path_spec(rope_bits, "rope"))
+    if token_scale and content_bits == 16:
+        raise ValueError("a per-token content scale needs a quantized content path (content bits 2, 4 or 8, not 16)")
+    name = "bf16" if content_bits == rope_bits == 16 else f"c{content_bits}r{rope_bits}" + ("t" if token_scale else "")
+    content = _path_spec(content_bits, "content")
+    if token_scale:
+        content = replace(content, group_size=TOKEN_GROUP)
+    return CacheFormat(name, content, _path_spec(rope_bits, "rope"))
 
 
 FORMATS: dict[str, CacheFormat] = {
@@ -129,13 +149,15 @@ FORMATS: dict[str, CacheFormat] = {
         "c2r4": (2, 4),
     }.items()
 }
+FORMATS["c4r4t"] = make_format(4, 4, token_scale=True)
+FORMATS["c2r4t"] = make_format(2, 4, token_scale=True)
 
-_NAME_RE = re.compile(r"^c(2|4|8|16)r(2|4|8|16)$")
+_NAME_RE = re.compile(r"^c(2|4|8|16)r(2|4|8|16)(t?)$")
 
 
 def get_format(name: str | CacheFormat) -> CacheFormat:
-    """Look a format up by name (case-insensitive): ``bf16``, ``c8r8``, ``c4r4``, ``c2r4``, ``c4r8`` or any
-    ``c{2,4,8,16}r{2,4,8,16}``."""
+    """Look a format up by name (case-insensitive): ``bf16``, ``c8r8``, ``c4r4``, ``c2r4``, ``c4r8``, ``c4r4t``,
+    ``c2r4t`` or any ``c{2,4,8,16}r{2,4,8,16}``, with a trailing ``t`` for one content scale per token."""
     if isinstance(name, CacheFormat):
         return name
     key = str(name).strip().lower()
@@ -143,10 +165,10 @@ def get_format(name: str | CacheFormat) -> CacheFormat:
         return FORMATS[key]
     m = _NAME_RE.match(key)
     if m:
-        return make_format(int(m.group(1)), int(m.group(2)))
+        return make_format(int(m.group(1)), int(m.group(2)), token_scale=m.group(3) == "t")
     raise ValueError(
         f"unknown cache format {name!r}; choose one of {sorted(FORMATS)} or any c<bits>r<bits> with bits "
-        "in 2, 4, 8, 16"
+        "in 2, 4, 8, 16 (a trailing t: one content scale per token, e.g. c4r4t)"
     )
 
 

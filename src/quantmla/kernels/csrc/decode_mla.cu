@@ -462,6 +462,8 @@ struct MmaKernel {
   static constexpr int kThreads = qmla::kThreads;
   template <int CB, int RB>
   static constexpr bool has = RB == 4 && (CB == 2 || CB == 4);
+  template <int CB, int RB>
+  static constexpr bool has_token_scale = false;  // C4R4T / C2R4T: the Hopper kernel only
   static int heads_per_cta(int, int) { return kHeads; }
   static int head_ctas(int H, int) { return (H + kHeads - 1) / kHeads; }
   template <int CB, int RB>

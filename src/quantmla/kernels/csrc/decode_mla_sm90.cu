@@ -42,12 +42,16 @@
 namespace qmla {
 namespace sm90 {
 
-template <int CB, int RB, bool CSYM, bool RSYM, int NH>
+// TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0, 1): the four
+// content groups share one score accumulator (started at the sum of their starts), one fold, one (P s)^T tile and
+// one offset sum. (Measured as the spike QMLA_SM90_TOKEN_SCALE on pages with equal group scales, H200 2026-12-03:
+// 1.09-1.10x over four scales at the long shapes, kernel_variants_h200_s26_tokscale.md.)
+template <int CB, int RB, bool CSYM, bool RSYM, int NH, bool TS = false>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using C = Cfg<CB, RB, NH>;
   constexpr int NC = NH / 4, NG = C::NG, kKBlock = C::KB, kHeads = NH;  // NC: a thread's head columns
-  using M = MetaRows<CSYM, RSYM>;
+  using M = MetaRows<CSYM, RSYM, TS ? 1 : 4>;
   constexpr int F = C::F, CPG = C::CPG, CX = C::CBYTES / 16, PS = C::PS;
   constexpr int RF = C::RF, RCH = C::RCH;
   // 8-bit content: the output product runs in fp16 (bf16 cannot hold 128 + c for c >= 128), so P s, whose range is
@@ -59,9 +63,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // with one LOP3 in place -- one shared 8-bit shift per register for the upper byte -- and exact c with one HFMA2,
   // instead of bf16's shift + LOP3 + FMA per pair; P s then needs the 2^k scaling below, and carries 11 bits)
   constexpr bool kF16Out = kC8 || QMLA_SM90_PV_F16;
-  // QMLA_SM90_TOKEN_SCALE (spike, mla_sm90_cfg.cuh): one content scale / offset per token -- the content groups share
-  // one score accumulator (started at the sum of the four groups' starts), one fold and one (P s)^T tile
-  constexpr bool kTS = QMLA_SM90_TOKEN_SCALE && RB == 4 && CB != 8 && QMLA_SM90_SCORE_RUN >= 1;
+  constexpr bool kTS = TS;
+  static_assert(!TS || (RB == 4 && CB != 8 && !CSYM && !RSYM && QMLA_SM90_SCORE_RUN >= 1 && QMLA_SM90_META_ONCE),
+                "one content scale per token: 4/2-bit content, asymmetric 4-bit RoPE, two score sets, meta read once");
   constexpr int NPT = kTS ? 1 : 4;  // (P s)^T tiles, offset sums and scale vectors per tile
   static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
   static_assert(RB == 4 || RB == 8, "RoPE bits");
@@ -478,6 +482,9 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
   template <int CB, int RB>
   static constexpr bool has =
       (RB == 4 && (CB == 2 || CB == 4)) || (RB == 8 && (CB == 4 || CB == 8)) || (CB == 16 && RB == 16);
+  template <int CB, int RB>  // C4R4T / C2R4T (one content scale per token)
+  static constexpr bool has_token_scale =
+      RB == 4 && (CB == 2 || CB == 4) && QMLA_SM90_SCORE_RUN >= 1 && QMLA_SM90_META_ONCE;
   // 16 heads per CTA. (The NH = 32 pair path -- two CTAs sharing a 32-head group, each running the output product of
   // two content groups -- ran correctly on the H200 but slower than 16-head CTAs at 64 / 128 heads, 162 / 266 vs
   // 135 / 231 us at B1 x 128K, results/decode_vs_flashmla_h200_heads32.md: it is no longer instantiated; past 16 heads
@@ -493,6 +500,10 @@ struct WgmmaKernel {  // packed pages (C4R4, C2R4, C8R8, C4R8) and BF16 pages (b
   static KernelFn fn(int) {
     if constexpr (CB == 16) return decode_kernel_sm90_bf16;
     else return decode_kernel_sm90<CB, RB, CSYM, RSYM, 16>;
+  }
+  template <int CB, int RB>
+  static KernelFn fn_ts(int) {
+    return decode_kernel_sm90<CB, RB, false, false, 16, true>;
   }
 };
 

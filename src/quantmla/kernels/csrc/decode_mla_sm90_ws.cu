@@ -109,6 +109,8 @@ struct WsKernel {
   static constexpr int kThreads = ws::kThreads;
   template <int CB, int RB>
   static constexpr bool has = RB == 4 && (CB == 4 || CB == 2);
+  template <int CB, int RB>
+  static constexpr bool has_token_scale = false;  // C4R4T / C2R4T: the 16-head kernel (decode_mla_sm90.cu) only
   static int heads_per_cta(int, int) { return kNH; }
   static int head_ctas(int H, int) { return (H + kNH - 1) / kNH; }
   template <int CB, int RB>

@@ -6,7 +6,9 @@
 // content and RB-bit RoPE codes); static int heads_per_cta(int H, int CB) (N of the products for H query heads) and
 // static int head_ctas(int H, int CB) (CTAs per split and sequence: the grid's x); template <int CB, int RB> static
 // int smem(int nh) (dynamic shared memory bytes); and template <int CB, int RB, bool CSYM, bool RSYM> static KernelFn
-// fn(int nh) (the __global__ function), for nh = heads_per_cta.
+// fn(int nh) (the __global__ function), for nh = heads_per_cta. One content scale per token (Params::c_groups == 1,
+// the T formats): template <int CB, int RB> static constexpr bool has_token_scale, and where it is true template <int
+// CB, int RB> static KernelFn fn_ts(int nh) (asymmetric content and RoPE).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,13 +59,20 @@ int launch_programmatic(KF kf, dim3 grid, dim3 block, int smem, cudaStream_t str
 // "configured" flag, and the second one loaded launched unconfigured (> 48 KB shared memory: invalid argument).
 namespace {
 
+// The __global__ function of an instantiation (TS: one content scale per token).
+template <typename K, int CB, int RB, bool CSYM, bool RSYM, bool TS>
+KernelFn kernel_fn(int nh) {
+  if constexpr (TS) return K::template fn_ts<CB, RB>(nh);
+  else return K::template fn<CB, RB, CSYM, RSYM>(nh);
+}
+
 // Once per instantiation: its dynamic shared memory and all of the unified L1/shared memory as shared memory.
-template <typename K, int CB, int RB, bool CSYM, bool RSYM>
+template <typename K, int CB, int RB, bool CSYM, bool RSYM, bool TS = false>
 cudaError_t configure(int nh) {
   static cudaError_t status[2] = {cudaErrorNotReady, cudaErrorNotReady};  // [nh > 16]
   cudaError_t& st = status[nh > 16];
   if (st == cudaErrorNotReady) {
-    const KernelFn k = K::template fn<CB, RB, CSYM, RSYM>(nh);
+    const KernelFn k = kernel_fn<K, CB, RB, CSYM, RSYM, TS>(nh);
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, K::template smem<CB, RB>(nh));
     if (e == cudaSuccess) e = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
     st = e;
@@ -73,20 +82,20 @@ cudaError_t configure(int nh) {
 
 }  // namespace
 
-template <typename K, int CB, int RB, bool CSYM, bool RSYM>
+template <typename K, int CB, int RB, bool CSYM, bool RSYM, bool TS = false>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  using M = MetaRows<CSYM, RSYM>;  // the page layout the host describes must be the one compiled in (BF16: no meta)
-  if (CB != 16 && (p.c_srow != M::CS || p.r_srow != M::RS || p.c_orow != (CSYM ? -1 : M::CO) ||
-                   p.r_orow != (RSYM ? -1 : M::RO)))
+  using M = MetaRows<CSYM, RSYM, TS ? 1 : 4>;  // the page layout the host describes must be the one compiled in
+  if (CB != 16 && (p.c_groups != (TS ? 1 : 4) || p.c_srow != M::CS || p.r_srow != M::RS ||  // (BF16: no meta)
+                   p.c_orow != (CSYM ? -1 : M::CO) || p.r_orow != (RSYM ? -1 : M::RO)))
     return (int)cudaErrorInvalidValue;
   if ((int)grid.x != K::head_ctas(p.H, CB)) return (int)cudaErrorInvalidConfiguration;  // the host's grid is stale
   const int nh = K::heads_per_cta(p.H, CB);
-  const cudaError_t e = configure<K, CB, RB, CSYM, RSYM>(nh);
+  const cudaError_t e = configure<K, CB, RB, CSYM, RSYM, TS>(nh);
   if (e != cudaSuccess) return (int)e;
+  const KernelFn kf = kernel_fn<K, CB, RB, CSYM, RSYM, TS>(nh);
   if constexpr (ProgrammaticLaunch<K>::value && CB != 16)
-    return launch_programmatic(K::template fn<CB, RB, CSYM, RSYM>(nh), grid, dim3(K::kThreads),
-                               K::template smem<CB, RB>(nh), stream, p);
-  K::template fn<CB, RB, CSYM, RSYM>(nh)<<<grid, K::kThreads, K::template smem<CB, RB>(nh), stream>>>(p);
+    return launch_programmatic(kf, grid, dim3(K::kThreads), K::template smem<CB, RB>(nh), stream, p);
+  kf<<<grid, K::kThreads, K::template smem<CB, RB>(nh), stream>>>(p);
   return (int)cudaGetLastError();
 }
 
@@ -96,6 +105,12 @@ int launch_sym(const Params& p, dim3 grid, cudaStream_t stream) {  // symmetric 
     return (int)cudaErrorInvalidValue;
   } else {
     const bool cs = p.c_orow < 0, rs = p.r_orow < 0;
+    if (CB != 16 && p.c_groups == 1) {  // one content scale per token: asymmetric content and RoPE only
+      if constexpr (K::template has_token_scale<CB, RB>) {
+        if (!cs && !rs) return launch<K, CB, RB, false, false, true>(p, grid, stream);
+      }
+      return (int)cudaErrorInvalidValue;
+    }
     if (cs && rs) return launch<K, CB, RB, true, true>(p, grid, stream);
     if (cs) return launch<K, CB, RB, true, false>(p, grid, stream);
     if (rs) return launch<K, CB, RB, false, true>(p, grid, stream);

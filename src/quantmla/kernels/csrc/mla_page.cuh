@@ -37,6 +37,7 @@ struct Params {
   int q_fp32;      // 1: q tensors are fp32, 0: bf16
   int pdl_late;    // QMLA_PDL, Hopper kernel: 1 when the kernel before it is the BF16 buffer kernel, which writes
                    // nothing it reads: wait for it at the end only (else at the start, before any read)
+  int c_groups;    // content scale groups per token: 4 (groups of 128), 1 (one per token: C4R4T, C2R4T), 0 (BF16)
 };
 
 template <int CB, int RB = 4>  // bits of a content code (2, 4 or 8) and of a RoPE code (4 or 8)
@@ -63,11 +64,13 @@ __device__ __forceinline__ int chan_k(int c, int p, int kk) {
   return 16 * c + PS * p + 4 * ((kk & 7) >> 1) + 2 * (kk & 1) + (kk >> 3);
 }
 
-// Meta rows of a page (quantmla.kernels.layout): content scales (one row per group), content offsets (asymmetric
-// content), RoPE scale, RoPE offset (asymmetric RoPE); compile-time, so every meta address is an immediate.
-template <bool CSYM, bool RSYM>
+// Meta rows of a page (quantmla.kernels.layout): content scales (one row per group: NCG groups, 4 of 128 channels or
+// 1 per token), content offsets (asymmetric content), RoPE scale, RoPE offset (asymmetric RoPE); compile-time, so
+// every meta address is an immediate.
+template <bool CSYM, bool RSYM, int NCG = 4>
 struct MetaRows {
-  static constexpr int CS = 0, CO = 4, RS = CSYM ? 4 : 8, RO = RS + 1, ROWS = RS + (RSYM ? 1 : 2);
+  static_assert(NCG == 4 || NCG == 1, "content scale groups: 4 (128 channels each) or 1 (the whole token)");
+  static constexpr int CS = 0, CO = NCG, RS = CSYM ? NCG : 2 * NCG, RO = RS + 1, ROWS = RS + (RSYM ? 1 : 2);
 };
 
 // Copy one page into a shared-memory stage with cp.async (16 bytes per thread and round; the caller commits).

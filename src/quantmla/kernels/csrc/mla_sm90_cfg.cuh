@@ -45,11 +45,8 @@ namespace sm90 {
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
 
-#ifndef QMLA_SM90_TOKEN_SCALE  // 1 (spike, C4R4 / C2R4 with two score sets): ONE content scale and offset per token,
-#define QMLA_SM90_TOKEN_SCALE 0  // meta rows CS + 0 / CO + 0 (the page's other groups' rows are not read): the content
-#endif  // groups share one score accumulator, one fold and one (P s)^T tile. Only right for pages whose four group
-        // scales are equal (bench_decode.py --equal-content-scales); it measures what a whole-token content scale
-        // format would gain before one is built (docs/kernels.md)
+// (QMLA_SM90_TOKEN_SCALE, session 26's spike of one content scale per token, became the T formats' instantiation:
+// decode_kernel_sm90<..., TS = true>, C4R4T / C2R4T.)
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
