@@ -139,7 +139,7 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
     packed = [f for n, f in funcs.items() if "decode_kernel_sm90I" in n]
     bf16 = [f for n, f in funcs.items() if "decode_kernel_sm90_bf16" in n]
     merges = [f for n, f in funcs.items() if "combine" in n]  # scalar (3) and 16-byte (6) split merges
-    assert len(packed) == 16 and len(bf16) == 1 and len(merges) == 9
+    assert len(packed) == 18 and len(bf16) == 1 and len(merges) == 9  # 16 + C4R4T / C2R4T (one content scale)
     assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
     assert all(f.count("ACQBULK") == 2 * pdl for f in packed)  # at the start or at the end (Params.pdl_late)

@@ -42,10 +42,12 @@
 namespace qmla {
 namespace sm90 {
 
-// TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0, 1): the four
-// content groups share one score accumulator (started at the sum of their starts), one fold, one (P s)^T tile and
-// one offset sum. (Measured as the spike QMLA_SM90_TOKEN_SCALE on pages with equal group scales, H200 2026-12-03:
-// 1.09-1.10x over four scales at the long shapes, kernel_variants_h200_s26_tokscale.md.)
+// TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0, 1): the content
+// groups' score accumulators are summed as they are (one FADD per element, no per-group scale or offset), scaled
+// once, and the output product takes one (P s)^T tile and one offset sum. Each group's accumulator still starts at
+// its own start -(1024 sum q_g) and ends small before it is summed: one accumulator for all 512 channels (session
+// 26's spike QMLA_SM90_TOKEN_SCALE, 1.09-1.10x over four scales at the long shapes) carried 4x the magic-number terms
+// and its LSE error grew ~10x (up to 8.7e-3 at unit values, H200 2026-12-03), failing at large values.
 template <int CB, int RB, bool CSYM, bool RSYM, int NH, bool TS = false>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
@@ -110,15 +112,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow>(smem + C::QT, qst, exp2i(-e), qb);
   const float two_e = exp2i(e);
   const uint32_t qt_u = smem_u32(smem + C::QT);
-  if constexpr (kTS) {  // row 0 of the starts and q sums becomes the whole content's (read after the loop's barrier)
+  if constexpr (kTS) {  // row 0 of the q sums becomes the whole content's (read after the loop's barrier)
     if (tid < NH) {
-      float a = 0.f, q = 0.f;
+      float q = 0.f;
 #pragma unroll
-      for (int gr = 0; gr < 4; ++gr) {
-        a += qb[gr * NH + tid];
-        q += qb[5 * NH + gr * NH + tid];
-      }
-      qb[tid] = a;
+      for (int gr = 0; gr < 4; ++gr) q += qb[5 * NH + gr * NH + tid];
       qb[5 * NH + tid] = q;
     }
   }
@@ -163,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     constexpr int kSets = kRun ? 2 : 5;
     float sacc[kSets][NH / 2];
-    auto slot = [](int gr) { return kTS ? (gr == 4 ? 1 : 0) : kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
+    auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
     auto init_acc = [&](int gr) {  // the accumulator start of group gr (mla_swapab.cuh stage_qt)
       float iv[NC];
       load_row<NC>(iv, qb + gr * NH + t * NC);
@@ -174,10 +172,34 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       fence_operands(sacc[slot(gr)]);
     };
 #pragma unroll
-    for (int gr = 0; gr < kSets; ++gr) init_acc(kTS && gr == 1 ? 4 : gr);
+    for (int gr = 0; gr < kSets; ++gr) init_acc(gr);
     float srun[2][NC];  // kRun: the score so far, s_g S_g + o_g qsum_g summed over the folded groups
     auto fold = [&](int gr) {  // kRun: group gr's products are complete (the caller waited): srun += its term
       fence_operands(sacc[slot(gr)]);
+      if constexpr (kTS) {
+        if (gr < 3) {  // content groups 0-2: summed unscaled (srun holds sum_g S_g until group 3)
+#pragma unroll
+          for (int ri = 0; ri < 2; ++ri)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) srun[ri][c] += sacc[slot(gr)][acc_idx(ri, c)];
+          return;
+        }
+        if (gr == 3) {  // the last content group: srun = s sum_g S_g + o sum_g qsum_g (q sums of row 0: their sum)
+          float qsv[NC];
+          load_row<NC>(qsv, qb + 5 * NH + t * NC);
+#pragma unroll
+          for (int ri = 0; ri < 2; ++ri) {
+            const int tau = 16 * warp + g + 8 * ri;
+            const float sg = __half2float(meta[M::CS * kPage + tau]), og = __half2float(meta[M::CO * kPage + tau]);
+            sv[0][ri] = sg;
+            ov[0][ri] = og;
+#pragma unroll
+            for (int c = 0; c < NC; ++c)
+              srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);
+          }
+          return;
+        }
+      }
       float qsv[NC];
       load_row<NC>(qsv, qb + 5 * NH + gr * NH + t * NC);
       const bool sym = gr < 4 ? CSYM : RSYM;
@@ -235,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int j = 0; j < NB; ++j) {
         uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
         if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
-        if constexpr (kRun && !kTS) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
+        if constexpr (kRun) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
           constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
           const int gr = j < NBC ? 2 * j / CPG : 4;
           if ((j < NBC ? (2 * j) % CPG == 0 : j == NBC) && gr >= 2) {
@@ -278,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     wgmma_commit();
     wgmma_wait<0>();  // also the previous tile's output product: O and the P tiles are free
     if constexpr (kRun) {
-      fold(kTS ? 0 : 3);
+      fold(3);
       fold(4);
     } else {
 #pragma unroll
