@@ -5,9 +5,10 @@ Mutations (each a one-line change of the kernel's source or a header it includes
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
 score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
 output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
-masking of rows outside the tile (NaN in unwritten slots must not reach the output); for ws the scale, the
-boundaries, the offset term, the magic term, the code bias, each in the file the kernel reads it from. Prints one line
-per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws``: sm_90);
+masking of rows outside the tile (NaN in unwritten slots must not reach the output) and, for its C4R4T / C2R4T
+instantiation (one content scale per token), the score's offset term and one content group's score dropped; for ws
+the scale, the boundaries, the offset term, the magic term, the code bias, each in the file the kernel reads it from.
+Prints one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
     PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|ws] [--dry-run]
@@ -68,6 +69,15 @@ MUTATIONS = {
             "(0x8001u | ((25u - B * p) << 10))",
         ),
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)", "mla_sm90_bf16.cuh"),
+        # the T formats' instantiation (one content scale per token: C4R4T / C2R4T)
+        "T formats: score offset term dropped": (
+            "srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);",
+            "srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], 0.f * qsv[c]);",
+        ),
+        "T formats: a content group's score left out": (
+            "for (int c = 0; c < NC; ++c) srun[ri][c] += sacc[slot(gr)][acc_idx(ri, c)];",
+            "for (int c = 0; c < NC; ++c) srun[ri][c] += (gr == 1 ? 0.f : 1.f) * sacc[slot(gr)][acc_idx(ri, c)];",
+        ),
     },
     "ws": {
         "none (control: must pass)": ("", ""),

@@ -37,7 +37,7 @@ def test_absorbed_bf16_cache_greedy_equals_transformers(name):
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
-@pytest.mark.parametrize("fmt", ["c4r4", "c2r4"])
+@pytest.mark.parametrize("fmt", ["c4r4", "c2r4", "c4r4t"])
 def test_absorbed_decode_matches_compatible_path(name, fmt):
     # Two independent read paths of the same packed store: transformers' own attention over the
     # dequantized latent (compatible path) and the absorbed per-query reference. For single-token

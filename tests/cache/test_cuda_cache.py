@@ -23,7 +23,7 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "c8r8", "c4r4", "c2r4", "c4r16"])
+@pytest.mark.parametrize("fmt", ["bf16", "c8r8", "c4r4", "c2r4", "c4r16", "c4r4t", "c2r4t"])
 def test_same_bytes_and_attention_as_on_the_cpu(fmt):
     """DeepSeek widths: the same BF16 latents written on both devices give the same pages bit for bit; prefill
     (SDPA on CUDA) and decode (the kernels) agree with the CPU's fp32 references."""

@@ -46,7 +46,7 @@ def test_a_layer_without_gpu_kernels_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["bf16", "c4r4", "c2r4"])
+@pytest.mark.parametrize("fmt", ["bf16", "c4r4", "c2r4", "c4r4t"])
 def test_gpu_captured_steps_equal_eager_steps(fmt):
     """40-token prompts, 40 greedy steps (over the page boundary at 64 and around the 16-token local ring): the
     captured step replayed against the eager step on a copy of the same cache, its splits planned for the same

@@ -12,7 +12,8 @@ from quantmla.serve.slots import ServeGeometry, format_of_cache_dtype
 from quantmla.serve.throughput import StepCosts, job_time, placeholder_costs
 
 
-@pytest.mark.parametrize(("fmt", "page"), [("bf16", 73728), ("c8r8", 37504), ("c4r4", 19712), ("c2r4", 11520)])
+@pytest.mark.parametrize(("fmt", "page"), [("bf16", 73728), ("c8r8", 37504), ("c4r4", 19712), ("c2r4", 11520),
+                                          ("c4r4t", 64 * (256 + 32 + 8)), ("c2r4t", 64 * (128 + 32 + 8))])
 def test_block_bytes_are_the_documented_pages(fmt, page):
     # docs/kernels.md's table: page bytes of a 64-token page, DeepSeek shapes
     assert ServeGeometry(fmt, 27).block_bytes() == page
@@ -31,6 +32,7 @@ def test_usable_slots_by_hand():
 
 def test_cache_dtype_names():
     assert format_of_cache_dtype("quantmla_c2r4") == "c2r4"
+    assert format_of_cache_dtype("quantmla_c4r4t") == "c4r4t"
     with pytest.raises(ValueError, match="quantmla_c4r4"):
         format_of_cache_dtype("fp8")
 

@@ -19,7 +19,10 @@ from quantmla.kernels.paged import PagedLayout
 from quantmla.quant.formats import CachePolicy, get_format
 
 #: vLLM ``--kv-cache-dtype`` names of our formats -> quantmla format names.
-CACHE_DTYPES: dict[str, str] = {"quantmla_c8r8": "c8r8", "quantmla_c4r4": "c4r4", "quantmla_c2r4": "c2r4"}
+CACHE_DTYPES: dict[str, str] = {
+    "quantmla_c8r8": "c8r8", "quantmla_c4r4": "c4r4", "quantmla_c2r4": "c2r4",
+    "quantmla_c4r4t": "c4r4t", "quantmla_c2r4t": "c2r4t",  # one content scale per token (Hopper kernel)
+}  # fmt: skip
 
 
 def format_of_cache_dtype(cache_dtype: str) -> str:
