@@ -162,3 +162,24 @@ def test_calibrate_command(tmp_path, monkeypatch):
     torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-5)  # fusion kept full precision
     with pytest.raises(UsageError, match="exists; pass --force"):  # refused before any work
         args.func(parser.parse_args(argv))
+
+
+def test_calibrate_command_takes_a_per_token_format(tmp_path, monkeypatch):
+    """``--format c4r4t`` on a model whose latent is narrower than the T formats' 512-channel group: the command's
+    up-front check uses the group the cache will use (the whole latent), as the trainer does (it refused before)."""
+    model = tiny_model("deepseek_v2")
+    assert model.config.kv_lora_rank < 512
+    monkeypatch.setattr(cli, "load_model", lambda d, dtype: (model, None))
+    monkeypatch.setattr(
+        cli, "calibration_tokens", lambda tok, cfg, corpus: torch.randint(3, 128, (cfg.train_seqs + cfg.val_seqs, 24))
+    )
+    parser = argparse.ArgumentParser()
+    cli.add_calibrate_args(parser.add_subparsers(dest="command"))
+    out = tmp_path / "fused"
+    model.save_pretrained(tmp_path / "src")
+    args = parser.parse_args(["calibrate", "--model", str(tmp_path / "src"), "--out", str(out), "--format", "c4r4t",
+                              "--seq-len", "24", "--train-seqs", "3", "--val-seqs", "2", "--local", "4", "--steps",
+                              "2", "--query-tokens", "8", "--no-progress"])  # fmt: skip
+    assert args.func(args) == 0
+    qc = json.loads((out / QUANT_CONFIG_NAME).read_text())
+    assert qc["cache_format"]["name"] == "c4r4t" and qc["cache_format"]["content"]["group_size"] == 512

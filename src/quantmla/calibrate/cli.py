@@ -179,7 +179,7 @@ def run_calibrate(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype)
     with usage_errors(f"--model {args.model}: "):
         spec = MLASpec.from_config(model.config)
-        fmt.check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
+        fmt.adapted(spec.kv_lora_rank, spec.qk_rope_head_dim).check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
     with usage_errors():
         tokens = calibration_tokens(tokenizer, config, args.corpus)
     report = calibrate_model(model, fmt, tokens, config)
