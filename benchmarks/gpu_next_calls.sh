@@ -3,21 +3,20 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9: session 26's spike `tokscale` (QMLA_SM90_TOKEN_SCALE: one content scale per token) ran 1.09-1.10x
-#     faster than the default at the long shapes (kernel_variants_h200_s26_tokscale.md: C4R4 1.88x / 1.78x FlashMLA
-#     at B32 x 32K / B8 x 128K, C2R4 2.01x / 1.90x). Next: the named formats c4r4t / c2r4t built offline
-#     (docs/kernels.md, "Next: the named format"), then `VARIANT_TESTS=1` GPU tests and `bench` with c4r4t,c2r4t
-#     beside c4r4,c2r4 and FlashMLA (--rounds 3). The spike again: `VARIANTS=base,tokscale
-#     VARIANT_FORMATS=c4r4@wgmma,c2r4@wgmma VARIANT_EQUAL_SCALES=1 QUANTMLA_COMMIT=<sha> bash
-#     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild, 107 s).
-#     (Session 26 ran the ride-alongs of the page-locked banks and TF32: calib_profile_h200_s26.md,
-#     stream_projection_deepseek-v3-tf32.md.) A device start that is refused costs 90-180 s of the budget: read
-#     `status` (none_now) before calling.
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 12 units left
-#     after session 26 (quantmla-attnw seed 2 at C4R4 -- resumes from a carried progress file -- and C2R4,
-#     calibration + perplexity each; then seeds 1-2 of the uniform objective `quantmla` at both formats). With the
-#     page-locked banks a calibration unit takes 224-234 s (was ~300), a perplexity unit ~15 s: ~50 min of H200 in
-#     all. `--seed-methods quantmla-attnw` first (4 units, ~8 min), then `quantmla,quantmla-attnw`. A state file over
+# (1) issue 9: session 27 built the named formats C4R4T / C2R4T (one content scale per token; wgmma instantiation
+#     TS = true): decode_vs_flashmla_h200_s27_tformats.md (C4R4T 1.76x / 1.80x / 1.91x FlashMLA at B32 x 32K / B8 x
+#     128K / B1 x 128K; C2R4T 1.83x / 1.87x / 2.02x) and full_budget_paper_t.md (calibrated C4R4T as accurate as
+#     C4R4). Next, one call each: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation` (the wgmma
+#     list has the two T-format mutations since session 27; ~6 min) and the GPU tests with C4R4T that have not run:
+#     `pytest -m gpu tests/cache/test_cuda_cache.py tests/cache/test_graph.py -k "c4r4t or c2r4t"`. Then the
+#     paper-budget C2R4T row and shipped C4R4T transforms: `python benchmarks/full_budget.py --device cuda --tag
+#     paper_t --resume --carry-in <folder with full_budget_paper_t.json> --variants a --formats c4r4t,c2r4t
+#     --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` (+ the kit calls below).
+# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 8 units left
+#     after session 27 (seeds 1-2 of the uniform objective `quantmla` at both formats, calibration + perplexity
+#     each; the default attention-weighted objective has all three seeds). A calibration unit takes 180-250 s, a
+#     perplexity unit ~15 s: ~35 min of H200 in all: `--seed-methods quantmla,quantmla-attnw`, carry-in
+#     benchmarks/results/full_budget_paper.json (copied into .fbcarry). A state file over
 #     16 MiB (variant b's transforms, 17 MiB) travels as byte parts that carry_in joins.
 #     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
 #     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
@@ -26,7 +25,7 @@
 #     `source benchmarks/device_smollm2_setup.sh && CIN=.fbcarry; [ -d /root/keep/fb_last ] &&
 #     CIN=/root/keep/fb_last; QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 555
 #     --resume --tag paper --carry-in $CIN --carry-out $OUT/fb --work /root/keep/fb_work --variants a,b --methods
-#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla-attnw 2>&1 | grep -v
+#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla,quantmla-attnw 2>&1 | grep -v
 #     "it/s]" | tail -15; rm -rf /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf
 #     /root/keep/fb_last && mv /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; a calibration stops after
 #     a finished block and resumes there, so the last chunk of a session can use whatever budget is left). Here,
