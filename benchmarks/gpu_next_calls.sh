@@ -8,7 +8,8 @@
 #     128K / B1 x 128K; C2R4T 1.83x / 1.87x / 2.02x) and full_budget_paper_t.md (calibrated C4R4T as accurate as
 #     C4R4). Next, one call each: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation` (the wgmma
 #     list has the two T-format mutations since session 27; ~6 min) and the GPU tests with C4R4T that have not run:
-#     `pytest -m gpu tests/cache/test_cuda_cache.py tests/cache/test_graph.py -k "c4r4t or c2r4t"`. Then the
+#     `pytest -m gpu tests/cache/test_cuda_cache.py tests/cache/test_graph.py tests/kernels/test_decode.py -k "c4r4t
+#     or c2r4t"` (the last: the Triton writer and decode kernel on the GPU with the T formats, what non-Hopper GPUs run). Then the
 #     paper-budget C2R4T row and shipped C4R4T transforms: `python benchmarks/full_budget.py --device cuda --tag
 #     paper_t --resume --carry-in <folder with full_budget_paper_t.json> --variants a --formats c4r4t,c2r4t
 #     --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` (+ the kit calls below).

@@ -18,6 +18,7 @@ from quantmla.kernels import decode_attention
 from quantmla.quant.formats import CachePolicy, get_format
 
 FORMATS = ["bf16", "c8r8", "c4r8", "c4r4", "c2r4"]
+T_FORMATS = ["c4r4t", "c2r4t"]  # one content scale per token; on the CPU: test_token_scale.py (latent 512)
 O_TOL = dict(atol=3e-2, rtol=3e-2, min_cos=0.9995)
 SCALE = 0.125
 
@@ -109,7 +110,7 @@ def test_decode_c2_two_planes_per_subtile(dc, dr, group):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", FORMATS + T_FORMATS)
 def test_gpu_deepseek_shapes_long(name):
     """DeepSeek-V2-Lite shapes, default policy, lengths up to 4097, Triton writer and decode on the GPU."""
     lens = [4097, 0, 1, 129, 1000]
@@ -122,7 +123,7 @@ def test_gpu_deepseek_shapes_long(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", FORMATS + T_FORMATS)
 def test_gpu_smollm2_mla_shapes(name):
     """SmolLM2-MLA shapes (latent 256, RoPE 128, 9 heads, the default policy): the only non-DeepSeek shape users run
     on the GPU today, reaching the Triton kernels (the CUDA kernels take 512 / 64 only). bench_generate's H200 check
