@@ -111,3 +111,22 @@ def test_cuda_kernels_that_take_token_scale():
     sym = type(sym)("c4r4t-sym", QuantSpec(4, 512, symmetric=True), sym.rope)
     cache_sym, _, _ = make_cache(sym, [5], **KW)
     assert "asymmetric" in cuda_unsupported_reason(cache_sym, "wgmma")
+
+
+@pytest.mark.parametrize("name", T_FORMATS)
+def test_smollm2_latent_256_writer_and_decode(name):
+    """SmolLM2-MLA's widths (latent 256, RoPE 128): the group shrinks to the latent (256), the codes stay in groups of
+    128 -- two of the Triton kernel's 64-channel sub-tiles per packing group (4 bit: the two planes of a byte; 2 bit:
+    two planes each), all four scaled by meta row 0. Writer bit for bit, decode against the reference."""
+    kw = dict(dc=256, dr=128, policy=CachePolicy(sink=4, local=16, page_size=64), seed=6)
+    lens = [100, 0, 70, 21]
+    tri, _, _ = make_cache(name, lens, writer="triton", **kw)
+    ref_cache, _, _ = make_cache(name, lens, writer="torch", **kw)
+    assert tri.fmt.content.group_size == 256 and tri.layout.pack_group("content") == 128
+    assert torch.equal(tri.pool, ref_cache.pool)
+    g = torch.Generator().manual_seed(0)
+    q_lat, q_pe = torch.randn(4, 3, 256, generator=g), torch.randn(4, 3, 128, generator=g)
+    ref, ref_lse = decode_attention(q_lat, q_pe, tri, 0.07, impl="torch", return_lse=True)
+    out, lse = decode_attention(q_lat, q_pe, tri, 0.07, impl="triton", return_lse=True, num_splits=2)
+    assert_close(out, ref, atol=3e-2, rtol=3e-2, min_cos=0.9995, name=f"o_lat {name}")
+    assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2, min_cos=0.999, name=f"lse {name}")
