@@ -134,23 +134,6 @@ def build_cache(fmt: str, kv: torch.Tensor, lens: list[int], seed: int) -> Paged
     return cache
 
 
-def equalize_content_scales(cache: PagedMLACache) -> None:
-    """Every content group of a token gets group 0's scale and offset (meta rows copied in place, every page): pages
-    a whole-token content scale would hold, in today's byte layout, so that the kernel spike
-    ``QMLA_SM90_TOKEN_SCALE=1`` (session 26; now the C4R4T / C2R4T formats) and the torch reference of the
-    same bytes agree. A no-op for one content group or unquantized content."""
-    lay = cache.layout
-    spec = lay.fmt.content
-    groups, P = (0 if spec is None else spec.num_groups(lay.kv_lora_rank)), lay.page_size
-    if groups < 2:
-        return
-    meta = cache.pool[:, lay.meta_offset : lay.meta_offset + lay.meta_rows * P * 2].view(torch.float16)
-    meta = meta.view(-1, lay.meta_rows, P)  # [pages, rows, tokens]
-    rows = [lay.content_scale_row] + ([] if spec.symmetric else [lay.content_offset_row])
-    for r in rows:
-        meta[:, r + 1 : r + groups] = meta[:, r : r + 1]
-
-
 def flashmla_inputs(kv: torch.Tensor, seed: int):
     """FlashMLA's ``[pages, 64, 1, 576]`` BF16 cache of ``kv`` with a shuffled block table."""
     B, N, D = kv.shape
@@ -200,7 +183,7 @@ def parse_spec(spec: str) -> tuple[str, str, int | None]:
     return fmt, kernel, n
 
 
-def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, equal_scales=False) -> bool:
+def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
     ok_all = True
     timed = []  # (row, callable) of every implementation checked and timed once: the later rounds time them again
     torch.manual_seed(H * 100003 + B * 7919 + N)
@@ -235,8 +218,6 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, equal_sca
         fmt, cuda_kernel, splits = parse_spec(spec)
         try:
             c = build_cache(fmt, kv, lens, seed=B + N)
-            if equal_scales:
-                equalize_content_scales(c)
             if cuda_kernel:
                 from quantmla.kernels.cuda_decode import decode_attention_cuda
 
@@ -372,9 +353,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation of a shape this many times, round-robin; report the median "
                          "and the spread of the speed-ups (default 1)")  # fmt: skip
-    ap.add_argument("--equal-content-scales", action="store_true",
-                    help="give every content group of a token group 0's scale and offset after writing (pages a "
-                         "whole-token scale would hold in C4R4's layout: session 26's spike, now the T formats)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
@@ -410,15 +388,13 @@ def main() -> None:
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes")
     meta = {"device": torch.cuda.get_device_name(), "date": now, "commit": commit or "unknown",
             "command": " ".join(sys.argv), "reps": args.reps, "rounds": args.rounds,
-            "copy_gbps": copy_bandwidth(), "torch": torch.__version__,
-            "equal_content_scales": args.equal_content_scales}  # fmt: skip
+            "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     timer, rows, ok = Timer(), [], True
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for H in [int(h) for h in args.heads.split(",")]:
         for B, N in shapes:
-            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows, args.rounds,
-                              args.equal_content_scales)
+            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows, args.rounds)
             write_outputs(args.out, args.tag, {**meta, "partial": True}, rows, plot=False)  # a killed run keeps these
     meta["seconds"] = round(time.time() - t0, 1)
     meta["all_checks_ok"] = ok

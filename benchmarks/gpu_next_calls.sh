@@ -157,7 +157,7 @@ case $CALL in
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
     part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
       --variants "${VARIANTS:-base,sync,qk2,pv2}" --formats "${VARIANT_FORMATS:-c4r4@wgmma}" ${VARIANT_TESTS:+--tests} \
-      ${VARIANT_EQUAL_SCALES:+--equal-content-scales} "${FM[@]}"
+      "${FM[@]}"
     ;;
   ncu)  # where the Hopper kernel's warps stall, per SASS instruction (C4R4, 16 heads, B32 x 32K), and the mma kernel's
     for k in ${NCU_KERNELS:-wgmma}; do ncu_part "$k" 150; done

@@ -140,7 +140,7 @@ def compile_report(names: list[str], root: Path) -> None:
 
 
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
-        tests: bool = False, flashmla_prebuilt: str | None = None, equal_scales: bool = False) -> None:  # fmt: skip
+        tests: bool = False, flashmla_prebuilt: str | None = None) -> None:  # fmt: skip
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
@@ -152,8 +152,6 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         vtag = f"variant_{tag}_{label(name)}"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
-        if equal_scales:
-            cmd.append("--equal-content-scales")
         if flashmla_prebuilt and name == names[0]:  # FlashMLA's rows once, in the first variant's run
             cmd += ["--flashmla-prebuilt", flashmla_prebuilt]
         print(f"== {label(name)}: {defines(name)}", flush=True)
@@ -241,8 +239,6 @@ def main() -> None:
     ap.add_argument("--flashmla-prebuilt", default=None,
                     help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
                          "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip
-    ap.add_argument("--equal-content-scales", action="store_true",
-                    help="run: every group scale of a page equal to group 0's (bench_decode.py --equal-content-scales)")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)
@@ -250,8 +246,7 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt,
-            a.equal_content_scales)
+        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
 
 
 if __name__ == "__main__":

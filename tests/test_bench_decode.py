@@ -55,26 +55,3 @@ def test_rounds_report_the_median_and_the_per_round_ratios(tmp_path):
     assert f"208.0 ({med:.2f}x, {min(want):.2f}-{max(want):.2f})" in md and "3 rounds round-robin" in md
     with pytest.raises(ValueError):  # rounds of unequal length are a bug, not a shorter ratio list
         bd.summarize_rounds([dict(rows[0], us_rounds=[1.0, 2.0, 3.0]), dict(rows[1], us_rounds=[1.0, 2.0])])
-
-
-@pytest.mark.parametrize("fmt", ["c4r4", "c2r4", "c8r8"])
-def test_equal_content_scales_copies_group_0_meta_only(fmt):
-    """--equal-content-scales (the whole-token-scale kernel spike's pages): every content group's scale (and offset)
-    row becomes group 0's on every page; codes, RoPE meta and group 0 itself stay byte for byte."""
-    torch = bd.torch
-    torch.manual_seed(0)
-    c = bd.PagedMLACache(fmt, 2, 200, policy=bd.POLICY, device="cpu", shuffle=True, seed=1)
-    c.write(torch.randn(2, 200, bd.DC).bfloat16(), torch.randn(2, 200, bd.DR).bfloat16(), [200, 130])
-    before = c.pool.clone()
-    bd.equalize_content_scales(c)
-    lay = c.layout
-    P, M, groups = lay.page_size, lay.meta_rows, lay.fmt.content.num_groups(bd.DC)
-    meta0 = before[:, lay.meta_offset : lay.meta_offset + M * P * 2].view(torch.float16).view(-1, M, P)
-    meta1 = c.pool[:, lay.meta_offset : lay.meta_offset + M * P * 2].view(torch.float16).view(-1, M, P)
-    assert torch.equal(c.pool[:, : lay.meta_offset], before[:, : lay.meta_offset])  # codes untouched
-    first = [lay.content_scale_row] + ([] if lay.fmt.content.symmetric else [lay.content_offset_row])
-    source = {r + k: r for r in first for k in range(1, groups)}  # row -> the group-0 row it now copies
-    for row in range(M):
-        want = meta0[:, source.get(row, row)]
-        assert torch.equal(meta1[:, row].view(torch.int16), want.view(torch.int16)), row
-    assert source and not torch.equal(meta0, meta1)  # random latents: the groups' scales differed before

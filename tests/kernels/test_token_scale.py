@@ -83,17 +83,25 @@ def test_triton_writer_bit_exact(name):
     assert torch.equal(ref.pool, tri.pool)
 
 
+def _triton_decode_matches_reference(cache, seed: int):
+    """Three heads, two splits: the Triton decode kernel against the fp32 torch reference of the same cache (the
+    tolerances of test_decode.py). Returns the kernel's (out, lse)."""
+    g = torch.Generator().manual_seed(seed)
+    B, name = cache.batch, cache.fmt.name
+    q_lat, q_pe = torch.randn(B, 3, cache.kv_lora_rank, generator=g), torch.randn(B, 3, cache.rope_dim, generator=g)
+    ref, ref_lse = decode_attention(q_lat, q_pe, cache, 0.07, impl="torch", return_lse=True)
+    out, lse = decode_attention(q_lat, q_pe, cache, 0.07, impl="triton", return_lse=True, num_splits=2)
+    assert_close(out, ref, atol=3e-2, rtol=3e-2, min_cos=0.9995, name=f"o_lat {name}")
+    assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2, min_cos=0.999, name=f"lse {name}")
+    return out, lse
+
+
 @pytest.mark.parametrize("name", T_FORMATS)
 def test_triton_decode_against_reference(name):
     """Lengths around the sink / local edges and a page edge (133 = 4 + 1 packed token + 128), an empty sequence,
     three heads, two splits: the Triton kernel reads the 128-channel packing and the one scale row."""
     cache, _, _ = make_cache(name, [0, 133, 197, 260], seed=9, **KW)
-    g = torch.Generator().manual_seed(1)
-    q_lat, q_pe = torch.randn(4, 3, 512, generator=g), torch.randn(4, 3, 64, generator=g)
-    ref, ref_lse = decode_attention(q_lat, q_pe, cache, 0.07, impl="torch", return_lse=True)
-    out, lse = decode_attention(q_lat, q_pe, cache, 0.07, impl="triton", return_lse=True, num_splits=2)
-    assert_close(out, ref, atol=3e-2, rtol=3e-2, min_cos=0.9995, name=f"o_lat {name}")
-    assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2, min_cos=0.999, name=f"lse {name}")
+    out, lse = _triton_decode_matches_reference(cache, seed=1)
     assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
 
 
@@ -124,9 +132,4 @@ def test_smollm2_latent_256_writer_and_decode(name):
     ref_cache, _, _ = make_cache(name, lens, writer="torch", **kw)
     assert tri.fmt.content.group_size == 256 and tri.layout.pack_group("content") == 128
     assert torch.equal(tri.pool, ref_cache.pool)
-    g = torch.Generator().manual_seed(0)
-    q_lat, q_pe = torch.randn(4, 3, 256, generator=g), torch.randn(4, 3, 128, generator=g)
-    ref, ref_lse = decode_attention(q_lat, q_pe, tri, 0.07, impl="torch", return_lse=True)
-    out, lse = decode_attention(q_lat, q_pe, tri, 0.07, impl="triton", return_lse=True, num_splits=2)
-    assert_close(out, ref, atol=3e-2, rtol=3e-2, min_cos=0.9995, name=f"o_lat {name}")
-    assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2, min_cos=0.999, name=f"lse {name}")
+    _triton_decode_matches_reference(tri, seed=0)

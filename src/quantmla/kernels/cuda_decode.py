@@ -90,7 +90,7 @@ TOKEN_SCALE_KERNELS = ("wgmma",)  # the kernels built for one content scale per 
 def token_scale(fmt) -> bool:
     """Whether a format keeps one content scale per token (one quantization group spanning the latent: the T
     formats), which only the kernels in :data:`TOKEN_SCALE_KERNELS` are built for."""
-    return fmt.content is not None and fmt.content.group_size > 128
+    return fmt.content is not None and fmt.content.group_size == 512
 
 
 def _bits(fmt) -> tuple[int, int]:
@@ -115,7 +115,7 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
     if c.group_size not in (128, 512) or r.group_size != 64:
         return (f"content groups must be 128 (or 512, one per token) and RoPE one group of 64 (got {c.group_size} / "
                 f"{r.group_size})")
-    if c.group_size == 512:
+    if token_scale(fmt):
         if kernel not in TOKEN_SCALE_KERNELS:
             return (f"one content scale per token ({fmt.name}) is built into the {'/'.join(TOKEN_SCALE_KERNELS)} "
                     f"kernel only (sm_90), not {kernel}")  # fmt: skip

@@ -296,7 +296,7 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
         DR=L.rope_dim,
         CBITS=c_args[0],
         CGROUP=c_args[1],
-        CPGROUP=L.pack_group("content") or L.kv_lora_rank,
+        CPGROUP=L.pack_group("content") or c_args[1],
         CSYM=c_args[2],
         CSROW=c_args[3],
         COROW=c_args[4],
