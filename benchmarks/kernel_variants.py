@@ -79,6 +79,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     # C8R8's output product on the fp16 magic numbers 1024 + c as they are, the offset through the exact fp16 P s
     # (written offline in session 22: C8R8 main loop 1,469 -> 1,372 SASS instructions; the 4-bit formats untouched)
     "pvmagic8": {"QMLA_SM90_PV_MAGIC8": 1},
+    # every packed code as an exact fp16 subnormal in both products, no magic bias (written offline in session 28:
+    # main loop C4R4 1,420 -> 1,283, C4R4T 1,249 -> 1,055, C8R8 1,469 -> 1,338 SASS instructions per warp and tile)
+    "subnormal": {"QMLA_SM90_SUBNORMAL": 1},
     # (session 26's spike "tokscale", QMLA_SM90_TOKEN_SCALE, is the T formats' instantiation now: --formats c4r4t)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)

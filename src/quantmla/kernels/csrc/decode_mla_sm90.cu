@@ -66,6 +66,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // instead of bf16's shift + LOP3 + FMA per pair; P s then needs the 2^k scaling below, and carries 11 bits)
   constexpr bool kF16Out = kC8 || QMLA_SM90_PV_F16;
   constexpr bool kTS = TS;
+  // QMLA_SM90_SUBNORMAL: codes as exact fp16 subnormals in both products (mla_ops.cuh), no magic bias; with one content
+  // scale per token the four content groups then share one score accumulator (nothing large to cancel in it)
+  constexpr bool kSub = QMLA_SM90_SUBNORMAL && kF16Out;
+  constexpr bool kOneAcc = kTS && kSub;
   static_assert(!TS || (RB == 4 && CB != 8 && !CSYM && !RSYM && QMLA_SM90_SCORE_RUN >= 1 && QMLA_SM90_META_ONCE),
                 "one content scale per token: 4/2-bit content, asymmetric 4-bit RoPE, two score sets, meta read once");
   constexpr int NPT = kTS ? 1 : 4;  // (P s)^T tiles, offset sums and scale vectors per tile
@@ -109,8 +113,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // and head group in a prep kernel instead was 0.96-0.98x at B32 x 32K / B8 x 128K: kernel_variants_h200_s14a.md.)
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::STAGE);  // [head][kQRow], over stage 1 and PT
   const int e = stage_q<kHeads, kThreads, true, kQRow>(qst, red, p, b, h0);
-  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow>(smem + C::QT, qst, exp2i(-e), qb);
-  const float two_e = exp2i(e);
+  stage_qt<CB, RB, CSYM, RSYM, kHeads, kThreads, kQRow, kSub>(smem + C::QT, qst, exp2i(-e), qb);
+  const float two_e = exp2i(kSub ? e + 24 : e);  // (kSub: scores are carried in 2^(-e - 24) units)
   const uint32_t qt_u = smem_u32(smem + C::QT);
   if constexpr (kTS) {  // row 0 of the q sums becomes the whole content's (read after the loop's barrier)
     if (tid < NH) {
@@ -161,9 +165,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     float sv[4][2], ov[4][2], rsv[2], rov[2];  // content scales / offsets [group][ri], RoPE scale / offset [ri]
     constexpr int kSets = kRun ? 2 : 5;
     float sacc[kSets][NH / 2];
-    auto slot = [](int gr) { return kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
+    auto slot = [](int gr) { return kOneAcc ? (gr == 4 ? 1 : 0) : kRun ? (gr == 4 ? 0 : gr & 1) : gr; };
     auto init_acc = [&](int gr) {  // the accumulator start of group gr (mla_swapab.cuh stage_qt)
-      float iv[NC];
+      float iv[NC];  // (kSub, asymmetric: zeros, read as values -- zero constants let ptxas serialize every wgmma)
       load_row<NC>(iv, qb + gr * NH + t * NC);
 #pragma unroll
       for (int c = 0; c < NC; ++c)
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       fence_operands(sacc[slot(gr)]);
     };
 #pragma unroll
-    for (int gr = 0; gr < kSets; ++gr) init_acc(gr);
+    for (int gr = 0; gr < kSets; ++gr) init_acc(kOneAcc && gr == 1 ? 4 : gr);
     float srun[2][NC];  // kRun: the score so far, s_g S_g + o_g qsum_g summed over the folded groups
     auto fold = [&](int gr) {  // kRun: group gr's products are complete (the caller waited): srun += its term
       fence_operands(sacc[slot(gr)]);
@@ -195,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
             ov[0][ri] = og;
 #pragma unroll
             for (int c = 0; c < NC; ++c)
-              srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);
+              srun[ri][c] = fmaf(sg, (kOneAcc ? 0.f : srun[ri][c]) + sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);
           }
           return;
         }
@@ -257,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       for (int j = 0; j < NB; ++j) {
         uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
         if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
-        if constexpr (kRun) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
+        if constexpr (kRun && !kOneAcc) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
           constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
           const int gr = j < NBC ? 2 * j / CPG : 4;
           if ((j < NBC ? (2 * j) % CPG == 0 : j == NBC) && gr >= 2) {
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         if (j < NBC) {
           const int x = 2 * j;
           uint32_t a[2][F][4];
-          score_frags<CB>(R, a);
+          score_frags<CB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx) {
@@ -283,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         } else {
           const int x = 2 * (j - NBC);
           uint32_t a[2][RF][4];
-          score_frags<RB>(R, a);
+          score_frags<RB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx)
@@ -406,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
     // QMLA_SM90_PV_MAGIC8: 8-bit codes enter the output product as 1024 + c; their offset -(1024 + 128) s per token
     // is taken off through the exact fp16 P s (2^k_run) values that enter it, back in unscaled units
-    constexpr bool kMagic8 = kC8 && kStsm && QMLA_SM90_PV_MAGIC8;
+    constexpr bool kMagic8 = kC8 && kStsm && QMLA_SM90_PV_MAGIC8 && !kSub;
     const float magic_off = kMagic8 ? -1152.f * exp2i(-k_run) : 0.f;
     const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
 #pragma unroll
@@ -464,9 +468,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
     for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
     if constexpr (kC8)
-      pv_product_c8<C, NH, kMagic8>(oacc, st_u, pdesc, warp, lane);
+      pv_product_c8<C, NH, kMagic8, kSub>(oacc, st_u, pdesc, warp, lane);
     else
-      pv_product_packed<CB, C, NH, kF16Out, kTS>(oacc, Rv, vshift, pv_addr, pdesc);
+      pv_product_packed<CB, C, NH, kF16Out, kTS, kSub>(oacc, Rv, vshift, pv_addr, pdesc);
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -479,7 +483,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   for (int gi = 0; gi < NPT; ++gi) heads_sum_to(roff + gi * kHeads * 4, po[gi], warp, g, t);
   __syncthreads();
   float inv_l[NC], corr[NG][NC];
-  const float o_down = kF16Out ? exp2i(-k_run) : 1.f;
+  // 2^-k_run (fp16 output product); kSub: times 2^24 and, per accumulator half hh, 2^-(CB hh) (its plane's factor)
+  const float o_down[2] = {kF16Out ? exp2i(kSub ? 24 - k_run : -k_run) : 1.f,
+                           kF16Out ? exp2i(kSub ? 24 - k_run - (kC8 ? 0 : CB) : -k_run) : 1.f};
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
 #pragma unroll
   for (int c = 0; c < NC; ++c) {

@@ -5,6 +5,9 @@
 //   fp16 0x6400 = 1024: (1024 + c * 2^k) for fields anywhere in the low byte of a 16-bit half (ulp 1 up to 2048);
 //   bf16 0x4300 = 128:  (128 + c) for a field in the lowest bits (ulp 1 up to 256).
 // One LOP3 ((x & mask) | magic) per register of two fields; the bias is removed outside the products.
+// Subnormal codes (SUB, the Hopper kernel's QMLA_SM90_SUBNORMAL): a field of the low byte masked in place, with
+// nothing above it, is the exact fp16 subnormal 2^k c 2^-24 (2^k c <= 255 < 2^10, the mantissa): one AND per
+// register of two fields, no bias at all -- the products carry a constant 2^-24 that is undone outside them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -121,8 +124,10 @@ __device__ __forceinline__ uint32_t code(uint32_t r, int j) {
 // plane p (field p of the low byte) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi): the magic number
 // 1024 + 2^(B p) c with one LOP3 in place (2^(B p) c <= 2^8 - 2^(B p) < 1024: exact), then one fp16x2 FMA
 // x 2^-(B p) - 1024 2^-(B p) (powers of two and an integer result: exact). For the upper byte pass r >> 8.
-template <int B>
+// SUB: the field masked in place, the subnormal 2^(B p) c 2^-24 (the caller undoes 2^(B p) 2^-24 per plane).
+template <int B, bool SUB = false>
 __device__ __forceinline__ uint32_t code_f16(uint32_t r, int p) {
+  if constexpr (SUB) return r & ((((1u << B) - 1u) << (B * p)) * 0x00010001u);
   const uint32_t m = and_or(r, (((1u << B) - 1u) << (B * p)) * 0x00010001u, kMagicF16);
   const uint32_t sc = ((15u - B * p) << 10) * 0x00010001u;             // fp16 2^-(B p)
   const uint32_t bias = (0x8000u | ((25u - B * p) << 10)) * 0x00010001u;  // fp16 -2^(10 - B p)
@@ -137,20 +142,27 @@ __device__ __forceinline__ uint32_t code_f16(uint32_t r, int p) {
 
 // (byte b of r's low half, byte b of its high half) as fp16 1024 + byte: PRMT picks r's bytes b and b + 2 and the
 // magic's 0x64 bytes (index 5 of {kMagicF16, r}) above each
+// (SUB: zero bytes above them instead, the subnormals c 2^-24)
+template <bool SUB = false>
 __device__ __forceinline__ uint32_t magic_bytes(uint32_t r, int b) {
   uint32_t y;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(r), "r"(kMagicF16), "r"(b ? 0x5351u : 0x5250u));
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(y) : "r"(r), "r"(SUB ? 0u : kMagicF16), "r"(b ? 0x5351u : 0x5250u));
   return y;
 }
 
 // byte b (0 or 1) of both 16-bit halves of r as fp16 magic numbers (1024 + c_lo, 1024 + c_hi), c in [0, 255]
+template <bool SUB = false>
 __device__ __forceinline__ uint32_t magic_f16_byte(uint32_t r, int b) {
+  if constexpr (SUB) return QMLA_PRMT8 ? magic_bytes<true>(r, b) : (b ? r >> 8 : r) & 0x00FF00FFu;
   return QMLA_PRMT8 ? magic_bytes(r, b) : and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
 }
 
 // byte b (0 or 1) of both 16-bit halves of r as exact fp16 codes (c_lo, c_hi), c in [0, 255]: the magic number
 // 1024 + c minus 1024 (one LOP3 + one fp16x2 FMA; bf16 cannot hold 128 + c for c >= 128: 8-bit output products)
+// (SUB: the subnormals c 2^-24 as they are)
+template <bool SUB = false>
 __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
+  if constexpr (SUB) return magic_f16_byte<true>(r, b);
   const uint32_t m = magic_f16_byte(r, b);
   uint32_t y;
   asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3C003C00u), "r"(0xE400E400u));  // m * 1 - 1024
@@ -160,18 +172,21 @@ __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
 // score product: all NF = 16/B fields of both 16-bit halves of r -> fp16x2 (1024 + 2^(B p) code), p = j % (NF/2)
 // the field's plane: fields of the low byte of each half straight from r, those of the high byte from r >> 8
 // (one shift for all), each with one LOP3. Field j = plane j % F of half j / F (F = NF / 2 = 8 / B).
-template <int B>
+// SUB: the subnormals 2^(B p) code 2^-24 instead (no magic, no bias).
+template <int B, bool SUB = false>
 __device__ __forceinline__ void score_fields(uint32_t r, uint32_t (&f)[16 / B]) {
   constexpr int F = 8 / B;
   if constexpr (B == 8 && QMLA_PRMT8) {
-    f[0] = magic_bytes(r, 0);
-    f[1] = magic_bytes(r, 1);
+    f[0] = magic_bytes<SUB>(r, 0);
+    f[1] = magic_bytes<SUB>(r, 1);
     return;
   }
   const uint32_t r8 = r >> 8;
 #pragma unroll
-  for (int j = 0; j < 2 * F; ++j)
-    f[j] = and_or(j < F ? r : r8, (((1u << B) - 1u) << (B * (j % F))) * 0x00010001u, kMagicF16);
+  for (int j = 0; j < 2 * F; ++j) {
+    const uint32_t mask = (((1u << B) - 1u) << (B * (j % F))) * 0x00010001u;
+    f[j] = SUB ? (j < F ? r : r8) & mask : and_or(j < F ? r : r8, mask, kMagicF16);
+  }
 }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: relative error ~2^-22; 2^-inf = 0)

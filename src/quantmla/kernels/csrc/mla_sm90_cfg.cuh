@@ -45,6 +45,12 @@ namespace sm90 {
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
 
+#ifndef QMLA_SM90_SUBNORMAL  // 1 (fp16 output product): packed codes enter both products as exact fp16 subnormals
+#define QMLA_SM90_SUBNORMAL 0  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
+#endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths)
+        // and the output product loses its HFMA2 per pair -- and a constant 2^-24 (x 2^-k per plane) undone in the
+        // softmax scale and the epilogue. Written offline in session 28.
+
 // (QMLA_SM90_TOKEN_SCALE, session 26's spike of one content scale per token, became the T formats' instantiation:
 // decode_kernel_sm90<..., TS = true>, C4R4T / C2R4T.)
 

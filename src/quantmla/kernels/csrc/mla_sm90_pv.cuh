@@ -16,13 +16,14 @@ namespace qmla {
 namespace sm90 {
 
 // 8-bit content (C8R8): a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, codes as
-// exact fp16 (MAGIC8: the magic numbers 1024 + c as they are; the caller takes the 1024 off through P s)
-template <class C, int NH, bool MAGIC8>
+// exact fp16 (MAGIC8: the magic numbers 1024 + c as they are; the caller takes the 1024 off through P s; SUB: the
+// subnormals c 2^-24, the caller undoes 2^-24)
+template <class C, int NH, bool MAGIC8, bool SUB = false>
 __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], uint32_t st_u, const Desc& pdesc,
                                               int warp, int lane) {
   constexpr int NG = C::NG, CPG = C::CPG, kKBlock = C::KB;
   const int mi = lane >> 3;
-  auto code8 = [](uint32_t r, int b) { return MAGIC8 ? magic_f16_byte(r, b) : code_f16_byte(r, b); };
+  auto code8 = [](uint32_t r, int b) { return MAGIC8 ? magic_f16_byte(r, b) : code_f16_byte<SUB>(r, b); };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
@@ -62,9 +63,10 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
 
 // 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batch 0's
 // ldmatrix.trans (issued before the P barrier), and each batch loads the next one ahead from addr(j + 1). F16OUT:
-// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2), else exact bf16. TS (QMLA_SM90_TOKEN_SCALE): one (P s)^T
-// tile serves every group.
-template <int CB, class C, int NH, bool F16OUT, bool TS, class Addr>
+// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2; SUB: the subnormals 2^(b hh) c 2^-24 of plane hh, no
+// HFMA2, the caller undoes the factor per accumulator), else exact bf16. TS (the T formats): one (P s)^T tile serves
+// every group.
+template <int CB, class C, int NH, bool F16OUT, bool TS, bool SUB, class Addr>
 __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 2], uint32_t (&Rv)[4], int vshift,
                                                   Addr&& addr, const Desc& pdesc) {
   constexpr int NG = C::NG, F = C::F, kKBlock = C::KB;
@@ -82,10 +84,10 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
         const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          a[ks][hh][0] = code_f16<CB>(R[2 * ks], hh);
-          a[ks][hh][1] = code_f16<CB>(r8a, hh);
-          a[ks][hh][2] = code_f16<CB>(R[2 * ks + 1], hh);
-          a[ks][hh][3] = code_f16<CB>(r8b, hh);
+          a[ks][hh][0] = code_f16<CB, SUB>(R[2 * ks], hh);
+          a[ks][hh][1] = code_f16<CB, SUB>(r8a, hh);
+          a[ks][hh][2] = code_f16<CB, SUB>(R[2 * ks + 1], hh);
+          a[ks][hh][3] = code_f16<CB, SUB>(r8b, hh);
         }
       } else {
 #pragma unroll

@@ -78,13 +78,14 @@ template <int NC>
 __device__ __forceinline__ int head_slot(int h) { return ((h & 7) >> 1) * NC + 2 * (h >> 3) + (h & 1); }
 
 // Score-product A fragments of one B-bit chunk (hx) of an ldmatrix.x4 (R: token g / g+8 of chunk x, then of chunk
-// x + 1): a[p] = rows g / g+8, plane p of chunk x + hx, as fp16 magic numbers (mla_ops.cuh score_fields).
-template <int B>
+// x + 1): a[p] = rows g / g+8, plane p of chunk x + hx, as fp16 magic numbers (SUB: subnormals; mla_ops.cuh
+// score_fields).
+template <int B, bool SUB = false>
 __device__ __forceinline__ void score_frag(const uint32_t (&R)[4], int hx, uint32_t (&a)[8 / B][4]) {
   constexpr int F = 8 / B;
   uint32_t f0[16 / B], f1[16 / B];
-  score_fields<B>(R[2 * hx], f0);
-  score_fields<B>(R[2 * hx + 1], f1);
+  score_fields<B, SUB>(R[2 * hx], f0);
+  score_fields<B, SUB>(R[2 * hx + 1], f1);
 #pragma unroll
   for (int pl = 0; pl < F; ++pl) {
     a[pl][0] = f0[pl];
@@ -95,16 +96,18 @@ __device__ __forceinline__ void score_frag(const uint32_t (&R)[4], int hx, uint3
 }
 
 // Both chunks: a[hx][p] as score_frag.
-template <int B>
+template <int B, bool SUB = false>
 __device__ __forceinline__ void score_frags(const uint32_t (&R)[4], uint32_t (&a)[2][8 / B][4]) {
-  score_frag<B>(R, 0, a[0]);
-  score_frag<B>(R, 1, a[1]);
+  score_frag<B, SUB>(R, 0, a[0]);
+  score_frag<B, SUB>(R, 1, a[1]);
 }
 
 // qt: 36 k-blocks of HEADS * 32 bytes; qst: bf16 q [HEADS][ROW] (mla_query.cuh stage_q; ROW = 584 puts the rows
 // of 8 heads on distinct banks); qb: [2][5][4 t][HEADS / 4] floats (accumulator starts -(1024 sum q + the symmetric
 // offset), then q sums in 2^-e units), slot of head h = group * HEADS + head_slot(h). Ends with a CTA barrier.
-template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS, int ROW = kDc + kDr>
+// SUB (subnormal codes, no magic bias): the starts are the symmetric offsets alone, and starts and q sums carry the
+// products' 2^-24.
+template <int CB, int RB, bool CSYM, bool RSYM, int HEADS, int THREADS, int ROW = kDc + kDr, bool SUB = false>
 __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, float q_down, float* qb) {
   using C = PageCfg<CB, RB>;
   constexpr int F = C::F, PS = C::PS, RF = C::RF, RPS = C::RPS, kKBlock = HEADS * 32;
@@ -157,25 +160,26 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
       }
     }
     const bool sym = gr < 4 ? CSYM : RSYM;
-    const float init = -fmaf(1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
+    const float init = -fmaf(SUB ? 0.f : 1024.f, qm, sym ? (float)(1 << (bits - 1)) * qs : 0.f);
+    const float sub = SUB ? 0x1p-24f : 1.f;
     const int slot = gr * HEADS + head_slot<HEADS / 4>(h);  // [group][t][c]
-    qb[slot] = init;
-    qb[5 * HEADS + slot] = qs;
+    qb[slot] = init * sub;
+    qb[5 * HEADS + slot] = qs * sub;
   }
   __syncthreads();
 }
 
 // The CTA's normalized partial output, po[(row0 + h) * 512 + channel] for this thread's output rows (channels: see
-// the kernel's header) and heads: (O^T o_down + corr) / l. Rows ri = 0, 1 are channels ch, ch + 1, stored as one
+// the kernel's header) and heads: (O^T o_down[hh] + corr) / l (o_down per accumulator half hh). Rows ri = 0, 1 are channels ch, ch + 1, stored as one
 // 8-byte pair (1.00-1.02x over 4-byte stores, kernel_variants_h200_s14b.md; the epilogue was ~16% of a one-page
 // CTA's stall samples, ncu 2026-12-01).
 template <bool kC8, int CPG, int PS, int NG, int NC, int NH>
 __device__ __forceinline__ void store_partial(float* po, long long row0, int H, int h0,
-                                              const float (&oacc)[2 * NG][NH / 2], float o_down,
+                                              const float (&oacc)[2 * NG][NH / 2], const float (&o_down)[2],
                                               const float (&corr)[NG][NC], const float (&inv_l)[NC], int warp, int g,
                                               int t) {
   auto value = [&](int gi, int hh, int ri, int c) {
-    return fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down, corr[gi][c]) * inv_l[c];
+    return fmaf(oacc[2 * gi + hh][acc_idx(ri, c)], o_down[hh], corr[gi][c]) * inv_l[c];
   };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi)
