@@ -76,12 +76,12 @@ VARIANTS: dict[str, dict[str, int]] = {
     "noaddr": {"QMLA_SM90_ADDR_BASES": 0, "QMLA_PAGE_BASES": 0},
     "nolevers": {"QMLA_SM90_P_STSM": 0, "QMLA_SM90_META_ONCE": 0, "QMLA_PRMT8": 0, "QMLA_SM90_ADDR_BASES": 0,
                  "QMLA_PAGE_BASES": 0},
-    # C8R8's output product on the fp16 magic numbers 1024 + c as they are, the offset through the exact fp16 P s
-    # (written offline in session 22: C8R8 main loop 1,469 -> 1,372 SASS instructions; the 4-bit formats untouched)
-    "pvmagic8": {"QMLA_SM90_PV_MAGIC8": 1},
-    # every packed code as an exact fp16 subnormal in both products, no magic bias (written offline in session 28:
-    # main loop C4R4 1,420 -> 1,283, C4R4T 1,249 -> 1,055, C8R8 1,469 -> 1,338 SASS instructions per warp and tile)
-    "subnormal": {"QMLA_SM90_SUBNORMAL": 1},
+    # packed codes as fp16 magic numbers 1024 + 2^k c again, the bias taken off in the accumulators' starts and by one
+    # HFMA2 per pair of the output product (the default until session 28; the subnormal codes that replaced it cut the
+    # main loop C4R4 1,420 -> 1,283, C4R4T 1,249 -> 1,055, C8R8 1,469 -> 1,338 SASS instructions per warp and tile and
+    # ran 1.02-1.07x faster, kernel_variants_h200_s28_subnormal.md; session 22's C8R8-only "pvmagic8", which took the
+    # HFMA2 off through P s at a cost in accumulator bits, is gone with it)
+    "nosubnormal": {"QMLA_SM90_SUBNORMAL": 0},
     # (session 26's spike "tokscale", QMLA_SM90_TOKEN_SCALE, is the T formats' instantiation now: --formats c4r4t)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)

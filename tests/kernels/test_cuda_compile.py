@@ -56,7 +56,7 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SCORE_RUN=2",)),  # runall
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_P_STSM=0", "-DQMLA_SM90_META_ONCE=0", "-DQMLA_PRMT8=0",
                                  "-DQMLA_SM90_ADDR_BASES=0", "-DQMLA_PAGE_BASES=0")),  # kernel_variants.py's nolevers
-     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_PV_MAGIC8=1",)),  # kernel_variants.py's pvmagic8
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SUBNORMAL=0",)),  # kernel_variants.py's nosubnormal
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip

@@ -408,10 +408,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
     // QMLA_SM90_P_STSM: the tile of group gi with one stmatrix.x4.trans (mla_wgmma.cuh p_tile_row), else value by value
     constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
-    // QMLA_SM90_PV_MAGIC8: 8-bit codes enter the output product as 1024 + c; their offset -(1024 + 128) s per token
-    // is taken off through the exact fp16 P s (2^k_run) values that enter it, back in unscaled units
-    constexpr bool kMagic8 = kC8 && kStsm && QMLA_SM90_PV_MAGIC8 && !kSub;
-    const float magic_off = kMagic8 ? -1152.f * exp2i(-k_run) : 0.f;
     const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
 #pragma unroll
     for (int gi = 0; gi < NPT; ++gi) {
@@ -426,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         uint8_t* tile = smem + C::PT + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-          if constexpr (!kMagic8) po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
+          po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
           if constexpr (kStsm) continue;
           const int h = head_of(c, t);
           uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
@@ -442,14 +438,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
                                pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
                                pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1])};
         stsm_x4_t(prow + gi * 4 * kKBlock, x[0], x[1], x[2], x[3]);
-        if constexpr (kMagic8) {
-#pragma unroll
-          for (int hb = 0; hb < 2; ++hb) {
-            const float2 a = unpack_f16(x[2 * hb]), b = unpack_f16(x[2 * hb + 1]);  // token slots ri = 0, 1
-            po[gi][2 * hb] = fmaf(a.x + b.x, magic_off, po[gi][2 * hb]);
-            po[gi][2 * hb + 1] = fmaf(a.y + b.y, magic_off, po[gi][2 * hb + 1]);
-          }
-        }
       }
     }
     // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
@@ -468,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
     for (int i = 0; i < 2 * NG; ++i) fence_operands(oacc[i]);
     if constexpr (kC8)
-      pv_product_c8<C, NH, kMagic8, kSub>(oacc, st_u, pdesc, warp, lane);
+      pv_product_c8<C, NH, kSub>(oacc, st_u, pdesc, warp, lane);
     else
       pv_product_packed<CB, C, NH, kF16Out, kTS, kSub>(oacc, Rv, vshift, pv_addr, pdesc);
   }

@@ -36,20 +36,18 @@ namespace sm90 {
 #ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
 #define QMLA_SM90_ADDR_BASES 1  // constants, not the swizzle recomputed per batch (the same addresses)
 #endif
-#ifndef QMLA_SM90_PV_MAGIC8  // 1 (8-bit content, C8R8; with QMLA_SM90_P_STSM): the output product takes the codes as
-#define QMLA_SM90_PV_MAGIC8 0  // fp16 magic numbers 1024 + c (one PRMT per pair, no HFMA2 -1024) and the offset term
-#endif  // becomes -(1024 + 128) sum(P s) over the exact fp16 values of P s that enter the product (written offline
-        // in session 22, not yet on a GPU: C8R8 main loop 1,469 -> 1,372 SASS instructions; the accumulator carries
-        // ~1152 next to a signal of |c - 128|, ~5 of its 24 bits -- why only 8-bit codes, docs/kernels.md)
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
 
 #ifndef QMLA_SM90_SUBNORMAL  // 1 (fp16 output product): packed codes enter both products as exact fp16 subnormals
-#define QMLA_SM90_SUBNORMAL 0  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
-#endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths)
-        // and the output product loses its HFMA2 per pair -- and a constant 2^-24 (x 2^-k per plane) undone in the
-        // softmax scale and the epilogue. Written offline in session 28.
+#define QMLA_SM90_SUBNORMAL 1  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
+#endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths),
+        // the output product loses its HFMA2 per pair, the T formats' content shares one score accumulator -- and a
+        // constant 2^-24 (x 2^-k per plane) undone in the softmax scale and the epilogue. Default since session 28
+        // (H200: the tensor cores take fp16 subnormals exactly -- every wgmma GPU test passed -- C4R4 1.02-1.03x,
+        // C4R4T 1.04-1.05x, C2R4T 1.04-1.07x, C8R8 / C4R8 0.99-1.04x; kernel_variants_h200_s28_subnormal.md; it
+        // replaced session 22's QMLA_SM90_PV_MAGIC8). 0 selects the magic numbers (the decode_mla.cu kernel's form).
 
 // (QMLA_SM90_TOKEN_SCALE, session 26's spike of one content scale per token, became the T formats' instantiation:
 // decode_kernel_sm90<..., TS = true>, C4R4T / C2R4T.)

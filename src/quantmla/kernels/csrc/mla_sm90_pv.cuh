@@ -16,14 +16,13 @@ namespace qmla {
 namespace sm90 {
 
 // 8-bit content (C8R8): a 16-bit element holds 2 channels; half h of group g takes chunk g * 8 + w + 4 h, codes as
-// exact fp16 (MAGIC8: the magic numbers 1024 + c as they are; the caller takes the 1024 off through P s; SUB: the
-// subnormals c 2^-24, the caller undoes 2^-24)
-template <class C, int NH, bool MAGIC8, bool SUB = false>
+// exact fp16 (SUB: the subnormals c 2^-24 as they are, the caller undoes 2^-24; else 1024 + c, then one HFMA2)
+template <class C, int NH, bool SUB>
 __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], uint32_t st_u, const Desc& pdesc,
                                               int warp, int lane) {
   constexpr int NG = C::NG, CPG = C::CPG, kKBlock = C::KB;
   const int mi = lane >> 3;
-  auto code8 = [](uint32_t r, int b) { return MAGIC8 ? magic_f16_byte(r, b) : code_f16_byte<SUB>(r, b); };
+  auto code8 = [](uint32_t r, int b) { return code_f16_byte<SUB>(r, b); };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
@@ -42,7 +41,7 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
         uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
         ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 (MAGIC8: 1024 + c as it is)
+        for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 
           a[ks][hh][0] = code8(R[2 * hh], 0);
           a[ks][hh][1] = code8(R[2 * hh], 1);
           a[ks][hh][2] = code8(R[2 * hh + 1], 0);
