@@ -3,11 +3,13 @@
 
 Mutations (each a one-line change of the kernel's source or a header it includes): a 1% softmax-scale error, the
 sink boundary one token off, the local-window boundary one token off, the offset term of the output dropped, the
-score product's magic-number term off by 1/1024, the output product's code bias off by one (the wgmma kernel's fp16
-output product: its bias one ulp off, i.e. plane-0 codes off by one); for the wgmma kernel also its BF16 pages'
-masking of rows outside the tile (NaN in unwritten slots must not reach the output) and, for its C4R4T / C2R4T
-instantiation (one content scale per token), the score's offset term and one content group's score dropped; for ws
-the scale, the boundaries, the offset term, the magic term, the code bias, each in the file the kernel reads it from.
+score product's magic-number term off by 1/1024, the output product's code bias off by one. The wgmma kernel, whose
+codes are fp16 subnormals (no magic term, no bias), instead: the symmetric accumulator start one code off, the output
+codes' lowest bit dropped, the second plane's factor not undone, its BF16 pages' masking of rows outside the tile (NaN
+in unwritten slots must not reach the output) and, for its C4R4T / C2R4T instantiation (one content scale per token,
+one content score accumulator), the score's offset term dropped and the RoPE scores put into the content
+accumulator; for ws the scale, the boundaries, the offset term, the magic term, the code bias, each in the file the
+kernel reads it from.
 Prints one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
@@ -63,20 +65,31 @@ MUTATIONS = {
             "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = head_total(",
             "for (int gi = 0; gi < NG; ++gi) corr[gi][c] = 0.f * head_total(",
         ),
-        "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,"),
-        "output code bias (fp16) one ulp off": (
-            "(0x8000u | ((25u - B * p) << 10))",
-            "(0x8001u | ((25u - B * p) << 10))",
+        # (since session 28 the codes are fp16 subnormals, QMLA_SM90_SUBNORMAL: no magic term; the accumulator start
+        # is the symmetric offset alone -- C8R8, C4R8's RoPE -- here one code unit off, as the magic term's 1024 ->
+        # 1023 was one unit of the q sum)
+        "score symmetric start one code off": (
+            "sym ? (float)(1 << (bits - 1)) * qs : 0.f);",
+            "sym ? (float)((1 << (bits - 1)) - 1) * qs : 0.f);",
+            "mla_swapab.cuh",
+        ),
+        "output codes' lowest bit dropped (subnormal mask)": (
+            "if constexpr (SUB) return r & ((((1u << B) - 1u) << (B * p)) * 0x00010001u);",
+            "if constexpr (SUB) return r & ((((1u << B) - 2u) << (B * p)) * 0x00010001u);",
+        ),
+        "output plane 1's factor not undone": (
+            "exp2i(kSub ? 24 - k_run - (kC8 ? 0 : CB) : -k_run)",
+            "exp2i(kSub ? 24 - k_run : -k_run)",
         ),
         "BF16 pages: out-of-range rows kept": ("if (tok < tok_lo || tok >= tok_hi)", "if (false)", "mla_sm90_bf16.cuh"),
-        # the T formats' instantiation (one content scale per token: C4R4T / C2R4T)
+        # the T formats' instantiation (one content scale per token: C4R4T / C2R4T; one content score accumulator)
         "T formats: score offset term dropped": (
-            "srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);",
-            "srun[ri][c] = fmaf(sg, srun[ri][c] + sacc[slot(gr)][acc_idx(ri, c)], 0.f * qsv[c]);",
+            "+ sacc[slot(gr)][acc_idx(ri, c)], og * qsv[c]);",
+            "+ sacc[slot(gr)][acc_idx(ri, c)], 0.f * qsv[c]);",
         ),
-        "T formats: a content group's score left out": (
-            "for (int c = 0; c < NC; ++c) srun[ri][c] += sacc[slot(gr)][acc_idx(ri, c)];",
-            "for (int c = 0; c < NC; ++c) srun[ri][c] += (gr == 1 ? 0.f : 1.f) * sacc[slot(gr)][acc_idx(ri, c)];",
+        "T formats: RoPE scores in the content accumulator": (
+            "return kOneAcc ? (gr == 4 ? 1 : 0)",
+            "return kOneAcc ? (gr == 4 ? 0 : 0)",
         ),
     },
     "ws": {
@@ -97,7 +110,11 @@ MUTATIONS = {
             "corr[gl][c] = 0.f * fin[NH + (2 * j + gl) * NH + h];",
             "mla_ws_output.cuh",
         ),
-        "score magic term 1024 -> 1023": ("init = -fmaf(1024.f, qm,", "init = -fmaf(1023.f, qm,", "mla_swapab.cuh"),
+        "score magic term 1024 -> 1023": (
+            "init = -fmaf(SUB ? 0.f : 1024.f, qm,",
+            "init = -fmaf(SUB ? 0.f : 1023.f, qm,",
+            "mla_swapab.cuh",
+        ),
         "output code bias (fp16) one ulp off": (
             "(0x8000u | ((25u - B * p) << 10))",
             "(0x8001u | ((25u - B * p) << 10))",
