@@ -108,13 +108,13 @@ tests_mma() {  # the mma kernel and the Triton kernels
   part tests_mma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py tests/kernels/test_decode.py \
     -k "not wgmma" -q -rf --tb=line -p no:cacheprovider
 }
-ncu_part() {  # ncu_part KERNEL CAP: one C4R4 B32 x 32K launch under ncu --set full; per-SASS stall samples + details
+ncu_part() {  # ncu_part KERNEL CAP: one C4R4 (NCU_FORMAT) B32 x 32K launch under ncu --set full; per-SASS stall samples + details
   # (NCU_SHAPE="B N" another shape, NCU_REGEX other kernels, e.g. "decode_kernel|combine_kernel": one profile each)
   local k=$1 rep="$R/ncu_$1${NCU_SUFFIX:-}" n=1
   [[ -n ${NCU_REGEX:-} ]] && n=2
   part "ncu_$k${NCU_SUFFIX:-}" "$2" bash -c "QUANTMLA_CUDA_KERNEL=$k ncu --kernel-name regex:'${NCU_REGEX:-decode_kernel}' \
     --launch-skip $n --launch-count $n --set full --import-source no -f -o $rep python benchmarks/profile_decode.py \
-    c4r4 ${NCU_SHAPE:-32 32768} --reps 2 && ncu -i $rep.ncu-rep --page source --csv --print-source sass > ${rep}_sass.csv; \
+    ${NCU_FORMAT:-c4r4} ${NCU_SHAPE:-32 32768} --reps 2 && ncu -i $rep.ncu-rep --page source --csv --print-source sass > ${rep}_sass.csv; \
     ncu -i $rep.ncu-rep --page details > ${rep}_details.txt; rm -f $rep.ncu-rep"
 }
 flashmla_args() {  # FM: the checkout (.flashmla, 29 MB) with its build (.fmbuild), else the build alone (.fmbuild,
