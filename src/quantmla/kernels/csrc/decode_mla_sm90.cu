@@ -8,17 +8,19 @@
 // Per 64-token tile (one page), with the 16 heads on N of every wgmma (m64n16k16) and the page's codes as the
 // register A operand, so each code is unpacked once per product for all heads:
 //   score   S_g^T[64 tokens x 16 heads] = K_g Q_g^T   per content group g (4 x 8 k-blocks) and for RoPE (4 k-blocks):
-//           A = codes as fp16 magic numbers 1024 + 2^(b p) c (one LOP3 per pair, as in decode_mla.cu; ldmatrix of
-//           the staged page, the A fragment of tokens 16w+g / 16w+g+8 is exactly what mma.sync's B fragment was),
-//           B = q^T (fp16, 2^-e and 2^-(b p) folded in, the channel order of the fragments), staged once per CTA.
-//           Accumulators start at -1024 sum(q) (and the symmetric offset), so they end holding q . c; then
+//           A = codes as exact fp16 subnormals 2^(b p) c 2^-24 (QMLA_SM90_SUBNORMAL, the default: one AND per pair;
+//           =0: magic numbers 1024 + 2^(b p) c, one LOP3 per pair, as in decode_mla.cu; ldmatrix of the staged page,
+//           the A fragment of tokens 16w+g / 16w+g+8 is exactly what mma.sync's B fragment was), B = q^T (fp16,
+//           2^-e and 2^-(b p) folded in, the channel order of the fragments), staged once per CTA. Accumulators
+//           start at the symmetric offset (0 for asymmetric paths; magic numbers: also -1024 sum(q)), so they end
+//           holding q . c (x 2^-24, undone in the softmax scale); then
 //           S = sum_g s_g[t] S_g + o_g[t] qsum_g   (per-token scales are row scales of S^T: never per element).
 //   softmax over the 64 rows per head (one cross-warp exchange of the tile maximum; lazy running maximum as in
 //           decode_mla.cu); row sums and the offset terms sum_t P o_g[t] stay per thread until the epilogue.
 //   output  O_(g,h)^T[64 channels x 16 heads] += V_(g,h)^T (P s_g)^T   for the two 64-channel halves h of group g
-//           (mla_sm90_pv.cuh): A = codes made exact in fp16 (QMLA_SM90_PV_F16, the default; bf16 otherwise), from
-//           ldmatrix.trans of the same staged bytes (pairs of tokens of one channel), B = (P s_g)^T written to
-//           shared memory by the softmax.
+//           (mla_sm90_pv.cuh): A = the codes exact in fp16 (QMLA_SM90_PV_F16, the default: subnormals, 2^(b p) 2^-24
+//           undone per accumulator in the epilogue; bf16 otherwise), from ldmatrix.trans of the same staged bytes
+//           (pairs of tokens of one channel), B = (P s_g)^T written to shared memory by the softmax.
 // The output's M rows are a permutation of the group's channels (the fields of one ldmatrix.trans element):
 // row 16w + r of half h of group g = channel 128 g + 16 (w % CPG) + 2 (r % 8) + r / 8 + PS (2 (w / CPG) + h).
 // Asynchrony: the output product of tile i runs on the tensor cores while the score product of tile i + 1 is
@@ -44,10 +46,11 @@ namespace sm90 {
 
 // TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0, 1): the content
 // groups' score accumulators are summed as they are (one FADD per element, no per-group scale or offset), scaled
-// once, and the output product takes one (P s)^T tile and one offset sum. Each group's accumulator still starts at
-// its own start -(1024 sum q_g) and ends small before it is summed: one accumulator for all 512 channels (session
-// 26's spike QMLA_SM90_TOKEN_SCALE, 1.09-1.10x over four scales at the long shapes) carried 4x the magic-number terms
-// and its LSE error grew ~10x (up to 8.7e-3 at unit values, H200 2026-12-03), failing at large values.
+// once, and the output product takes one (P s)^T tile and one offset sum. With subnormal codes (the default) all
+// four groups share one accumulator (kOneAcc): nothing large cancels in it. With magic numbers each group runs its own
+// accumulator from its own start -(1024 sum q_g), summed once small: one magic-number accumulator for all 512
+// channels (session 26's spike) carried 4x the 1024 sum q terms and its LSE error grew ~10x (up to 8.7e-3 at unit
+// values, H200 2026-12-03), failing at large values.
 template <int CB, int RB, bool CSYM, bool RSYM, int NH, bool TS = false>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
@@ -406,40 +409,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
-    // QMLA_SM90_P_STSM: the tile of group gi with one stmatrix.x4.trans (mla_wgmma.cuh p_tile_row), else value by value
-    constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
-    const uint32_t prow = smem_u32(smem + C::PT) + p_tile_row(kKBlock, warp, lane);
-#pragma unroll
-    for (int gi = 0; gi < NPT; ++gi) {
-      float sp[2];  // P s (2^k_run) per token slot ri
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const float svg = sv[gi][ri], ovg = ov[gi][ri];
-        // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
-        const float s = tok_ok[ri] ? svg : 0.f;
-        const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
-        sp[ri] = s * p_up;
-        uint8_t* tile = smem + C::PT + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-          po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
-          if constexpr (kStsm) continue;
-          const int h = head_of(c, t);
-          uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
-          if constexpr (kF16Out)
-            *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * sp[ri]);
-          else
-            *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * sp[ri]);
-        }
-      }
-      if constexpr (kStsm) {  // matrix ri + 2 hb: tokens 16w + 8 ri + g, heads 8 hb + 2t and + 1: c = 2 hb, 2 hb + 1
-        const uint32_t x[4] = {pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
-                               pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]),
-                               pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
-                               pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1])};
-        stsm_x4_t(prow + gi * 4 * kKBlock, x[0], x[1], x[2], x[3]);
-      }
-    }
+    write_p_tiles<C, CB, NH, NPT, CSYM, kF16Out>(smem + C::PT, pv, sv, ov, tok_ok, p_up, po, warp, lane);
     // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
     const int mi_v = lane >> 3;
     auto pv_addr = [&](int j) -> uint32_t {  // tokens (2t, 2t+1) / (8+2t, 9+2t) of k-step 2kp, then of 2kp + 1

@@ -3,13 +3,15 @@
 // for every content group g and 64-channel half h, 4 k-steps of 16 tokens, A = the codes from ldmatrix.trans of the
 // staged page (register operand), B = the (P s)^T tiles the softmax wrote to shared memory (descriptor pdesc).
 // Issued in batches of two k-steps, each batch waiting for the one before it (QMLA_SM90_PV_DEPTH) so that its A
-// registers can be reused. The row order of the accumulators is described in decode_mla_sm90.cu's header.
+// registers can be reused. The row order of the accumulators is described in decode_mla_sm90.cu's header. Also the
+// softmax's side of the hand-over: the (P s)^T tiles and offset sums (write_p_tiles).
 #pragma once
 
 #include <stdint.h>
 
 #include "mla_ops.cuh"
 #include "mla_sm90_cfg.cuh"
+#include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
 
 namespace qmla {
@@ -111,6 +113,53 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
       }
     wgmma_commit();
     wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
+  }
+}
+
+// The softmax's hand-over to the output product, per tile: bf16 / fp16 (P s_g 2^k)^T into the B tiles at pt (k-step =
+// warp, k-half = token slot ri; NPT tiles: one per content group, or one for the T formats) and the offset sums
+// po[g][c] += P o_g per thread. pv: P of this thread's tokens 16w + g + 8 ri and head columns c; sv / ov: their
+// content scales / offsets; tok_ok: the token is in the tile's valid range (an out-of-range token's meta may be
+// anything, NaN included: its scale and offset are taken as 0).
+template <class C, int CB, int NH, int NPT, bool CSYM, bool kF16Out>
+__device__ __forceinline__ void write_p_tiles(uint8_t* pt, const float (&pv)[2][NH / 4], const float (&sv)[4][2],
+                                              const float (&ov)[4][2], const bool (&tok_ok)[2], float p_up,
+                                              float (&po)[C::NG][NH / 4], int warp, int lane) {
+  constexpr int NC = NH / 4, kKBlock = C::KB;
+  const int g = lane >> 2, t = lane & 3;
+  // QMLA_SM90_P_STSM: the tile of group gi with one stmatrix.x4.trans (mla_wgmma.cuh p_tile_row), else value by value
+  constexpr bool kStsm = kF16Out && QMLA_SM90_P_STSM;
+  const uint32_t prow = smem_u32(pt) + p_tile_row(kKBlock, warp, lane);
+#pragma unroll
+  for (int gi = 0; gi < NPT; ++gi) {
+    float sp[2];  // P s (2^k_run) per token slot ri
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const float svg = sv[gi][ri], ovg = ov[gi][ri];
+      // an out-of-range token's meta may be anything (NaN): P = 0 is not enough
+      const float s = tok_ok[ri] ? svg : 0.f;
+      const float o = tok_ok[ri] ? (CSYM ? -(float)(1 << (CB - 1)) * svg : ovg) : 0.f;
+      sp[ri] = s * p_up;
+      uint8_t* tile = pt + (gi * 4 + warp) * kKBlock + ri * 128 + g * 2;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        po[gi][c] = fmaf(pv[ri][c], o, po[gi][c]);
+        if constexpr (kStsm) continue;
+        const int h = head_of(c, t);
+        uint8_t* at = tile + (h >> 3) * 256 + (h & 7) * 16;
+        if constexpr (kF16Out)
+          *reinterpret_cast<__half*>(at) = __float2half_rn(pv[ri][c] * sp[ri]);
+        else
+          *reinterpret_cast<__nv_bfloat16*>(at) = __float2bfloat16_rn(pv[ri][c] * sp[ri]);
+      }
+    }
+    if constexpr (kStsm) {  // matrix ri + 2 hb: tokens 16w + 8 ri + g, heads 8 hb + 2t and + 1: c = 2 hb, 2 hb + 1
+      const uint32_t x[4] = {pack_f16(pv[0][0] * sp[0], pv[0][1] * sp[0]),
+                             pack_f16(pv[1][0] * sp[1], pv[1][1] * sp[1]),
+                             pack_f16(pv[0][2] * sp[0], pv[0][3] * sp[0]),
+                             pack_f16(pv[1][2] * sp[1], pv[1][3] * sp[1])};
+      stsm_x4_t(prow + gi * 4 * kKBlock, x[0], x[1], x[2], x[3]);
+    }
   }
 }
 
