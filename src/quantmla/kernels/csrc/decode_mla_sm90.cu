@@ -258,12 +258,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         return j < NBC ? st_u + C::C_SM + tok * C::CBYTES + 16 * ((2 * j + (mi >> 1)) ^ (lane & 7))
                        : st_u + C::R_SM + (2 * (j - NBC) + (mi >> 1)) * (kPage * 16) + tok * 16;  // chunk-major
       };
-      uint32_t Rn[4];
-      ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(0));
+      uint32_t Rn[kLdsmAhead][4];  // the next kLdsmAhead batches' ldmatrix (QMLA_SM90_LDSM_AHEAD)
+#pragma unroll
+      for (int a = 0; a < kLdsmAhead; ++a)
+        if (a < NB) ldsm_x4(Rn[a][0], Rn[a][1], Rn[a][2], Rn[a][3], qk_addr(a));
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
-        uint32_t R[4] = {Rn[0], Rn[1], Rn[2], Rn[3]};
-        if (j + 1 < NB) ldsm_x4(Rn[0], Rn[1], Rn[2], Rn[3], qk_addr(j + 1));
+        constexpr int kA = kLdsmAhead;
+        uint32_t R[4] = {Rn[j % kA][0], Rn[j % kA][1], Rn[j % kA][2], Rn[j % kA][3]};
+        if (j + kA < NB) ldsm_x4(Rn[j % kA][0], Rn[j % kA][1], Rn[j % kA][2], Rn[j % kA][3], qk_addr(j + kA));
         if constexpr (kRun && !kOneAcc) {  // first batch of content group gr >= 2 or of RoPE (gr = 4): gr - 2 is done
           constexpr int BPG = CPG / 2;  // batches per content group (2 chunks each)
           const int gr = j < NBC ? 2 * j / CPG : 4;
@@ -417,8 +420,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       const int tok = 16 * (2 * kp + (mi_v >> 1)) + 8 * (mi_v & 1) + (lane & 7);
       return st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
     };
-    uint32_t Rv[4];
-    if constexpr (!kC8) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], pv_addr(0));
+    uint32_t Rv[kLdsmAhead][4];
+    if constexpr (!kC8) {
+#pragma unroll
+      for (int a = 0; a < kLdsmAhead; ++a) ldsm_x4_t(Rv[a][0], Rv[a][1], Rv[a][2], Rv[a][3], pv_addr(a));
+    }
     fence_proxy_async();
     __syncthreads();
 
@@ -428,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
     if constexpr (kC8)
       pv_product_c8<C, NH, kSub>(oacc, st_u, pdesc, warp, lane);
     else
-      pv_product_packed<CB, C, NH, kF16Out, kTS, kSub>(oacc, Rv, vshift, pv_addr, pdesc);
+      pv_product_packed<CB, C, NH, kF16Out, kTS, kSub, kLdsmAhead>(oacc, Rv, vshift, pv_addr, pdesc);
   }
   wgmma_wait<0>();
 #pragma unroll

@@ -36,6 +36,9 @@ namespace sm90 {
 #ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
 #define QMLA_SM90_ADDR_BASES 1  // constants, not the swizzle recomputed per batch (the same addresses)
 #endif
+#ifndef QMLA_SM90_LDSM_AHEAD  // batches ahead that each product's ldmatrix is issued (1: the next batch's; 2 tried in
+#define QMLA_SM90_LDSM_AHEAD 1  // session 28: ncu put ~10% of the stall samples on the first shift after each ldmatrix)
+#endif
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
@@ -57,6 +60,8 @@ constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 hea
 constexpr int kStages = 2;
 constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
+constexpr int kLdsmAhead = QMLA_SM90_LDSM_AHEAD;
+static_assert(kLdsmAhead == 1 || kLdsmAhead == 2, "ldmatrix 1 or 2 batches ahead");
 constexpr int kQkBlocks = 36;  // 16-channel k-blocks of the score product: 32 content + 4 RoPE
 
 // NH = 16 heads on N of every wgmma. (A 32-head variant ran slower: see WgmmaKernel below.)

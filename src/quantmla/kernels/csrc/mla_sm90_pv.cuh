@@ -62,20 +62,20 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
   }
 }
 
-// 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batch 0's
-// ldmatrix.trans (issued before the P barrier), and each batch loads the next one ahead from addr(j + 1). F16OUT:
+// 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batches 0 ..
+// LA - 1's ldmatrix.trans (issued before the P barrier), and each batch j loads batch j + LA's from addr(j + LA). F16OUT:
 // codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2; SUB: the subnormals 2^(b hh) c 2^-24 of plane hh, no
 // HFMA2, the caller undoes the factor per accumulator), else exact bf16. TS (the T formats): one (P s)^T tile serves
 // every group.
-template <int CB, class C, int NH, bool F16OUT, bool TS, bool SUB, class Addr>
-__device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 2], uint32_t (&Rv)[4], int vshift,
+template <int CB, class C, int NH, bool F16OUT, bool TS, bool SUB, int LA, class Addr>
+__device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 2], uint32_t (&Rv)[LA][4], int vshift,
                                                   Addr&& addr, const Desc& pdesc) {
   constexpr int NG = C::NG, F = C::F, kKBlock = C::KB;
 #pragma unroll
   for (int j = 0; j < 2 * NG; ++j) {  // batch j: group j / 2, k-steps 2 kp and 2 kp + 1 (kp = j % 2)
     const int gi = j / 2, kp = j % 2, pt = TS ? 0 : gi;  // pt: the (P s)^T tile of group gi
-    uint32_t R[4] = {Rv[0], Rv[1], Rv[2], Rv[3]};
-    if (j + 1 < 2 * NG) ldsm_x4_t(Rv[0], Rv[1], Rv[2], Rv[3], addr(j + 1));  // one batch ahead
+    uint32_t R[4] = {Rv[j % LA][0], Rv[j % LA][1], Rv[j % LA][2], Rv[j % LA][3]};
+    if (j + LA < 2 * NG) ldsm_x4_t(Rv[j % LA][0], Rv[j % LA][1], Rv[j % LA][2], Rv[j % LA][3], addr(j + LA));
 #pragma unroll
     for (int i = 0; i < 4; ++i) R[i] >>= vshift;
     uint32_t a[2][2][4];
