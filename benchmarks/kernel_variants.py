@@ -82,9 +82,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     # ran 1.02-1.07x faster, kernel_variants_h200_s28_subnormal.md; session 22's C8R8-only "pvmagic8", which took the
     # HFMA2 off through P s at a cost in accumulator bits, is gone with it)
     "nosubnormal": {"QMLA_SM90_SUBNORMAL": 0},
-    # each product's ldmatrix issued two batches ahead instead of one (session 28: ncu put ~10% of the stall samples
-    # of C4R4 / C4R4T on the first shift after an ldmatrix, short scoreboard)
-    "ldsm2": {"QMLA_SM90_LDSM_AHEAD": 2},
+    # each product's ldmatrix issued one batch ahead, as until session 28 (two ahead, the default since: C4R4
+    # 1.01-1.02x, C4R4T 1.03-1.04x, kernel_variants_h200_s28_ldsm2.md)
+    "ldsm1": {"QMLA_SM90_LDSM_AHEAD": 1},
     # (session 26's spike "tokscale", QMLA_SM90_TOKEN_SCALE, is the T formats' instantiation now: --formats c4r4t)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
