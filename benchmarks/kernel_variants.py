@@ -88,6 +88,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     # (session 26's spike "tokscale", QMLA_SM90_TOKEN_SCALE, is the T formats' instantiation now: --formats c4r4t)
     # the warp-specialized kernel (decode_mla_sm90_ws.cu; time it with --formats c4r4@ws --heads 32,64): its page ring
     "ws4": {"QMLA_WS_STAGES": 4},  # 4 pages (2 copies in flight while two are in use; the default is 6)
+    # the ws kernel with subnormal codes (as the wgmma kernel's default since session 28; written offline in session
+    # 28: its output warpgroups' 512 HFMA2 go; the symmetric C2R4 instantiations spill 16 B)
+    "wssub": {"QMLA_WS_SUBNORMAL": 1},
 }
 
 

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_ws(const Params p) 
     // pairs of 32 heads, spilled)
     __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + C::PT);
     const int e = stage_q<kNH, kWg, false, kQRow>(qst, reinterpret_cast<float*>(smem + C::RED), p, b, h0);
-    stage_qt<CB, RB, CSYM, RSYM, kNH, kWg, kQRow>(smem + C::QT, qst, exp2i(-e),
+    stage_qt<CB, RB, CSYM, RSYM, kNH, kWg, kQRow, kSub>(smem + C::QT, qst, exp2i(-e),
                                                   reinterpret_cast<float*>(smem + C::QB));
     score_role<CB, RB, CSYM, RSYM>(p, smem, e, pg0, pg1, lo, hi, row0, h0);
     __syncthreads();  // FIN is published (the output warpgroups' epilogue barrier)

@@ -33,6 +33,11 @@ namespace ws {
 #define QMLA_WS_REG_OUT 144
 #endif
 
+#ifndef QMLA_WS_SUBNORMAL  // 1: the codes as exact fp16 subnormals in both products, no magic-number bias (the wgmma
+#define QMLA_WS_SUBNORMAL 0  // kernel's QMLA_SM90_SUBNORMAL, its default since session 28: the output warpgroups lose an
+#endif  // HFMA2 per pair of codes; written offline in session 28, not yet measured here)
+constexpr bool kSub = QMLA_WS_SUBNORMAL;
+
 constexpr int kWg = 128;           // threads per warpgroup
 constexpr int kThreads = 3 * kWg;  // score + two output warpgroups
 constexpr int kNH = 32;            // heads per CTA: N of every product

@@ -108,10 +108,10 @@ __device__ __forceinline__ void output_role(const Params& p, uint8_t* smem, int 
         const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // field (byte, plane hh): byte 0 -> row g, byte 1 -> row g + 8
-          a[ks][hh][0] = code_f16<CB>(R[2 * ks], hh);
-          a[ks][hh][1] = code_f16<CB>(r8a, hh);
-          a[ks][hh][2] = code_f16<CB>(R[2 * ks + 1], hh);
-          a[ks][hh][3] = code_f16<CB>(r8b, hh);
+          a[ks][hh][0] = code_f16<CB, kSub>(R[2 * ks], hh);
+          a[ks][hh][1] = code_f16<CB, kSub>(r8a, hh);
+          a[ks][hh][2] = code_f16<CB, kSub>(R[2 * ks + 1], hh);
+          a[ks][hh][3] = code_f16<CB, kSub>(r8b, hh);
         }
       }
       wgmma_fence();
@@ -135,7 +135,8 @@ __device__ __forceinline__ void output_role(const Params& p, uint8_t* smem, int 
   // ---- epilogue: wait for the score warpgroup's FIN (the caller's CTA barrier), then the partial outputs
   __syncthreads();
   const float* fin = reinterpret_cast<const float*>(smem + C::FIN);
-  const float o_down = fin[5 * NH];
+  // 2^-k_run; kSub: times 2^24 and, per accumulator half hh, 2^-(CB hh) (its plane's factor)
+  const float o_down[2] = {fin[5 * NH] * (kSub ? 0x1p24f : 1.f), fin[5 * NH] * (kSub ? exp2i(24 - CB) : 1.f)};
   float inv_l[NC], corr[2][NC];
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
@@ -153,8 +154,8 @@ __device__ __forceinline__ void output_role(const Params& p, uint8_t* smem, int 
       for (int c = 0; c < NC; ++c) {
         const int h = h0 + head_of(c, t);
         if (h < p.H) {
-          const float v0 = fmaf(oacc[2 * gl + hh][acc_idx(0, c)], o_down, corr[gl][c]) * inv_l[c];
-          const float v1 = fmaf(oacc[2 * gl + hh][acc_idx(1, c)], o_down, corr[gl][c]) * inv_l[c];
+          const float v0 = fmaf(oacc[2 * gl + hh][acc_idx(0, c)], o_down[hh], corr[gl][c]) * inv_l[c];
+          const float v1 = fmaf(oacc[2 * gl + hh][acc_idx(1, c)], o_down[hh], corr[gl][c]) * inv_l[c];
           *reinterpret_cast<float2*>(p.po + (row0 + h) * kDc + ch) = make_float2(v0, v1);
         }
       }

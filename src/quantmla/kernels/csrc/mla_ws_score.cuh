@@ -34,7 +34,7 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
   constexpr int RF = C::RF, RCH = C::RCH;
   const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
   const float* qb = reinterpret_cast<const float*>(smem + C::QB);
-  const float two_e = exp2i(e);
+  const float two_e = exp2i(kSub ? e + 24 : e);  // (kSub: scores in 2^(-e - 24) units, subnormal codes)
   const Desc qdesc(wgmma_desc(smem_u32(smem + C::QT), 128, 256));
   const uint32_t mbar = smem_u32(smem + C::MBAR);  // full[kStages], pfull[2], pempty[2]
 
@@ -87,7 +87,7 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
         if (j < NBC) {
           const int x = 2 * j;
           uint32_t a[2][F][4];
-          score_frags<CB>(R, a);
+          score_frags<CB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx) {
@@ -101,7 +101,7 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
         } else {
           const int x = 2 * (j - NBC);
           uint32_t a[2][RF][4];
-          score_frags<RB>(R, a);
+          score_frags<RB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx)
