@@ -3,16 +3,17 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (1) issue 9: session 27 built the named formats C4R4T / C2R4T (one content scale per token; wgmma instantiation
-#     TS = true): decode_vs_flashmla_h200_s27_tformats.md (C4R4T 1.76x / 1.80x / 1.91x FlashMLA at B32 x 32K / B8 x
-#     128K / B1 x 128K; C2R4T 1.83x / 1.87x / 2.02x) and full_budget_paper_t.md (calibrated C4R4T as accurate as
-#     C4R4). Next, one call each: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation` (the wgmma
-#     list has the two T-format mutations since session 27; ~6 min) and the GPU tests with C4R4T that have not run:
-#     `pytest -m gpu tests/cache/test_cuda_cache.py tests/cache/test_graph.py tests/kernels/test_decode.py -k "c4r4t
-#     or c2r4t"` (the last: the Triton writer and decode kernel on the GPU with the T formats, what non-Hopper GPUs run). Then the
-#     paper-budget C2R4T row and shipped C4R4T transforms: `python benchmarks/full_budget.py --device cuda --tag
-#     paper_t --resume --carry-in <folder with full_budget_paper_t.json> --variants a --formats c4r4t,c2r4t
-#     --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` (+ the kit calls below).
+# (1) issue 9: session 28 made the Hopper kernel's codes exact fp16 subnormals (QMLA_SM90_SUBNORMAL; no magic-number
+#     bias, the T formats' content in one score accumulator) and issued each ldmatrix two batches ahead: round-robin,
+#     C4R4 1.71x / 1.73x / 1.85x, C4R4T 1.92x / 1.94x / 2.03x, C2R4T 1.97x / 2.01x / 2.11x FlashMLA at B32 x 32K / B8 x
+#     128K / B1 x 128K (decode_vs_flashmla_h200_s28_ldsm2_default.md); every GPU test and 10/10 wgmma mutations pass
+#     on the new code (check + mutation at 7adcac5 / 20471b9; the ldmatrix change's tests in its variants call). Next
+#     (docs/kernels.md "Subnormal codes"): a wgmma m64n16k16 costs 15 cycles per SM (wgmma_rate_h200_s28.txt), so the
+#     tensor cores are ~45% busy; the fixed ~20 us per call (the split merge 7-8 us of it) is ~12% at B32 x 32K: a
+#     merge folded into the page kernel, and shipped C4R4T transforms (`python benchmarks/full_budget.py --device cuda
+#     --tag paper_t --resume --carry-in <folder with full_budget_paper_t.json> --variants a --formats c4r4t,c2r4t
+#     --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none`, then `--ship`; + the kit
+#     calls below) so that C4R4T can become the recommended 4-bit format.
 # (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 8 units left
 #     after session 27 (seeds 1-2 of the uniform objective `quantmla` at both formats, calibration + perplexity
 #     each; the default attention-weighted objective has all three seeds). A calibration unit takes 180-250 s, a

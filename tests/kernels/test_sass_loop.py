@@ -70,6 +70,19 @@ def test_levers_change_the_instructions_they_name():
         assert sub["WARPGROUP.ARRIVE"] == magic["WARPGROUP.ARRIVE"], f
 
 
+def prmt(a: int, b: int, s: int) -> int:
+    """PTX prmt.b32, default mode: byte i of the result is byte s_i (nibble i of s, 0-7) of the eight bytes {b, a}."""
+    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    return sum(pool[(s >> 4 * i) & 0x7] << 8 * i for i in range(4))
+
+
+def _prmt_selectors() -> list[int]:
+    import re
+
+    src = open(os.path.join(HERE, "..", "..", "src", "quantmla", "kernels", "csrc", "mla_ops.cuh")).read()
+    return [int(x, 16) for x in re.search(r"b \? (0x[0-9a-f]+)u : (0x[0-9a-f]+)u", src).groups()]  # (b = 1, b = 0)
+
+
 def test_prmt_selectors_equal_the_shift_and_mask():
     """mla_ops.cuh magic_bytes: PRMT of (r, 0x64006400) with selectors 0x5250 / 0x5351 gives byte b of each 16-bit
     half under the magic's 0x64 byte, as ``(r >> 8 b) & 0x00FF00FF | 0x64006400`` (PTX prmt, default mode: byte i
@@ -78,18 +91,49 @@ def test_prmt_selectors_equal_the_shift_and_mask():
     import re
 
     src = open(os.path.join(HERE, "..", "..", "src", "quantmla", "kernels", "csrc", "mla_ops.cuh")).read()
-    sel = [int(x, 16) for x in re.search(r"b \? (0x[0-9a-f]+)u : (0x[0-9a-f]+)u", src).groups()]  # (b = 1, b = 0)
+    sel = _prmt_selectors()
     magic = int(re.search(r"kMagicF16 = (0x[0-9a-f]+)u", src).group(1), 16)
-
-    def prmt(a: int, b: int, s: int) -> int:
-        pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-        return sum(pool[(s >> 4 * i) & 0x7] << 8 * i for i in range(4))
 
     rng = random.Random(0)
     for _ in range(5000):
         r = rng.getrandbits(32)
         for b, s in ((1, sel[0]), (0, sel[1])):
             assert prmt(r, magic, s) == ((r >> 8 * b) & 0x00FF00FF) | magic
+
+
+def test_subnormal_fields_are_the_exact_codes():
+    """QMLA_SM90_SUBNORMAL (mla_ops.cuh score_fields / code_f16 / magic_bytes with SUB): a b-bit field of the low byte
+    of each 16-bit half, masked in place (the upper byte first shifted down by 8), and a byte put under a zero byte by
+    PRMT, are fp16 numbers equal to 2^(b p) c 2^-24 exactly -- checked against numpy's fp16 decoding of every code at
+    every plane, both halves, on random words (what the kernel undoes: 2^-24 in the softmax scale and per plane in
+    the epilogue)."""
+    import random
+
+    import numpy as np
+
+    def f16(bits16: int) -> float:
+        return float(np.array([bits16], dtype=np.uint16).view(np.float16)[0])
+
+    rng = random.Random(1)
+    for bits in (2, 4):
+        planes = 8 // bits
+        for _ in range(500):
+            r = rng.getrandbits(32)
+            for word in (r, r >> 8):  # low byte of each half; the upper byte in place after one shift
+                for p in range(planes):
+                    mask = (((1 << bits) - 1) << (bits * p)) * 0x00010001
+                    y = word & mask
+                    for half in (0, 1):
+                        c = (word >> (16 * half + bits * p)) & ((1 << bits) - 1)
+                        assert f16((y >> 16 * half) & 0xFFFF) == c * 2.0 ** (bits * p) * 2.0**-24
+    sel = _prmt_selectors()
+    for _ in range(500):  # 8-bit codes: PRMT of (r, 0) with the kernel's selectors, byte b of each half over zero
+        r = rng.getrandbits(32)
+        for b, s in ((1, sel[0]), (0, sel[1])):
+            y = prmt(r, 0, s)
+            for half in (0, 1):
+                c = (r >> (16 * half + 8 * b)) & 0xFF
+                assert f16((y >> 16 * half) & 0xFFFF) == c * 2.0**-24
 
 
 def test_address_bases_are_the_same_addresses():
