@@ -48,11 +48,12 @@ def test_levers_change_the_instructions_they_name():
     eight, old8 = ops["base"]["c8r8"], ops["noprmt8"]["c8r8"]
     assert eight["PRMT"] > old8["PRMT"] + 200  # 72 score + 64 output registers, two fields each
     assert sum(eight.values()) < sum(old8.values()) - 100
-    # the address bases: the same LDSM / LDGSTS, fewer instructions around them in every format (8-bit: > 100)
+    # the address bases: the same LDSM / LDGSTS, never more instructions around them (C8R8: > 100 fewer)
     for f in sl.FORMATS:
         for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
             assert ops["base"][f][op] == ops["noaddr"][f][op], (f, op)
-        if not f.endswith("t"):  # (the T formats' loops are what they are with either form: measured, not asserted)
+        assert sum(ops["base"][f].values()) <= sum(ops["noaddr"][f].values()), f
+        if f in ("c4r4", "c4r8"):  # (C2R4, C2R4T: equal since session 28's ldmatrix two batches ahead)
             assert sum(ops["base"][f].values()) < sum(ops["noaddr"][f].values()), f
     assert sum(ops["base"]["c8r8"].values()) < sum(ops["noaddr"]["c8r8"].values()) - 100
     # QMLA_SM90_SUBNORMAL (default since session 28): codes as fp16 subnormals -- the output product's 128 HFMA2 per
