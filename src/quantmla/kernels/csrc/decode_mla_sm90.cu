@@ -348,31 +348,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
       }
     }
     heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps
-    if constexpr (kF16Out) {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
-      float sm = 0.f;
-#pragma unroll
-      for (int gr = 0; gr < NPT; ++gr)
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
-      if (lane == 0) smx[warp] = sm;
-    }
+    if constexpr (kF16Out) warp_max_scale_to<NPT>(smx, sv, tok_ok, warp, lane);  // (mla_swapab.cuh)
     __syncthreads();
     float k_scale = 1.f;  // fp16 output: 2^(new k - old k) for the accumulators
-    if constexpr (kF16Out) {
-      const float sm = fmaxf(fmaxf(smx[0], smx[1]), fmaxf(smx[2], smx[3]));
-      if (sm > 0.f && sm <= 65504.f) {
-        const int k_want = 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127);  // 2^8 sm 2^k in [2^14, 2^15)
-        if (!k_set) {
-          k_run = k_want;
-          k_set = true;
-        } else if (k_want < k_run || k_want > k_run + 8) {
-          k_scale = exp2i(k_want - k_run);
-          k_run = k_want;
-        }
-      }
-    }
+    if constexpr (kF16Out) k_scale = p_exponent(smx, k_run, k_set);
     float mt[NC];
     bool need[NC], any = false;
 #pragma unroll

@@ -197,6 +197,39 @@ __device__ __forceinline__ void store_partial(float* po, long long row0, int H, 
     }
 }
 
+// fp16 output product: P s is carried as P s 2^k, k (CTA-uniform) from the largest content scale seen so that the
+// largest P s 2^k is in [2^14, 2^15). Per tile, each warp puts the largest |scale| of its valid tokens (an
+// out-of-range token's meta may be anything: skipped) over NPT scale vectors into smx[warp] (a barrier must follow);
+// then p_exponent moves k lazily (when the tile's scales would overflow, or have shrunk 2^8-fold) and returns the
+// exact power of two 2^(new k - old k) that rescales the fp32 accumulators (1 when k stays).
+template <int NPT>
+__device__ __forceinline__ void warp_max_scale_to(float* smx, const float (&sv)[4][2], const bool (&tok_ok)[2],
+                                                  int warp, int lane) {
+  float sm = 0.f;
+#pragma unroll
+  for (int gr = 0; gr < NPT; ++gr)
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
+#pragma unroll
+  for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
+  if (lane == 0) smx[warp] = sm;
+}
+__device__ __forceinline__ float p_exponent(const float* smx, int& k_run, bool& k_set) {
+  float k_scale = 1.f;
+  const float sm = fmaxf(fmaxf(smx[0], smx[1]), fmaxf(smx[2], smx[3]));
+  if (sm > 0.f && sm <= 65504.f) {
+    const int k_want = 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127);  // 2^8 sm 2^k in [2^14, 2^15)
+    if (!k_set) {
+      k_run = k_want;
+      k_set = true;
+    } else if (k_want < k_run || k_want > k_run + 8) {
+      k_scale = exp2i(k_want - k_run);
+      k_run = k_want;
+    }
+  }
+  return k_scale;
+}
+
 // The meta of token tau of a staged page (fp16 rows, mla_page.cuh MetaRows M) into slot ri: content scales and
 // offsets per group, RoPE scale and offset (0 for a symmetric path).
 template <bool CSYM, bool RSYM, typename M>

@@ -159,31 +159,9 @@ __device__ __forceinline__ void score_role(const Params& p, uint8_t* smem, int e
     float* red = reinterpret_cast<float*>(smem + C::RED) + pb * NH * 4;  // [head][warp], double-buffered
     float* smx = reinterpret_cast<float*>(smem + C::SMX) + pb * 4;
     heads_max_to(red, sc, warp, g, t);
-    {  // the tile's largest content scale (out-of-range tokens' meta may be anything: skipped)
-      float sm = 0.f;
-#pragma unroll
-      for (int gr = 0; gr < 4; ++gr)
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
-#pragma unroll
-      for (int o = 4; o <= 16; o <<= 1) sm = fmaxf(sm, __shfl_xor_sync(0xffffffffu, sm, o));
-      if (lane == 0) smx[warp] = sm;
-    }
+    warp_max_scale_to<4>(smx, sv, tok_ok, warp, lane);  // the tile's largest content scale (mla_swapab.cuh)
     named_sync(kBarScore, kWg);
-    float k_scale = 1.f;  // 2^(new k - old k) for the accumulators
-    {
-      const float sm = fmaxf(fmaxf(smx[0], smx[1]), fmaxf(smx[2], smx[3]));
-      if (sm > 0.f && sm <= 65504.f) {
-        const int k_want = 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127);  // 2^8 sm 2^k in [2^14, 2^15)
-        if (!k_set) {
-          k_run = k_want;
-          k_set = true;
-        } else if (k_want < k_run || k_want > k_run + 8) {
-          k_scale = exp2i(k_want - k_run);
-          k_run = k_want;
-        }
-      }
-    }
+    const float k_scale = p_exponent(smx, k_run, k_set);  // 2^(new k - old k) for the accumulators
     float mt[NC], alpha[NC];
     bool need[NC], any = false;
 #pragma unroll
