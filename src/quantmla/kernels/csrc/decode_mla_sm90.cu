@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         l_run[c] += pv[ri][c];
       }
     }
-    const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then the fp16 rounding)
+    const float p_up = kF16Out ? exp2i(k_run) : 1.f;  // fp16 output: P s 2^k_run (exact scaling, then fp16 rounding)
     write_p_tiles<C, CB, NH, NPT, CSYM, kF16Out>(smem + C::PT, pv, sv, ov, tok_ok, p_up, po, warp, lane);
     // 4/2 bits: the output product's first ldmatrix (codes staged since the tile began) before the P barrier
     const int mi_v = lane >> 3;

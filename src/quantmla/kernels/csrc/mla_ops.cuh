@@ -151,9 +151,7 @@ __device__ __forceinline__ uint32_t magic_bytes(uint32_t r, int b) {
 }
 
 // byte b (0 or 1) of both 16-bit halves of r as fp16 magic numbers (1024 + c_lo, 1024 + c_hi), c in [0, 255]
-template <bool SUB = false>
 __device__ __forceinline__ uint32_t magic_f16_byte(uint32_t r, int b) {
-  if constexpr (SUB) return QMLA_PRMT8 ? magic_bytes<true>(r, b) : (b ? r >> 8 : r) & 0x00FF00FFu;
   return QMLA_PRMT8 ? magic_bytes(r, b) : and_or(b ? r >> 8 : r, 0x00FF00FFu, kMagicF16);
 }
 
@@ -162,7 +160,7 @@ __device__ __forceinline__ uint32_t magic_f16_byte(uint32_t r, int b) {
 // (SUB: the subnormals c 2^-24 as they are)
 template <bool SUB = false>
 __device__ __forceinline__ uint32_t code_f16_byte(uint32_t r, int b) {
-  if constexpr (SUB) return magic_f16_byte<true>(r, b);
+  if constexpr (SUB) return QMLA_PRMT8 ? magic_bytes<true>(r, b) : (b ? r >> 8 : r) & 0x00FF00FFu;
   const uint32_t m = magic_f16_byte(r, b);
   uint32_t y;
   asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(y) : "r"(m), "r"(0x3C003C00u), "r"(0xE400E400u));  // m * 1 - 1024

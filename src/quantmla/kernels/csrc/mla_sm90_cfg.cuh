@@ -36,8 +36,8 @@ namespace sm90 {
 #ifndef QMLA_SM90_ADDR_BASES  // 1: shared-memory addresses of the page's ldmatrix from a few per-tile bases plus
 #define QMLA_SM90_ADDR_BASES 1  // constants, not the swizzle recomputed per batch (the same addresses)
 #endif
-#ifndef QMLA_SM90_LDSM_AHEAD  // batches ahead that each product's ldmatrix is issued: 2 since session 28 (ncu had put
-#define QMLA_SM90_LDSM_AHEAD 2  // ~10% of the stall samples on the first shift after an ldmatrix issued one batch ahead;
+#ifndef QMLA_SM90_LDSM_AHEAD  // batches ahead that each product's ldmatrix is issued: 2 since session 28 (ncu had
+#define QMLA_SM90_LDSM_AHEAD 2  // ~10% of the stall samples on the first shift after an ldmatrix one batch ahead;
 #endif  // H200: C4R4 1.01-1.02x, C4R4T 1.03-1.04x over 1, 244 registers, no spills, kernel_variants_h200_s28_ldsm2.md)
 #ifndef QMLA_SM90_META_ONCE  // 1 (with two score sets, QMLA_SM90_SCORE_RUN): the scales and offsets the fold reads
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)

@@ -24,7 +24,6 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
                                               int warp, int lane) {
   constexpr int NG = C::NG, CPG = C::CPG, kKBlock = C::KB;
   const int mi = lane >> 3;
-  auto code8 = [](uint32_t r, int b) { return code_f16_byte<SUB>(r, b); };
 #pragma unroll
   for (int gi = 0; gi < NG; ++gi) {
 #pragma unroll
@@ -43,11 +42,11 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
         uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
         ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8 
-          a[ks][hh][0] = code8(R[2 * hh], 0);
-          a[ks][hh][1] = code8(R[2 * hh], 1);
-          a[ks][hh][2] = code8(R[2 * hh + 1], 0);
-          a[ks][hh][3] = code8(R[2 * hh + 1], 1);
+        for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
+          a[ks][hh][0] = code_f16_byte<SUB>(R[2 * hh], 0);
+          a[ks][hh][1] = code_f16_byte<SUB>(R[2 * hh], 1);
+          a[ks][hh][2] = code_f16_byte<SUB>(R[2 * hh + 1], 0);
+          a[ks][hh][3] = code_f16_byte<SUB>(R[2 * hh + 1], 1);
         }
       }
       wgmma_fence();
@@ -63,8 +62,8 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
 }
 
 // 4/2-bit content: each warp's output rows take two planes of every byte (the caller's vshift); Rv holds batches 0 ..
-// LA - 1's ldmatrix.trans (issued before the P barrier), and each batch j loads batch j + LA's from addr(j + LA). F16OUT:
-// codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2; SUB: the subnormals 2^(b hh) c 2^-24 of plane hh, no
+// LA - 1's ldmatrix.trans (issued before the P barrier), and each batch j loads batch j + LA's from addr(j + LA).
+// F16OUT: codes as exact fp16 (1024 + 2^(b p) c, then one HFMA2; SUB: the subnormals 2^(b hh) c 2^-24 of plane hh, no
 // HFMA2, the caller undoes the factor per accumulator), else exact bf16. TS (the T formats): one (P s)^T tile serves
 // every group.
 template <int CB, class C, int NH, bool F16OUT, bool TS, bool SUB, int LA, class Addr>

@@ -170,9 +170,9 @@ __device__ __forceinline__ void stage_qt(uint8_t* qt, const __nv_bfloat16* qst, 
 }
 
 // The CTA's normalized partial output, po[(row0 + h) * 512 + channel] for this thread's output rows (channels: see
-// the kernel's header) and heads: (O^T o_down[hh] + corr) / l (o_down per accumulator half hh). Rows ri = 0, 1 are channels ch, ch + 1, stored as one
-// 8-byte pair (1.00-1.02x over 4-byte stores, kernel_variants_h200_s14b.md; the epilogue was ~16% of a one-page
-// CTA's stall samples, ncu 2026-12-01).
+// the kernel's header) and heads: (O^T o_down[hh] + corr) / l (o_down per accumulator half hh). Rows ri = 0, 1 are
+// channels ch, ch + 1, stored as one 8-byte pair (1.00-1.02x over 4-byte stores, kernel_variants_h200_s14b.md; the
+// epilogue was ~16% of a one-page CTA's stall samples, ncu 2026-12-01).
 template <bool kC8, int CPG, int PS, int NG, int NC, int NH>
 __device__ __forceinline__ void store_partial(float* po, long long row0, int H, int h0,
                                               const float (&oacc)[2 * NG][NH / 2], const float (&o_down)[2],

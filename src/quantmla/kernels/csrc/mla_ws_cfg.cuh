@@ -34,8 +34,8 @@ namespace ws {
 #endif
 
 #ifndef QMLA_WS_SUBNORMAL  // 1: the codes as exact fp16 subnormals in both products, no magic-number bias (the wgmma
-#define QMLA_WS_SUBNORMAL 0  // kernel's QMLA_SM90_SUBNORMAL, its default since session 28: the output warpgroups lose an
-#endif  // HFMA2 per pair of codes. H200, session 28: the ws GPU tests pass, C4R4 at 32 heads 1.01-1.02x
+#define QMLA_WS_SUBNORMAL 0  // kernel's QMLA_SM90_SUBNORMAL, its default since session 28: the output warpgroups lose
+#endif  // an HFMA2 per pair of codes. H200, session 28: the ws GPU tests pass, C4R4 at 32 heads 1.01-1.02x
         // (kernel_variants_h200_s28_wssub.md); off because the symmetric C2R4 instantiations then spill 16 B)
 constexpr bool kSub = QMLA_WS_SUBNORMAL;
 
