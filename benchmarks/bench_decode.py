@@ -9,9 +9,10 @@ the others). Every result is checked first against the fp32 torch reference of t
 q rounding the kernel uses (relative L2 <= 5e-3, LSE |err| <= 2e-2; FlashMLA against the dense fp32 reference
 of the BF16 cache), then timed: the call is captured in a CUDA graph and each replay timed with CUDA events after a
 256 MB L2 flush; the median of ``--reps`` replays is reported. Copy bandwidth is measured in the same run.
-``--rounds R`` times every implementation of a shape R times, round-robin (FlashMLA, then each format, again and
-again), and reports the median of the rounds with the spread of each speed-up over the rounds: whether an
-implementation's place in the order, or the clock drifting in the call, moves a ratio.
+``--ragged`` gives each batch lengths spread evenly from N/8 to N (a serving batch; FlashMLA gets the same lengths)
+in place of N everywhere. ``--rounds R`` times every implementation of a shape R times, round-robin (FlashMLA,
+then each format, again and again), and reports the median of the rounds with the spread of each speed-up over
+the rounds: whether an implementation's place in the order, or the clock drifting in the call, moves a ratio.
 
 Writes ``decode_vs_flashmla_<tag>.{json,md,png}`` to ``--out`` (rows ``{"batch", "context", "heads", "impl",
 "us"}`` plus details) and prints one JSON line last. Usage (on the GPU machine)::
@@ -148,13 +149,21 @@ def flashmla_inputs(kv: torch.Tensor, seed: int):
     return kcache, bt
 
 
-def dense_reference(q: torch.Tensor, kv: torch.Tensor):
-    """fp32 absorbed attention over the BF16 cache: q [B, H, 576], kv [B, N, 576] -> (o [B, H, 512], lse)."""
+def ragged_lengths(batch: int, n: int) -> list[int]:
+    """``batch`` lengths spread evenly from n / 8 to n (n itself for one sequence)."""
+    if batch == 1:
+        return [n]
+    return [round(n * (1 / 8 + 7 / 8 * b / (batch - 1))) for b in range(batch)]
+
+
+def dense_reference(q: torch.Tensor, kv: torch.Tensor, lens: list[int]):
+    """fp32 absorbed attention over the BF16 cache: q [B, H, 576], kv [B, N, 576] (sequence b: its first lens[b]
+    rows) -> (o [B, H, 512], lse)."""
     outs, lses = [], []
     for b in range(kv.shape[0]):
-        s = (q[b].float() @ kv[b].float().T) * SCALE
+        s = (q[b].float() @ kv[b, : lens[b]].float().T) * SCALE
         lses.append(torch.logsumexp(s, -1))
-        outs.append(torch.softmax(s, -1) @ kv[b, :, :DC].float())
+        outs.append(torch.softmax(s, -1) @ kv[b, : lens[b], :DC].float())
     return torch.stack(outs), torch.stack(lses)
 
 
@@ -167,23 +176,27 @@ def effective_bytes(cache: PagedMLACache) -> int:
     return int(total)
 
 
-def parse_spec(spec: str) -> tuple[str, str, int | None]:
-    """``FORMAT[@KERNEL][/sN]`` -> (format, CUDA kernel or "", forced split count or None): ``c4r4@wgmma`` times that
-    CUDA kernel instead of ``auto``'s choice, ``bf16/s24`` the default kernel with 24 splits per sequence instead
-    of the split heuristic's (e.g. to sweep it)."""
+def parse_spec(spec: str) -> tuple[str, str, int | str | None]:
+    """``FORMAT[@KERNEL][/sN|/equal]`` -> (format, CUDA kernel or "", forced split count, "equal" or None):
+    ``c4r4@wgmma`` times that CUDA kernel instead of ``auto``'s choice, ``bf16/s24`` the default kernel with 24 splits
+    per sequence instead of the split heuristic's (e.g. to sweep it), ``c4r4/equal`` the splits planned as if every
+    sequence were the longest (the CUDA kernels' rule before ragged batches were planned for: ``--ragged``)."""
     head, sep, splits = spec.partition("/")
     fmt, _, kernel = head.partition("@")
-    n = None
-    if sep:
+    n: int | str | None = None
+    if sep and splits == "equal":
+        n = "equal"
+    elif sep:
         if not (splits.startswith("s") and splits[1:].isdigit() and int(splits[1:]) > 0):
-            raise ValueError(f"format spec {spec!r}: the split suffix is /sN with N a positive integer, e.g. bf16/s24")
+            raise ValueError(f"format spec {spec!r}: the split suffix is /sN with N a positive integer, e.g. bf16/s24, "
+                             "or /equal")
         n = int(splits[1:])
     if not fmt:
         raise ValueError(f"format spec {spec!r}: no format (e.g. c4r4, c4r4@wgmma, bf16/s24)")
     return fmt, kernel, n
 
 
-def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
+def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=False) -> bool:
     ok_all = True
     timed = []  # (row, callable) of every implementation checked and timed once: the later rounds time them again
     torch.manual_seed(H * 100003 + B * 7919 + N)
@@ -191,8 +204,8 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
     kv[..., :DC] *= torch.linspace(0.2, 3.0, DC, device="cuda").bfloat16()  # uneven channel ranges
     q_lat = torch.randn(B, H, DC, device="cuda").bfloat16()
     q_pe = torch.randn(B, H, DR, device="cuda").bfloat16()
-    lens = [N] * B
-    base = {"batch": B, "context": N, "heads": H}
+    lens = ragged_lengths(B, N) if ragged else [N] * B
+    base = {"batch": B, "context": N, "heads": H, **({"lens": lens} if ragged else {})}
     if fm_ext is not None:
         from flashmla_ext import FlashMLADecode
 
@@ -202,12 +215,12 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
         try:
             fm = FlashMLADecode(fm_ext, q, kcache, lens_t, bt, SCALE)
             out = fm()
-            ref, ref_lse = dense_reference(q[:, 0], kv)
+            ref, ref_lse = dense_reference(q[:, 0], kv, lens)
             rel, le = rel_err(out[0][:, 0].float(), ref), lse_err(out[1][:, :, 0], ref_lse)
             us = timer(fm, reps)
             ok = rel <= 1e-2
             rows.append({**base, "impl": "flashmla-bf16", "us": us, "rel": rel, "lse_err": le, "ok": ok,
-                         "bytes": B * N * 1152, "kernel": "flashmla", "us_rounds": [us]})  # fmt: skip
+                         "bytes": sum(lens) * 1152, "kernel": "flashmla", "us_rounds": [us]})  # fmt: skip
             timed.append((rows[-1], fm))
             log(f"H={H:3d} B={B:3d} N={N:7d} flashmla-bf16 {us:9.1f} us rel={rel:.1e} {'OK' if ok else 'FAIL'}")
         except Exception as e:  # noqa: BLE001 - report and go on with our kernels
@@ -218,6 +231,8 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1) -> bool:
         fmt, cuda_kernel, splits = parse_spec(spec)
         try:
             c = build_cache(fmt, kv, lens, seed=B + N)
+            if splits == "equal":  # plan as if every sequence were the longest
+                c.planned_length, splits = max(lens), None
             if cuda_kernel:
                 from quantmla.kernels.cuda_decode import decode_attention_cuda
 
@@ -283,6 +298,7 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
              f"median of {meta['reps']}"
              + (f", {meta['rounds']} rounds round-robin (cells: median of the rounds; speed-up: median and range of "
                 "the per-round ratios)" if meta.get("rounds", 1) > 1 else "")
+             + (", ragged batches (lengths spread evenly from context / 8 to context)" if meta.get("ragged") else "")
              + ". Cells: us (speed-up over FlashMLA BF16). All results checked first.", "",
              "| heads | batch | context | FlashMLA BF16 us | " + " | ".join(fmts) + " |",
              "|---|---|---|---|" + "---|" * len(fmts)]  # fmt: skip
@@ -347,8 +363,11 @@ def main() -> None:
     ap.add_argument("--heads", default="16", help="comma-separated head counts (default 16)")
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help="comma-separated; FORMAT@KERNEL times that CUDA kernel (mma, wgmma) instead of the default, "
-                         "FORMAT/sN forces N splits per sequence, e.g. c4r4,c4r4@wgmma,bf16/s34 "
+                         "FORMAT/sN forces N splits per sequence, FORMAT/equal plans them as if every sequence "
+                         "were the longest (with --ragged), e.g. c4r4,c4r4@wgmma,bf16/s34,c4r4/equal "
                          "(default %(default)s)")  # fmt: skip
+    ap.add_argument("--ragged", action="store_true",
+                    help="each batch's lengths spread evenly from N/8 to N instead of N (FlashMLA: the same)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation of a shape this many times, round-robin; report the median "
@@ -387,14 +406,15 @@ def main() -> None:
     commit = commit.strip()
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes")
     meta = {"device": torch.cuda.get_device_name(), "date": now, "commit": commit or "unknown",
-            "command": " ".join(sys.argv), "reps": args.reps, "rounds": args.rounds,
+            "command": " ".join(sys.argv), "reps": args.reps, "rounds": args.rounds, "ragged": args.ragged,
             "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     timer, rows, ok = Timer(), [], True
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for H in [int(h) for h in args.heads.split(",")]:
         for B, N in shapes:
-            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows, args.rounds)
+            ok &= bench_shape(H, B, N, args.formats.split(","), fm_ext, timer, args.reps, rows, args.rounds,
+                              args.ragged)  # fmt: skip
             write_outputs(args.out, args.tag, {**meta, "partial": True}, rows, plot=False)  # a killed run keeps these
     meta["seconds"] = round(time.time() - t0, 1)
     meta["all_checks_ok"] = ok

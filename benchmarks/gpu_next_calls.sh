@@ -3,6 +3,10 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
+# (0) issue 9, first: session 29 (no device time) planned the splits for ragged lengths (split_plan.py), made the
+#     CTAs of splits without pages exit at once and the merge read only the splits with pages -- not yet run on a
+#     GPU: `ragged` below (its tests first; then the bench: a 32 x 4K..32K batch should take ~40% less than with the
+#     equal-lengths plan, FORMAT/equal in the same run); a failure there: revert to 1c81d23's kernels and merge.
 # (1) issue 9: session 28 made the Hopper kernel's codes exact fp16 subnormals (QMLA_SM90_SUBNORMAL; no magic-number
 #     bias, the T formats' content in one score accumulator) and issued each ldmatrix two batches ahead: round-robin,
 #     C4R4 1.71x / 1.73x / 1.85x, C4R4T 1.92x / 1.94x / 2.03x, C2R4T 1.97x / 2.01x / 2.11x FlashMLA at B32 x 32K / B8 x
@@ -53,6 +57,9 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh bench       # ~6 min, carry .flashmla (+ .fmbuild)
 #       bench_decode beside FlashMLA: every format on today's default kernels, then the wgmma kernel with the mma
 #       kernel's rows beside it (benchmarks/prepare_flashmla.sh makes .flashmla)
+#   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ragged      # ~7 min, carry .fmbuild: the merge's GPU
+#       tests (every kernel), then ragged batches (--ragged: lengths N/8 .. N) beside FlashMLA, each format also with
+#       its splits planned as if every sequence were the longest (FORMAT/equal: the rule before session 29)
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~5 min (a call of its own): the wgmma kernel's tests can fail
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
 #       16/32/64/128, every format on the default kernels, beside FlashMLA
@@ -70,7 +77,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|ragged}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -218,9 +225,18 @@ case $CALL in
       fi
     fi
     ;;
+  ragged)  # splits planned for the lengths themselves (split_plan.py): the merge's tests on every kernel, then ragged
+    # batches (lengths N/8 .. N) beside FlashMLA with the same lengths, each format also planned as equal lengths
+    part tests_merge 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=short \
+      -p no:cacheprovider -k "merge_reads or planned_for_capacity or splits_and_ragged or one_stream or million"
+    flashmla_args
+    part bench_ragged 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" --ragged \
+      --tag "h200_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
+      --formats "${FORMATS:-c4r4,c4r4/equal,c4r4t,c4r4t/equal,c8r8,c8r8/equal}"
+    ;;
   *)
     echo "unknown call $CALL: check, kernels, speed, bench, mutation, heads, variants, ncu, breakdown," \
-      "kernels_breakdown, trace, change or ws" >&2
+      "kernels_breakdown, trace, change, ws or ragged" >&2
     exit 2
     ;;
 esac

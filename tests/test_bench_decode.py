@@ -18,9 +18,17 @@ def test_format_specs():
     assert bd.parse_spec("c4r4@wgmma") == ("c4r4", "wgmma", None)
     assert bd.parse_spec("bf16/s34") == ("bf16", "", 34)
     assert bd.parse_spec("c8r8@wgmma/s7") == ("c8r8", "wgmma", 7)
+    assert bd.parse_spec("c4r4/equal") == ("c4r4", "", "equal")
     for bad in ("bf16/34", "bf16/s0", "bf16/s", "bf16/sx", "@wgmma", "/s4"):
         with pytest.raises(ValueError, match="format spec"):
             bd.parse_spec(bad)
+
+
+def test_ragged_lengths_spread_from_an_eighth_to_the_context():
+    lens = bd.ragged_lengths(32, 32768)
+    assert len(lens) == 32 and lens[0] == 4096 and lens[-1] == 32768 and lens == sorted(lens)
+    assert len(set(b - a for a, b in zip(lens, lens[1:]))) <= 2  # evenly spread (up to rounding)
+    assert bd.ragged_lengths(1, 1000) == [1000]
 
 
 def test_report_cells_and_no_half_files(tmp_path):

@@ -178,7 +178,7 @@ def test_cuda_decode_short_local_window(fmt, cuda_kernel):
 @pytest.mark.parametrize("fmt", ["c4r4", "c8r8"])
 def test_cuda_decode_planned_for_capacity(fmt, cuda_kernel):
     """Splits planned for a capacity far past every sequence (a captured decode step's plan, planned_length): the
-    splits past a sequence's end must write empty partials the merge ignores; the result is the reference's."""
+    splits past a sequence's end exit without writing and the merge skips them; the result is the reference's."""
     if cuda_kernel == "mma" and fmt == "c8r8":
         pytest.skip("the mma kernel has no 8-bit path")
     cache, q_lat, q_pe = make(fmt, [0, 5, 200, 3000], 16, seed=29)
@@ -217,6 +217,37 @@ def test_cuda_decode_one_stream_order_gives_the_side_stream_bits(fmt, cuda_kerne
         torch.cuda.synchronize()
         assert torch.equal(captured[0], side[0]) and torch.equal(captured[1], side[1])
     check(cache, q_lat, q_pe)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4", "c8r8", "bf16"])
+@pytest.mark.parametrize("planned", [None, 30000])
+def test_cuda_decode_merge_reads_exactly_the_splits_with_pages(fmt, planned, cuda_kernel):
+    """Ragged lengths (0 to 20000: most splits of the short sequences have no pages) with every partial slot poisoned
+    before the launch (outputs NaN, log-sums 100, larger than any real one): a slot the merge read without a kernel
+    having written it would take over the softmax, a used split left unwritten likewise -- the result must be the
+    reference's. Also with the splits planned for a capacity (planned_length) and the split counts by hand."""
+    from quantmla.kernels.cuda_decode import launch_decode, plan_decode
+    from quantmla.kernels.split_plan import used_splits
+
+    if cuda_kernel == "mma" and fmt != "c4r4":
+        pytest.skip("the mma kernel: 4/2-bit content only")
+    lens = [0, 1, 70, 700, 4000, 20000, 131, 64]
+    cache, q_lat, q_pe = make(fmt, lens, 16, seed=37)
+    skip_unbuilt(cache)
+    cache.planned_length = planned
+    for splits in (None, 3, 40):
+        plan = plan_decode(q_lat, q_pe, cache, SCALE, num_splits=splits)
+        used = [used_splits(n, cache.n_sink, cache.n_local, plan.pps, plan.ns) for n in lens]
+        assert min(used) < plan.ns  # some split of some sequence is empty
+        plan.po.fill_(float("nan"))
+        plan.pl.fill_(100.0)
+        out, lse = launch_decode(plan)
+        ref, ref_lse = decode_attention(kernel_q(q_lat), kernel_q(q_pe), cache, SCALE, impl="torch", return_lse=True)
+        rel = ((out - ref).norm() / ref.norm()).item()
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(fin, torch.isfinite(lse)) and rel <= 5e-3, (splits, rel)
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 2e-2
 
 
 @needs_cuda

@@ -88,8 +88,13 @@ def test_host_lengths_advance_within_capacity_only():
     with pytest.raises(ValueError, match="leaves"):
         cache.advance_host(-11)
     assert cache.lengths() == [13, 10]  # a refused move changes nothing
+    assert cache.plan_lengths() == [13, 10]  # the splits are planned for the lengths themselves...
     cache.planned_length = 64
     assert cache.plan_longest() == 64
+    assert cache.plan_lengths() == [64, 64]  # ...or, with a plan, for every sequence at the planned length
+    cache.planned_length = 12
+    with pytest.raises(ValueError, match="planned_length=12 is shorter than a sequence of 13 tokens"):
+        cache.plan_lengths()
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from quantmla.kernels.split_plan import packed_pages, split_plan
+
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
 CTAS_PER_SM = {"mma": 3, "wgmma": 2, "ws": 1}  # fallbacks if the occupancy query fails: mma 168 registers, ~74 KB
@@ -212,7 +214,8 @@ def _lib(device, kernel: str = "mma"):
         lib.qmla_ctas_per_sm.restype = ctypes.c_int
         lib.qmla_ctas_per_sm.argtypes = [ctypes.c_int] * 3
         lib.qmla_combine.restype = ctypes.c_int
-        lib.qmla_combine.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+        lib.qmla_combine.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+                                     + [ctypes.c_int] * 4 + [ctypes.c_void_p])  # fmt: skip
         lib.qmla_error_string.restype = ctypes.c_char_p
         lib.qmla_error_string.argtypes = [ctypes.c_int]
         if hasattr(lib, "qmla_pdl"):  # the sm90 library: whether it was built for programmatic launches
@@ -237,21 +240,6 @@ def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma",
 def _side_stream(device_index: int):
     """One side stream per device for the BF16 buffer kernel (created on first use, never at import)."""
     return torch.cuda.Stream(device=torch.device("cuda", device_index))
-
-
-@functools.lru_cache(maxsize=4096)
-def cuda_num_splits(batch: int, head_groups: int, max_pages: int, slots: int) -> int:
-    """Split-K factor for ``slots`` resident CTAs (SMs x CTAs per SM) that fills whole waves: minimizes
-    waves x (pages per CTA + 1) (the 1: prologue and partial writes), preferring fewer splits on ties."""
-    slots = max(1, slots)
-    best, best_cost = 1, float("inf")
-    for ns in range(1, max_pages + 1):
-        ctas = batch * head_groups * ns
-        waves = math.ceil(ctas / slots)
-        cost = waves * (math.ceil(max_pages / ns) + 1)
-        if cost < best_cost - 1e-9:
-            best, best_cost = ns, cost
-    return best
 
 
 def decode_attention_cuda(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
@@ -284,6 +272,7 @@ class DecodePlan:
     po: torch.Tensor
     pl: torch.Tensor
     one_stream: bool = False  # the buffer kernel just before the page kernel on one stream (programmatic launches)
+    pps: int = 1  # pages per split (the merge reads of each sequence the splits with pages: split_plan.used_splits)
 
 
 def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
@@ -310,14 +299,16 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         q_lat = q_lat.contiguous()
     if q_pe.stride(-1) != 1:
         q_pe = q_pe.contiguous()
-    max_pages = max(1, math.ceil(cache.plan_longest() / L.page_size))
+    # packed pages per sequence (sorted: the plan depends on their multiset), at the planned length when one is set
+    pages = tuple(sorted(packed_pages(n, cache.n_sink, cache.n_local, L.page_size) for n in cache.plan_lengths()))
+    max_pages = max(1, pages[-1] if pages else 0)
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)
     lib = _lib(dev, kernel)
     hg = lib.qmla_head_ctas(H, cbits)  # CTAs per split and sequence: ceil(H / 16); ws ceil(H / 32)
     dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
     slots = _num_sms(dev) * _ctas_per_sm(dev_index, cbits, rbits, kernel, H)
-    ns = num_splits or cuda_num_splits(B, hg, max_pages, slots)
+    ns = num_splits or split_plan(pages, hg, slots)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
@@ -339,7 +330,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         c_groups=0 if c is None else c.num_groups(L.kv_lora_rank),
     )  # fmt: skip
     return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl,
-                      one_stream)  # fmt: skip
+                      one_stream, pps)  # fmt: skip
 
 
 PARTS = ("pages", "buffers", "combine")
@@ -404,7 +395,9 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
             out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
             lse = torch.empty(B, H, dtype=torch.float32, device=dev)
             ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (plan.po, plan.pl, out, lse)]
-            err = lib.qmla_combine(*ptrs, B, plan.ns_total, H, ctypes.c_void_p(stream))
+            c = plan.cache
+            err = lib.qmla_combine(*ptrs, B, plan.ns_total, H, ctypes.c_void_p(c.seq_lens.data_ptr()), c.n_sink,
+                                   c.n_local, plan.pps, plan.ns, ctypes.c_void_p(stream))  # fmt: skip
             if err != 0:
                 raise RuntimeError(f"CUDA combine kernel launch failed: {lib.qmla_error_string(err).decode()}")
     return out, lse

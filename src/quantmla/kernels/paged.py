@@ -205,6 +205,12 @@ class PagedMLACache:
             raise ValueError(f"planned_length={self.planned_length} is shorter than a sequence of {longest} tokens")
         return self.planned_length
 
+    def plan_lengths(self) -> list[int]:
+        """The sequence lengths the decode kernels plan their splits for: every sequence at :attr:`planned_length`
+        when set (a captured step's launch must cover every later length), else the lengths now."""
+        longest = self.plan_longest()
+        return [longest] * self.batch if self.planned_length is not None else list(self._lens)
+
     def advance_host(self, n: int) -> None:
         """Add ``n`` tokens to every sequence's host length only: for a replayed decode step, whose captured kernels
         already advanced :attr:`seq_lens` on the device."""

@@ -5,8 +5,27 @@
 #include <stdint.h>
 
 #include "mla_ops.cuh"
+#include "mla_page.cuh"
 
 namespace qmla {
+
+// The partial slots of one sequence the merge reads: slots [0, ns_pages) are the page kernel's splits, of which only
+// the first used_splits had pages (mla_page.cuh: the others' CTAs wrote nothing), and slots [ns_pages, ns) the BF16
+// buffers'. lens == nullptr: every slot.
+struct SplitMap {
+  const int* lens;  // [B] sequence lengths (what the page kernel read)
+  int sink, local, pps, ns_pages;
+};
+
+// The slots of one sequence: n of them, the k-th is slot k for k < used, else k + gap.
+struct Slots {
+  int n, used, gap;
+  __device__ __forceinline__ int operator()(int k) const { return k < used ? k : k + gap; }
+};
+__device__ __forceinline__ Slots split_slots(const SplitMap& m, int b, int ns) {
+  const int used = m.lens ? used_splits(m.lens[b], m.sink, m.local, m.pps, m.ns_pages) : m.ns_pages;
+  return {ns - m.ns_pages + used, used, m.ns_pages - used};
+}
 
 // Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
 // lse = ln 2 * (max + log2 sum w). Grid (Dc / CW, H, B), CW G threads: channel tid % CW, splits tid / CW + G k
@@ -17,7 +36,7 @@ namespace qmla {
 template <int G, int D, int CW = 128>
 __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict__ po, const float* __restrict__ pl,
                                                          float* __restrict__ out, float* __restrict__ lse, int ns,
-                                                         int H) {
+                                                         int H, const SplitMap m) {
   constexpr int kCombineGroups = G;
   static_assert((CW == 32 || CW == 64 || CW == 128) && D % CW == 0 && CW * G <= 1024, "channel block");
   constexpr int kShift = CW == 128 ? 7 : CW == 64 ? 6 : 5;  // log2 CW
@@ -26,9 +45,10 @@ __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict
   __shared__ float red[CW * kCombineGroups / 32];
   __shared__ float racc[kCombineGroups][CW], rws[kCombineGroups][CW];
   pdl_wait();  // launched early (QMLA_PDL): the page kernel's partials are complete and visible from here on
+  const Slots sl = split_slots(m, b, ns);  // this sequence's slots with partials (k-th: slot sl(k))
   const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
   float mx = -INFINITY;
-  for (int s = tid; s < ns; s += CW * kCombineGroups) mx = fmaxf(mx, plb[(long long)s * H]);
+  for (int s = tid; s < sl.n; s += CW * kCombineGroups) mx = fmaxf(mx, plb[(long long)sl(s) * H]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
@@ -44,12 +64,13 @@ __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict
 #pragma unroll
   for (int u = 0; u < U; ++u) acc[u] = wsum[u] = 0.f;
   int s = grp;
-  for (; s + kCombineGroups * (U - 1) < ns; s += kCombineGroups * U) {
+  for (; s + kCombineGroups * (U - 1) < sl.n; s += kCombineGroups * U) {
     float w[U], x[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      w[u] = plb[(long long)(s + kCombineGroups * u) * H];
-      x[u] = pob[(s + kCombineGroups * u) * step];
+      const int su = sl(s + kCombineGroups * u);
+      w[u] = plb[(long long)su * H];
+      x[u] = pob[su * step];
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -58,10 +79,11 @@ __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict
       acc[u] = wu > 0.f ? fmaf(wu, x[u], acc[u]) : acc[u];  // (an empty split's partial output is 0 anyway)
     }
   }
-  for (; s < ns; s += kCombineGroups) {
-    const float w = ex2(plb[(long long)s * H] - msafe);
+  for (; s < sl.n; s += kCombineGroups) {
+    const int su = sl(s);
+    const float w = ex2(plb[(long long)su * H] - msafe);
     wsum[0] += w;
-    acc[0] = w > 0.f ? fmaf(w, pob[s * step], acc[0]) : acc[0];
+    acc[0] = w > 0.f ? fmaf(w, pob[su * step], acc[0]) : acc[0];
   }
   float a = 0.f, ws = 0.f;
 #pragma unroll
@@ -93,13 +115,14 @@ __global__ void __launch_bounds__(CW * G) combine_kernel(const float* __restrict
 template <int W, int D>
 __global__ void __launch_bounds__(32 * W) combine4_kernel(const float* __restrict__ po, const float* __restrict__ pl,
                                                           float* __restrict__ out, float* __restrict__ lse, int ns,
-                                                          int H) {
+                                                          int H, const SplitMap m) {
   constexpr int U = 8;
   const int dc = blockIdx.x, h = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   pdl_wait();
+  const Slots sl = split_slots(m, b, ns);  // this sequence's slots with partials (k-th: slot sl(k))
   const float* plb = pl + (long long)b * ns * H + h;  // pl[b, s, h] = plb[s * H]
   float mx = -INFINITY;
-  for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, plb[(long long)s * H]);
+  for (int s = lane; s < sl.n; s += 32) mx = fmaxf(mx, plb[(long long)sl(s) * H]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   const float msafe = mx == -INFINITY ? 0.f : mx;
@@ -107,14 +130,14 @@ __global__ void __launch_bounds__(32 * W) combine4_kernel(const float* __restric
   const long long step = (long long)H * D / 4;  // float4s between splits
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float ws = 0.f;  // the same in every lane
-  for (int s0 = w; s0 < ns; s0 += W * U) {
+  for (int s0 = w; s0 < sl.n; s0 += W * U) {
     float wv[U];
     float4 x[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int s = s0 + W * u;
-      wv[u] = s < ns ? plb[(long long)s * H] : -INFINITY;
-      x[u] = s < ns ? pob[s * step] : make_float4(0.f, 0.f, 0.f, 0.f);
+      const int s = s0 + W * u, su = sl(s);
+      wv[u] = s < sl.n ? plb[(long long)su * H] : -INFINITY;
+      x[u] = s < sl.n ? pob[su * step] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

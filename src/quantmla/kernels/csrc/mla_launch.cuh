@@ -158,7 +158,7 @@ int ctas_per_sm_bits(int cbits, int rbits, int H) {
 namespace {  // (its static: one per library, as configure's above)
 template <typename KF>
 int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, float* out, float* lse, int ns, int H,
-                 cudaStream_t stream) {
+                 const SplitMap& m, cudaStream_t stream) {
 #if QMLA_PDL
   static int major = -1;  // of the device current at the first call (a library is built for one architecture)
   if (major < 0) {
@@ -166,45 +166,46 @@ int launch_merge(KF kf, dim3 grid, int nt, const float* po, const float* pl, flo
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))
       major = 0;
   }
-  if (major >= 9) return launch_programmatic(kf, grid, dim3(nt), 0, stream, po, pl, out, lse, ns, H);
+  if (major >= 9) return launch_programmatic(kf, grid, dim3(nt), 0, stream, po, pl, out, lse, ns, H, m);
 #endif
-  kf<<<grid, nt, 0, stream>>>(po, pl, out, lse, ns, H);
+  kf<<<grid, nt, 0, stream>>>(po, pl, out, lse, ns, H, m);
   return (int)cudaGetLastError();
 }
 }  // namespace
 
 template <int G, int CW>
 int launch_combine_grid(dim3 grid, const float* po, const float* pl, float* out, float* lse, int ns, int H,
-                        cudaStream_t stream) {
-  return launch_merge(combine_kernel<G, kDc, CW>, grid, CW * G, po, pl, out, lse, ns, H, stream);
+                        const SplitMap& m, cudaStream_t stream) {
+  return launch_merge(combine_kernel<G, kDc, CW>, grid, CW * G, po, pl, out, lse, ns, H, m, stream);
 }
 
 template <int W>
 int launch_combine4(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
-                    cudaStream_t stream) {
-  return launch_merge(combine4_kernel<W, kDc>, dim3(kDc / 128, H, B), 32 * W, po, pl, out, lse, ns, H, stream);
+                    const SplitMap& m, cudaStream_t stream) {
+  return launch_merge(combine4_kernel<W, kDc>, dim3(kDc / 128, H, B), 32 * W, po, pl, out, lse, ns, H, m, stream);
 }
 
-// Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log).
+// Merge po [B, ns, H, 512] / pl [B, ns, H] (log2 units) into out [B, H, 512] and lse [B, H] (natural log), reading
+// of each sequence the slots m names (mla_combine.cuh SplitMap).
 inline int launch_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H,
-                          cudaStream_t stream) {
+                          const SplitMap& m, cudaStream_t stream) {
   const dim3 grid(kDc / 128, H, B);
 #if QMLA_COMBINE_V4  // W warps per 128-channel chunk: the fewest (a power of two, <= 32) with <= 8 splits each
-  if (ns <= 8) return launch_combine4<1>(po, pl, out, lse, B, ns, H, stream);
-  if (ns <= 16) return launch_combine4<2>(po, pl, out, lse, B, ns, H, stream);
-  if (ns <= 32) return launch_combine4<4>(po, pl, out, lse, B, ns, H, stream);
-  if (ns <= 64) return launch_combine4<8>(po, pl, out, lse, B, ns, H, stream);
+  if (ns <= 8) return launch_combine4<1>(po, pl, out, lse, B, ns, H, m, stream);
+  if (ns <= 16) return launch_combine4<2>(po, pl, out, lse, B, ns, H, m, stream);
+  if (ns <= 32) return launch_combine4<4>(po, pl, out, lse, B, ns, H, m, stream);
+  if (ns <= 64) return launch_combine4<8>(po, pl, out, lse, B, ns, H, m, stream);
   if (ns < 128 || !QMLA_COMBINE_WIDE) {
-    if (ns <= 128) return launch_combine4<16>(po, pl, out, lse, B, ns, H, stream);
-    return launch_combine4<32>(po, pl, out, lse, B, ns, H, stream);
+    if (ns <= 128) return launch_combine4<16>(po, pl, out, lse, B, ns, H, m, stream);
+    return launch_combine4<32>(po, pl, out, lse, B, ns, H, m, stream);
   }
 #endif
 #if QMLA_COMBINE_WIDE
   if (ns >= 128)  // 32-channel blocks, 32 split groups (mla_combine.cuh)
-    return launch_combine_grid<32, 32>(dim3(kDc / 32, H, B), po, pl, out, lse, ns, H, stream);
+    return launch_combine_grid<32, 32>(dim3(kDc / 32, H, B), po, pl, out, lse, ns, H, m, stream);
 #endif
-  if (ns >= 64) return launch_combine_grid<4, 128>(grid, po, pl, out, lse, ns, H, stream);
-  return launch_combine_grid<1, 128>(grid, po, pl, out, lse, ns, H, stream);
+  if (ns >= 64) return launch_combine_grid<4, 128>(grid, po, pl, out, lse, ns, H, m, stream);
+  return launch_combine_grid<1, 128>(grid, po, pl, out, lse, ns, H, m, stream);
 }
 
 }  // namespace qmla
@@ -216,7 +217,9 @@ inline int launch_combine(const float* po, const float* pl, float* out, float* l
 //                                    or for a format the library is not built for
 //   qmla_decode(p, cbits, rbits, grid, stream)   launch the packed-page kernel; a cudaError_t code (0 = success;
 //                                    cudaErrorInvalidConfiguration when grid x is not qmla_head_ctas(p.H, cbits))
-//   qmla_combine(po, pl, out, lse, B, ns, H, stream)   merge the splits
+//   qmla_combine(po, pl, out, lse, B, ns, H, lens, sink, local, pps, ns_pages, stream)   merge the splits: of each
+//                                    sequence the page splits that had pages (lens: Params::lens, or null for every
+//                                    split) and the buffer slots [ns_pages, ns)
 //   qmla_error_string(code)
 #define QMLA_EXPORT_DECODE(K)                                                                                      \
   extern "C" {                                                                                                     \
@@ -227,8 +230,10 @@ inline int launch_combine(const float* po, const float* pl, float* out, float* l
     return qmla::launch_bits<K>(*p, cbits, rbits, dim3(grid_x, grid_y, grid_z),                                   \
                                 reinterpret_cast<cudaStream_t>(stream));                                           \
   }                                                                                                                \
-  int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, void* stream) { \
-    return qmla::launch_combine(po, pl, out, lse, B, ns, H, reinterpret_cast<cudaStream_t>(stream));               \
+  int qmla_combine(const float* po, const float* pl, float* out, float* lse, int B, int ns, int H, const int* lens, \
+                   int sink, int local, int pps, int ns_pages, void* stream) {                                     \
+    const qmla::SplitMap m{lens, sink, local, pps, ns_pages};                                                      \
+    return qmla::launch_combine(po, pl, out, lse, B, ns, H, m, reinterpret_cast<cudaStream_t>(stream));            \
   }                                                                                                                \
   const char* qmla_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }                        \
   }
