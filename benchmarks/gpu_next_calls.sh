@@ -7,6 +7,9 @@
 #     CTAs of splits without pages exit at once and the merge read only the splits with pages -- not yet run on a
 #     GPU: `ragged` below (its tests first; then the bench: a 32 x 4K..32K batch should take ~40% less than with the
 #     equal-lengths plan, FORMAT/equal in the same run); a failure there: revert to 1c81d23's kernels and merge.
+#     Then the split merge in the page kernel (written offline, off): `VARIANTS=base,fusedmerge VARIANT_TESTS=1
+#     VARIANT_FORMATS=c4r4@wgmma,c4r4t,c2r4t bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild); adopt it
+#     (QMLA_FUSED_MERGE default 1) where it is faster at B32 x 32K / B8 x 128K and no slower elsewhere.
 # (1) issue 9: session 28 made the Hopper kernel's codes exact fp16 subnormals (QMLA_SM90_SUBNORMAL; no magic-number
 #     bias, the T formats' content in one score accumulator) and issued each ldmatrix two batches ahead: round-robin,
 #     C4R4 1.71x / 1.73x / 1.85x, C4R4T 1.92x / 1.94x / 2.03x, C2R4T 1.97x / 2.01x / 2.11x FlashMLA at B32 x 32K / B8 x

@@ -92,6 +92,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     # 28: its output warpgroups' 512 HFMA2 go; the symmetric C2R4 instantiations spill 16 B; H200: GPU tests pass,
     # C4R4 at 32 heads 1.01-1.02x, kernel_variants_h200_s28_wssub.md)
     "wssub": {"QMLA_WS_SUBNORMAL": 1},
+    # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
+    # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
+    # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py
+    "fusedmerge": {"QMLA_FUSED_MERGE": 1},
 }
 
 

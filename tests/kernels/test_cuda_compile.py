@@ -57,6 +57,7 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_P_STSM=0", "-DQMLA_SM90_META_ONCE=0", "-DQMLA_PRMT8=0",
                                  "-DQMLA_SM90_ADDR_BASES=0", "-DQMLA_PAGE_BASES=0")),  # kernel_variants.py's nolevers
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_SUBNORMAL=0",)),  # kernel_variants.py's nosubnormal
+     ("decode_mla_sm90", "90a", ("-DQMLA_FUSED_MERGE=1",)),  # fusedmerge
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip
@@ -127,7 +128,8 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
     PREEXIT); every split merge waits for its prerequisite grids (griddepcontrol.wait -> ACQBULK) before its first
     global load, so no load of the partials can be moved above the wait; the packed page kernels, launched
     programmatically themselves, wait for the kernel before them (at the start, or at the end after the buffer
-    kernel); the BF16 page kernel (launched normally) never waits. With 0 neither instruction is in the library."""
+    kernel, or where a split without pages leaves); the BF16 page kernel (launched normally) never waits. With 0
+    neither instruction is in the library."""
     cuobjdump = _cuobjdump()  # before the minute of compiling
     cubin = tmp_path / "k.cubin"
     cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", f"-DQMLA_PDL={pdl}", "-cubin",
@@ -142,7 +144,8 @@ def test_programmatic_launch_instructions_are_where_qmla_pdl_puts_them(pdl, tmp_
     assert len(packed) == 18 and len(bf16) == 1 and len(merges) == 9  # 16 + C4R4T / C2R4T (one content scale)
     assert all(("PREEXIT" in f) == bool(pdl) for f in packed + bf16)
     assert all(("ACQBULK" in f) == bool(pdl) for f in merges)
-    assert all(f.count("ACQBULK") == 2 * pdl for f in packed)  # at the start or at the end (Params.pdl_late)
+    # at the start or at the end (Params.pdl_late), and where a split without pages leaves (at once, pdl_late: waiting)
+    assert all(f.count("ACQBULK") == 3 * pdl for f in packed)
     assert not any("ACQBULK" in f for f in bf16)
     if pdl:
         for f in merges:

@@ -251,6 +251,43 @@ def test_cuda_decode_merge_reads_exactly_the_splits_with_pages(fmt, planned, cud
 
 
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["c4r4", "c4r4t", "c8r8"])
+def test_cuda_decode_merge_in_the_page_kernel(fmt, cuda_kernel):
+    """A library built with QMLA_FUSED_MERGE (kernel_variants.py's `fusedmerge`; skipped for others): the page
+    kernel's last CTA per (sequence, head group) merges the splits. Against the merge kernel on the same partials
+    (relative 1e-6), with sequences without pages (length 0) and poisoned slots; captured in a CUDA graph and
+    replayed three times (the arrival counts must be zero again after every call)."""
+    import dataclasses
+
+    from quantmla.kernels.cuda_decode import fused_merge, launch_decode, plan_decode
+
+    if cuda_kernel != "wgmma":
+        pytest.skip("the merge in the page kernel is the wgmma kernel's")
+    cache, q_lat, q_pe = make(fmt, [0, 3000, 700, 130, 5, 64 * 40 + 132], 16, seed=41)
+    skip_unbuilt(cache)
+    plan = plan_decode(q_lat, q_pe, cache, SCALE, num_splits=6)
+    if not fused_merge(plan):
+        pytest.skip("this library's page kernel does not merge (built without QMLA_FUSED_MERGE)")
+    plan.po.fill_(float("nan"))
+    plan.pl.fill_(100.0)
+    fused = launch_decode(plan)
+    apart = launch_decode(dataclasses.replace(plan, fused=False))
+    assert torch.equal(torch.isneginf(fused[1]), torch.isneginf(apart[1]))
+    assert torch.allclose(fused[0], apart[0], rtol=1e-6, atol=1e-6)
+    fin = torch.isfinite(apart[1])
+    assert torch.allclose(fused[1][fin], apart[1][fin], rtol=1e-6, atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch_decode(plan)
+    for _ in range(3):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(captured[0], apart[0], rtol=1e-6, atol=1e-6)
+    check(cache, q_lat, q_pe, splits=6)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 7, None])
 def test_cuda_decode_splits_and_ragged(splits):
     cache, q_lat, q_pe = make("c4r4", [9000, 65, 20000, 1, 4500], 16, seed=5)

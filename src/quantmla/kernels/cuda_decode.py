@@ -78,6 +78,7 @@ class _Params(ctypes.Structure):
         ("q_fp32", ctypes.c_int),
         ("pdl_late", ctypes.c_int),
         ("c_groups", ctypes.c_int),
+        ("arrivals", ctypes.c_void_p), ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -220,6 +221,8 @@ def _lib(device, kernel: str = "mma"):
         lib.qmla_error_string.argtypes = [ctypes.c_int]
         if hasattr(lib, "qmla_pdl"):  # the sm90 library: whether it was built for programmatic launches
             lib.qmla_pdl.restype = ctypes.c_int
+        if hasattr(lib, "qmla_fused_merge"):  # ... and whether its packed-page kernel can merge the splits itself
+            lib.qmla_fused_merge.restype = ctypes.c_int
         if lib.qmla_params_size() != ctypes.sizeof(_Params):
             raise CudaBuildError(
                 f"Params layout mismatch: library {lib.qmla_params_size()} B, ctypes {ctypes.sizeof(_Params)} B"
@@ -234,6 +237,24 @@ def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma",
     CTAS_PER_SM if it fails)."""
     n = _lib(torch.device("cuda", device_index), kernel).qmla_ctas_per_sm(cbits, rbits, heads)
     return n if n > 0 else CTAS_PER_SM[kernel]
+
+
+FUSED_MAX_SLOTS = 16  # the page kernel merges the splits itself (a library built with QMLA_FUSED_MERGE) only up to
+# this many partial slots per sequence: its last CTA reads them alone (at B1 x 128K's ~256 splits, 8 MB)
+ARRIVALS = 1 << 16  # counters per device for the merge in the page kernel: sequences x head CTAs of one call
+
+
+_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _arrivals(device_index: int, stream: int) -> torch.Tensor:
+    """The counters of the merge in the page kernel for calls on one stream of one device (zeros; each call leaves
+    them zero again; two streams' calls may run at once, so each stream has its own), allocated once and kept for the
+    process: a captured CUDA graph holds their address."""
+    key = (device_index, stream)
+    if key not in _ARRIVALS:
+        _ARRIVALS[key] = torch.zeros(ARRIVALS, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return _ARRIVALS[key]
 
 
 @functools.lru_cache(maxsize=16)
@@ -273,6 +294,7 @@ class DecodePlan:
     pl: torch.Tensor
     one_stream: bool = False  # the buffer kernel just before the page kernel on one stream (programmatic launches)
     pps: int = 1  # pages per split (the merge reads of each sequence the splits with pages: split_plan.used_splits)
+    fused: bool = False  # the packed-page kernel merges the splits itself (QMLA_FUSED_MERGE; see fused_merge)
 
 
 def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | None = None,
@@ -316,6 +338,8 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
     one_stream = cbits != 16 and hasattr(lib, "qmla_pdl") and lib.qmla_pdl() == 1
+    fused = (cbits != 16 and getattr(lib, "qmla_fused_merge", lambda: 0)() == 1 and ns_total <= FUSED_MAX_SLOTS
+             and B * hg <= ARRIVALS and (one_stream or ns_total == ns))  # fmt: skip
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),
@@ -330,7 +354,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
         c_groups=0 if c is None else c.num_groups(L.kv_lora_rank),
     )  # fmt: skip
     return DecodePlan(kernel, lib, p, cbits, rbits, hg, ns, ns_total, q_lat, q_pe, cache, softmax_scale, po, pl,
-                      one_stream, pps)  # fmt: skip
+                      one_stream, pps, fused)  # fmt: skip
 
 
 PARTS = ("pages", "buffers", "combine")
@@ -342,6 +366,14 @@ def one_stream_order(plan: DecodePlan, parts: tuple[str, ...] = PARTS) -> bool:
     (``plan.one_stream``), when both kernels are launched and the buffer kernel has tiles at all -- after any other
     kernel the page kernel must wait at its start, before it reads what that kernel wrote."""
     return bool(plan.one_stream and "buffers" in parts and "pages" in parts and plan.ns_total > plan.ns)
+
+
+def fused_merge(plan: DecodePlan, parts: tuple[str, ...] = PARTS) -> bool:
+    """Whether :func:`launch_decode` lets the page kernel merge the splits (``csrc/mla_fused_merge.cuh``) instead of
+    launching the merge kernel: a library built with ``QMLA_FUSED_MERGE``, packed pages, at most
+    :data:`FUSED_MAX_SLOTS` partial slots, every part launched, and the BF16 buffers' partials complete before the page
+    kernel's end (one-stream order, or no buffer slots)."""
+    return plan.fused and set(parts) == set(PARTS) and (one_stream_order(plan, parts) or plan.ns_total == plan.ns)
 
 
 def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
@@ -382,6 +414,13 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
 
         if one:
             buffers()
+        fused = fused_merge(plan, parts)
+        if fused or "combine" in parts:
+            out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
+            lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+        plan.params.arrivals = _arrivals(dev_index, stream).data_ptr() if fused else None
+        plan.params.out = out.data_ptr() if fused else None
+        plan.params.lse = lse.data_ptr() if fused else None
         if "pages" in parts:
             err = lib.qmla_decode(ctypes.byref(plan.params), plan.cbits, plan.rbits, plan.head_ctas, plan.ns, B,
                                   ctypes.c_void_p(stream))  # fmt: skip
@@ -391,9 +430,7 @@ def launch_decode(plan: DecodePlan, parts: tuple[str, ...] = PARTS):
         if not one:
             buffers()
             cur.wait_stream(side)
-        if "combine" in parts:
-            out = torch.empty(B, H, Dc, dtype=torch.float32, device=dev)
-            lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+        if "combine" in parts and not fused:
             ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (plan.po, plan.pl, out, lse)]
             c = plan.cache
             err = lib.qmla_combine(*ptrs, B, plan.ns_total, H, ctypes.c_void_p(c.seq_lens.data_ptr()), c.n_sink,

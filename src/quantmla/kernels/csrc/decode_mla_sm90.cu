@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mla_fused_merge.cuh"
 #include "mla_ops.cuh"
 #include "mla_launch.cuh"
 #include "mla_page.cuh"
@@ -96,10 +97,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   const int hi = max(n - p.local, p.sink);
   const int pg0 = lo / kPage + sp * p.pps;
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
-  if (empty_split(pg0, pg1)) {  // a split without pages (ragged lengths): nothing to write, the merge skips it
-    empty_split_exit(p);
-    return;
-  }
+  if (empty_split_leaves(p, sp, pg0, pg1)) return;  // a split without pages: the merge skips it (mla_fused_merge.cuh)
 
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int blk, int st) {  // blk: the page's block-table entry
@@ -448,6 +446,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #if QMLA_PDL
   if (p.pdl_late) pdl_wait();  // this grid completes after the buffer kernel: the merge's wait then covers both
 #endif
+#if QMLA_FUSED_MERGE  // the last CTA of (b, hg) merges the splits (its flag: smx, free since the loop)
+  if (p.arrivals) merge_in_kernel<kHeads, kThreads>(p, b, hg, h0, reinterpret_cast<int*>(smx));
+#endif
 #endif
 }
 
@@ -493,6 +494,9 @@ struct ProgrammaticLaunch<sm90::WgmmaKernel> {  // (the buffer kernel at its end
 // stream just before the page kernel (Params::pdl_late) instead of on a side stream, so that nothing joins
 // between the page kernel and the merge.
 extern "C" int qmla_pdl() { return QMLA_PDL; }
+
+// 1 when the page kernel can merge the splits itself (mla_fused_merge.cuh; cuda_decode.py decides where it does).
+extern "C" int qmla_fused_merge() { return QMLA_FUSED_MERGE; }
 }  // namespace qmla
 
 // The same C entry points as decode_mla.cu (a separate library); grid (head_ctas(H), splits, B).

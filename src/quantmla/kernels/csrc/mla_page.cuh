@@ -38,6 +38,11 @@ struct Params {
   int pdl_late;    // QMLA_PDL, Hopper kernel: 1 when the kernel before it is the BF16 buffer kernel, which writes
                    // nothing it reads: wait for it at the end only (else at the start, before any read)
   int c_groups;    // content scale groups per token: 4 (groups of 128), 1 (one per token: C4R4T, C2R4T), 0 (BF16)
+  // The split merge inside the page kernel (mla_fused_merge.cuh, built with QMLA_FUSED_MERGE): arrivals [B, head
+  // CTAs] of zeros, out [B, H, 512], lse [B, H] (natural log). arrivals == null: the merge kernel runs instead.
+  int* arrivals;
+  float* out;
+  float* lse;
 };
 
 // The packed pages of a sequence of n tokens (sink and local tokens live in the BF16 buffers): pages [sink / 64,

@@ -49,10 +49,7 @@ __global__ void __launch_bounds__(Bf16Cfg::kThreads, 1) decode_kernel_sm90_bf16(
   const int hi = max(n - p.local, p.sink);
   const int pg0 = lo / kPage + sp * p.pps;
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
-  if (empty_split(pg0, pg1)) {  // a split without pages (ragged lengths): nothing to write, the merge skips it
-    empty_split_exit(p);
-    return;
-  }
+  if (empty_split(pg0, pg1)) return;  // a split without pages: nothing to write, the merge skips it (launched normally)
 
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int blk, int st) {  // 64 x 72 chunks, 36 per thread; consecutive threads on consecutive chunks
