@@ -56,3 +56,20 @@ def test_one_stream_order_only_when_the_buffer_kernel_comes_right_before():
     assert not one_stream_order(plan, ("buffers", "combine"))
     assert not one_stream_order(dataclasses.replace(plan, ns_total=8), PARTS)  # no buffer tiles: nothing launched
     assert not one_stream_order(dataclasses.replace(plan, one_stream=False), PARTS)
+
+
+def test_the_page_kernel_merges_only_where_the_buffer_partials_are_complete():
+    """The merge in the page kernel (QMLA_FUSED_MERGE) reads the BF16 buffer kernel's partials at the page kernel's
+    end: only in the one-stream order (the page kernel waited for the buffer kernel) or with no buffer slots, with
+    every part launched, and only for a plan made for it (a library built with it, few slots)."""
+    import dataclasses
+
+    from quantmla.kernels.cuda_decode import PARTS, DecodePlan, fused_merge
+
+    fields = {f.name: None for f in dataclasses.fields(DecodePlan)}
+    plan = DecodePlan(**{**fields, "ns": 8, "ns_total": 10, "one_stream": True, "fused": True})
+    assert fused_merge(plan, PARTS)
+    assert not fused_merge(dataclasses.replace(plan, fused=False), PARTS)
+    assert not fused_merge(dataclasses.replace(plan, one_stream=False), PARTS)  # buffers on a side stream
+    assert fused_merge(dataclasses.replace(plan, one_stream=False, ns_total=8), PARTS)  # no buffer slots
+    assert not fused_merge(plan, ("buffers", "pages"))  # timing the parts apart: the merge kernel's part

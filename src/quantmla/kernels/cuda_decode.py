@@ -241,7 +241,7 @@ def _ctas_per_sm(device_index: int, cbits: int, rbits: int, kernel: str = "mma",
 
 FUSED_MAX_SLOTS = 16  # the page kernel merges the splits itself (a library built with QMLA_FUSED_MERGE) only up to
 # this many partial slots per sequence: its last CTA reads them alone (at B1 x 128K's ~256 splits, 8 MB)
-ARRIVALS = 1 << 16  # counters per device for the merge in the page kernel: sequences x head CTAs of one call
+ARRIVALS = 1 << 16  # counters per (device, stream) for the merge in the page kernel: sequences x head CTAs
 
 
 _ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
