@@ -255,8 +255,8 @@ def test_cuda_decode_merge_reads_exactly_the_splits_with_pages(fmt, planned, cud
 def test_cuda_decode_merge_in_the_page_kernel(fmt, cuda_kernel):
     """A library built with QMLA_FUSED_MERGE (kernel_variants.py's `fusedmerge`; skipped for others): the page
     kernel's last CTA per (sequence, head group) merges the splits. Against the merge kernel on the same partials
-    (relative 1e-6), with sequences without pages (length 0) and poisoned slots; captured in a CUDA graph and
-    replayed three times (the arrival counts must be zero again after every call)."""
+    (1e-5: the same arithmetic, the splits summed in another order), with a sequence of length 0 and poisoned slots;
+    captured in a CUDA graph and replayed three times (the arrival counts must be zero again after every call)."""
     import dataclasses
 
     from quantmla.kernels.cuda_decode import fused_merge, launch_decode, plan_decode
@@ -273,9 +273,9 @@ def test_cuda_decode_merge_in_the_page_kernel(fmt, cuda_kernel):
     fused = launch_decode(plan)
     apart = launch_decode(dataclasses.replace(plan, fused=False))
     assert torch.equal(torch.isneginf(fused[1]), torch.isneginf(apart[1]))
-    assert torch.allclose(fused[0], apart[0], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(fused[0], apart[0], rtol=1e-5, atol=1e-5)
     fin = torch.isfinite(apart[1])
-    assert torch.allclose(fused[1][fin], apart[1][fin], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(fused[1][fin], apart[1][fin], rtol=1e-5, atol=1e-5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = launch_decode(plan)
@@ -283,7 +283,7 @@ def test_cuda_decode_merge_in_the_page_kernel(fmt, cuda_kernel):
         captured[0].fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.allclose(captured[0], apart[0], rtol=1e-6, atol=1e-6)
+        assert torch.allclose(captured[0], apart[0], rtol=1e-5, atol=1e-5)
     check(cache, q_lat, q_pe, splits=6)
 
 
