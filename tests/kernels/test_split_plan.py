@@ -10,7 +10,15 @@ import subprocess
 
 import pytest
 
-from quantmla.kernels.split_plan import PAGE, _cost, cuda_num_splits, packed_pages, split_plan, used_splits
+from quantmla.kernels.split_plan import (
+    PAGE,
+    _cost,
+    cuda_num_splits,
+    packed_page_counts,
+    packed_pages,
+    split_plan,
+    used_splits,
+)
 
 H200_SLOTS = 132 * 2  # SMs x CTAs of the wgmma kernel per SM
 
@@ -38,6 +46,12 @@ def test_the_splits_with_pages_are_a_prefix_that_covers_every_packed_token(sink,
         packed_tokens = set(range(sink, max(n - local, sink)))
         on_pages = {t for p in walked for t in range(PAGE * p, PAGE * p + PAGE)}
         assert packed_tokens <= on_pages
+
+
+def test_page_counts_are_the_sorted_packed_pages():
+    lens = (5000, 0, 131, 132, 133, 64 * 9 + 128)
+    assert packed_page_counts(lens, 4, 128) == tuple(sorted(packed_pages(n, 4, 128) for n in lens))
+    assert packed_page_counts(lens, 4, 128) == (1, 1, 1, 1, 9, 77)  # 133 - 128 = 5 > 4: still page 0 alone
 
 
 def test_used_splits_is_capped_by_the_split_count():

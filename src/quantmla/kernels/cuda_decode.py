@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from quantmla.kernels.split_plan import packed_pages, split_plan
+from quantmla.kernels.split_plan import packed_page_counts, split_plan
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
@@ -322,7 +322,7 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     if q_pe.stride(-1) != 1:
         q_pe = q_pe.contiguous()
     # packed pages per sequence (sorted: the plan depends on their multiset), at the planned length when one is set
-    pages = tuple(sorted(packed_pages(n, cache.n_sink, cache.n_local, L.page_size) for n in cache.plan_lengths()))
+    pages = packed_page_counts(tuple(cache.plan_lengths()), cache.n_sink, cache.n_local, L.page_size)
     max_pages = max(1, pages[-1] if pages else 0)
     c, r = cache.fmt.content, cache.fmt.rope
     cbits, rbits = _bits(cache.fmt)

@@ -32,6 +32,13 @@ def used_splits(n: int, sink: int, local: int, pps: int, ns: int, page: int = PA
     return min(ns, -(-packed_pages(n, sink, local, page) // pps))
 
 
+@functools.lru_cache(maxsize=256)
+def packed_page_counts(lens: tuple[int, ...], sink: int, local: int, page: int = PAGE) -> tuple[int, ...]:
+    """The sorted :func:`packed_pages` of sequences of these lengths: what :func:`split_plan` takes (cached, since
+    every layer of a decode step asks for the same lengths: ~50 us for 256 sequences uncached)."""
+    return tuple(sorted(packed_pages(n, sink, local, page) for n in lens))
+
+
 def _cost(pages: tuple[int, ...], head_groups: int, slots: int, pps: int) -> int:
     ctas = head_groups * sum(-(-p // pps) for p in pages)
     return math.ceil(ctas / slots) * (pps + 1)
