@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from quantmla.kernels.paged import PagedMLACache
 from quantmla.kernels.split_plan import (
     PAGE,
     _cost,
@@ -19,6 +20,7 @@ from quantmla.kernels.split_plan import (
     split_plan,
     used_splits,
 )
+from quantmla.quant.formats import CachePolicy
 
 H200_SLOTS = 132 * 2  # SMs x CTAs of the wgmma kernel per SM
 
@@ -33,19 +35,21 @@ def kernel_splits(n: int, sink: int, local: int, pps: int, ns: int) -> list[rang
     return out
 
 
-@pytest.mark.parametrize("sink,local", [(0, 0), (4, 128), (64, 64), (3, 1), (100, 0)])
+@pytest.mark.parametrize("sink,local", [(0, 0), (4, 128), (64, 64), (3, 1), (60, 0)])
 def test_the_splits_with_pages_are_a_prefix_that_covers_every_packed_token(sink, local):
+    """Against the cache's own definition of the tokens read from pages (PagedMLACache.packed_range): every one lies
+    on a page some split walks, each page is walked once, and a walked page holds a packed token or is the first."""
+    cache = PagedMLACache("c4r4", 1, 800, policy=CachePolicy(sink=sink, local=local, page_size=PAGE), num_pages=16)
     for n, pps in itertools.product(range(0, 700, 7), (1, 2, 3, 7, 64)):
-        ns = max(1, -(-packed_pages(n, sink, local) // pps)) + 2  # two splits too many
-        splits = kernel_splits(n, sink, local, pps, ns)
-        used = used_splits(n, sink, local, pps, ns)
+        ns = max(1, -(-packed_pages(n, cache.n_sink, cache.n_local) // pps)) + 2  # two splits too many
+        splits = kernel_splits(n, cache.n_sink, cache.n_local, pps, ns)
+        used = used_splits(n, cache.n_sink, cache.n_local, pps, ns)
         assert [len(r) > 0 for r in splits] == [True] * used + [False] * (ns - used)
         walked = [p for r in splits for p in r]
-        assert len(walked) == len(set(walked)) == packed_pages(n, sink, local)
-        # every token that is neither a sink nor a local token (the definition of the packed range) is on a page
-        packed_tokens = set(range(sink, max(n - local, sink)))
-        on_pages = {t for p in walked for t in range(PAGE * p, PAGE * p + PAGE)}
-        assert packed_tokens <= on_pages
+        assert len(walked) == len(set(walked)) == packed_pages(n, cache.n_sink, cache.n_local)
+        packed = set(cache.packed_range(n))
+        assert packed <= {t for p in walked for t in range(PAGE * p, PAGE * p + PAGE)}
+        assert all(p == walked[0] or packed & set(range(PAGE * p, PAGE * p + PAGE)) for p in walked)
 
 
 def test_page_counts_are_the_sorted_packed_pages():
