@@ -231,7 +231,7 @@ case $CALL in
   ragged)  # splits planned for the lengths themselves (split_plan.py): the merge's tests on every kernel, then ragged
     # batches (lengths N/8 .. N) beside FlashMLA with the same lengths, each format also planned as equal lengths
     part tests_merge 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=short \
-      -p no:cacheprovider -k "merge_reads or planned_for_capacity or splits_and_ragged or one_stream or million"
+      -p no:cacheprovider -k "merge_reads or merge_in or planned_for_capacity or splits_and_ragged or one_stream or edges"
     flashmla_args
     part bench_ragged 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" --ragged \
       --tag "h200_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
