@@ -196,6 +196,18 @@ def parse_spec(spec: str) -> tuple[str, str, int | str | None]:
     return fmt, kernel, n
 
 
+def cuda_plan(kind: str, q_lat, q_pe, cache, splits) -> dict:
+    """``{"plan": "ns x pps"}`` of a CUDA call (splits per sequence x pages per split; the merge in the page kernel
+    marked), else nothing."""
+    if not kind.startswith("cuda"):
+        return {}
+    from quantmla.kernels.cuda_decode import fused_merge, plan_decode
+
+    kernel = kind.partition("-")[2] or None
+    p = plan_decode(q_lat, q_pe, cache, SCALE, num_splits=splits, kernel=kernel)
+    return {"plan": f"{p.ns} x {p.pps}" + (" fused" if fused_merge(p) else "")}
+
+
 def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=False) -> bool:
     ok_all = True
     timed = []  # (row, callable) of every implementation checked and timed once: the later rounds time them again
@@ -254,10 +266,10 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=Fa
             us = timer(run, reps)
             eb = effective_bytes(c)
             rows.append({**base, "impl": spec, "us": us, "rel": rel, "lse_err": le, "ok": ok, "bytes": eb,
-                         "kernel": kind, "us_rounds": [us]})  # fmt: skip
+                         "kernel": kind, "us_rounds": [us], **cuda_plan(kind, q_lat, q_pe, c, splits)})  # fmt: skip
             timed.append((rows[-1], run))
             log(f"H={H:3d} B={B:3d} N={N:7d} {spec:5s} [{kind}] {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
-                f"rel={rel:.1e} lse={le:.1e} {'OK' if ok else 'FAIL'}")  # fmt: skip
+                f"rel={rel:.1e} lse={le:.1e} {'OK' if ok else 'FAIL'} {rows[-1].get('plan', '')}")  # fmt: skip
             ok_all &= ok
             if rounds == 1:
                 del c
