@@ -118,9 +118,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_kernel(const Para
   const int pg0 = lo / kPage + sp * p.pps;
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
   constexpr int meta_rows = M::ROWS;
-  if (empty_split(pg0, pg1)) {  // a split without pages (ragged lengths): nothing to write, the merge skips it
-    return;
-  }
+  if (empty_split(pg0, pg1)) return;  // a split without pages (ragged lengths): nothing to write, the merge skips it
 
   const uint8_t* pool = p.pool;
   const int* bt = p.block_table + (long long)b * p.bt_stride;

@@ -49,7 +49,7 @@ struct Params {
 // ceil(hi / 64)), hi = max(n - local, sink); split sp of a CTA grid covers pps of them from sink / 64 + sp pps. A
 // split without pages (a ragged batch's shorter sequences, or lengths below a captured step's planned capacity)
 // exits at once and writes nothing; the merge reads only the used_splits that had pages (mla_combine.cuh). The
-// host mirror is quantmla.kernels.cuda_decode.packed_pages / used_splits: kernels, merge and host must agree.
+// host mirror is quantmla.kernels.split_plan.packed_pages / used_splits: kernels, merge and host must agree.
 __host__ __device__ __forceinline__ int packed_pages(int n, int sink, int local) {
   const int hi = n - local > sink ? n - local : sink;
   return (hi + kPage - 1) / kPage - sink / kPage;
@@ -59,12 +59,12 @@ __host__ __device__ __forceinline__ int used_splits(int n, int sink, int local, 
   return used < ns ? used : ns;
 }
 
-// What a CTA of a split without pages does before it returns: with a programmatic launch after the buffer kernel
-// (Params::pdl_late) it waits for that kernel as every other CTA does at its end, so the grid never completes
-// before it (the merge's wait covers both only then).
 // Whether this CTA's split has no pages, as a warp-uniform value (a plain branch on it let ptxas take the Hopper
 // kernel's wgmma descriptors out of uniform registers: +49 UMOV per tile in its main loop).
 __device__ __forceinline__ bool empty_split(int pg0, int pg1) { return __shfl_sync(0xffffffffu, pg0 >= pg1, 0); }
+// What a CTA of a split without pages does before it returns: with a programmatic launch after the buffer kernel
+// (Params::pdl_late) it waits for that kernel as every other CTA does at its end, so the grid never completes
+// before it (the merge's wait covers both only then).
 __device__ __forceinline__ void empty_split_exit(const Params& p) {
   if (p.pdl_late) pdl_wait();
 }
