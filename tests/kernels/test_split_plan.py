@@ -155,3 +155,50 @@ def test_the_cuda_mirror_agrees(tmp_path):
     want = [(packed_pages(n, s, lo), used_splits(n, s, lo, pps, 5), n, pps)
             for s, lo in ((0, 0), (4, 128), (64, 64), (3, 1)) for n in range(0, 1000, 13) for pps in range(1, 40, 9)]
     assert got == want
+
+
+def test_merging_the_splits_with_pages_and_the_buffers_is_the_whole_attention():
+    """The contract end to end in fp64 on a real cache (CPU): each split with pages attends over the packed tokens of
+    its pages (the kernels' token mask), the BF16 buffers over the sink and local tokens, and the log-sum-exp merge of
+    those slots alone -- the empty splits never read -- equals attention over every token (the torch reference)."""
+    import torch
+
+    from quantmla.kernels.reference import decode_attention_torch
+
+    page, lens, H = 16, [0, 3, 20, 21, 37, 90, 200], 3
+    cache = PagedMLACache("c4r4", len(lens), 256, kv_lora_rank=128, rope_dim=32, num_pages=64,
+                          policy=CachePolicy(sink=4, local=16, page_size=page))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    cache.write(torch.randn(len(lens), 200, 128, generator=g), torch.randn(len(lens), 200, 32, generator=g), lens,
+                impl="torch")  # fmt: skip
+    q_lat, q_pe = torch.randn(len(lens), H, 128, generator=g), torch.randn(len(lens), H, 32, generator=g)
+    scale = 0.1
+    ref, ref_lse = decode_attention_torch(q_lat, q_pe, cache, scale, return_lse=True)
+    pages = packed_page_counts(tuple(lens), cache.n_sink, cache.n_local, page)
+    ns = split_plan(pages, 1, 4)
+    pps = -(-max(pages) // ns)
+    for b, n in enumerate(lens):
+        q = torch.cat([q_lat[b], q_pe[b]], -1).double()  # [H, 160]
+        keys = cache.read_tokens(b, n).double() if n else torch.zeros(0, 160, dtype=torch.float64)
+        hi = max(n - cache.n_local, cache.n_sink)
+        used = used_splits(n, cache.n_sink, cache.n_local, pps, ns, page)
+        slots = []  # (tokens of each slot the merge reads): the splits with pages, then the buffers
+        for sp in range(used):
+            pg0 = cache.n_sink // page + sp * pps
+            pg1 = min(pg0 + pps, -(-hi // page))
+            slots.append([t for t in range(page * pg0, page * pg1) if cache.n_sink <= t < hi])  # the kernels' mask
+        sink, local = cache.bf16_positions(n)
+        slots += [list(sink), list(local)]
+        o, lse = torch.zeros(H, 128, dtype=torch.float64), torch.full((H,), float("-inf"), dtype=torch.float64)
+        for toks in slots:  # merge one slot at a time (log-sum-exp)
+            if not toks:
+                continue
+            s = (q @ keys[toks].T) * scale
+            s_lse = torch.logsumexp(s, -1)
+            new = torch.logaddexp(lse, s_lse)
+            part = torch.softmax(s, -1) @ keys[toks, :128]
+            o = o * torch.exp(lse - new)[:, None] + part * torch.exp(s_lse - new)[:, None]
+            lse = new
+        covered = sorted(t for toks in slots for t in toks)
+        assert covered == list(range(n))  # every token once, from the splits with pages and the buffers
+        assert torch.allclose(o.float(), ref[b], atol=1e-5) and torch.allclose(lse.float(), ref_lse[b], atol=1e-5)
