@@ -338,8 +338,9 @@ def plan_decode(q_lat, q_pe, cache, softmax_scale: float, *, num_splits: int | N
     po = torch.empty(B, ns_total, H, Dc, dtype=torch.float32, device=dev)
     pl = torch.empty(B, ns_total, H, dtype=torch.float32, device=dev)
     one_stream = cbits != 16 and hasattr(lib, "qmla_pdl") and lib.qmla_pdl() == 1
+    # the page kernel may merge the splits (the launch order it needs is fused_merge's to check)
     fused = (cbits != 16 and getattr(lib, "qmla_fused_merge", lambda: 0)() == 1 and ns_total <= FUSED_MAX_SLOTS
-             and B * hg <= ARRIVALS and (one_stream or ns_total == ns))  # fmt: skip
+             and B * hg <= ARRIVALS)  # fmt: skip
     p = _Params(
         q_lat=q_lat.data_ptr(), q_pe=q_pe.data_ptr(),
         q_lat_sb=q_lat.stride(0), q_lat_sh=q_lat.stride(1), q_pe_sb=q_pe.stride(0), q_pe_sh=q_pe.stride(1),

@@ -59,10 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_ws(const Params p) 
   const int hi = max(n - p.local, p.sink);
   const int pg0 = lo / kPage + sp * p.pps;
   const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
-  if (empty_split(pg0, pg1)) {  // a split without pages (ragged lengths): nothing to write, the merge skips it
-    empty_split_exit(p);
-    return;
-  }
+  if (empty_split_leaves(p, pg0, pg1)) return;  // a split without pages (ragged lengths): the merge skips it
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
   const uint32_t mbar = smem_u32(smem + C::MBAR);  // full[kStages], pfull[2], pempty[2]

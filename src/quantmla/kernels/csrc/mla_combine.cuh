@@ -27,6 +27,10 @@ __device__ __forceinline__ Slots split_slots(const SplitMap& m, int b, int ns) {
   return {ns - m.ns_pages + used, used, m.ns_pages - used};
 }
 
+__device__ __forceinline__ float4 fma4(float w, float4 x, float4 a) {  // w x + a, per component
+  return make_float4(fmaf(w, x.x, a.x), fmaf(w, x.y, a.y), fmaf(w, x.z, a.z), fmaf(w, x.w, a.w));
+}
+
 // Merge of the split partials: out[b, h, :] = sum_s w_s po[b, s, h, :] / sum_s w_s, w_s = 2^(pl_s - max_s pl_s);
 // lse = ln 2 * (max + log2 sum w). Grid (Dc / CW, H, B), CW G threads: channel tid % CW, splits tid / CW + G k
 // (G split groups, 8 loads in flight each, summed through shared memory). CW = 128: G = 4 for many splits (at
@@ -143,12 +147,7 @@ __global__ void __launch_bounds__(32 * W) combine4_kernel(const float* __restric
     for (int u = 0; u < U; ++u) {
       const float e = ex2(wv[u] - msafe);
       ws += e;
-      if (e > 0.f) {  // (an empty split's partial output is 0 anyway)
-        acc.x = fmaf(e, x[u].x, acc.x);
-        acc.y = fmaf(e, x[u].y, acc.y);
-        acc.z = fmaf(e, x[u].z, acc.z);
-        acc.w = fmaf(e, x[u].w, acc.w);
-      }
+      if (e > 0.f) acc = fma4(e, x[u], acc);  // (an empty split's partial output is 0 anyway)
     }
   }
   if constexpr (W > 1) {

@@ -34,16 +34,10 @@ __device__ __forceinline__ int arriving_splits(const Params& p, int b) {
   return used > 1 ? used : 1;
 }
 
-// Whether the CTA of split sp leaves at once, having no pages (mla_page.cuh empty_split_exit: then done); with the
-// merge in the kernel split 0 always stays (see arriving_splits).
+// mla_page.cuh's empty_split_leaves for the Hopper page kernel: with the merge in the kernel split 0 always stays
+// (see arriving_splits).
 __device__ __forceinline__ bool empty_split_leaves(const Params& p, int sp, int pg0, int pg1) {
-  if (!empty_split(pg0, QMLA_FUSED_MERGE && p.arrivals && sp == 0 ? pg0 + 1 : pg1)) return false;
-  empty_split_exit(p);
-  return true;
-}
-
-__device__ __forceinline__ float4 fma4(float w, float4 x, float4 a) {
-  return make_float4(fmaf(w, x.x, a.x), fmaf(w, x.y, a.y), fmaf(w, x.z, a.z), fmaf(w, x.w, a.w));
+  return empty_split_leaves(p, pg0, QMLA_FUSED_MERGE && p.arrivals && sp == 0 ? pg0 + 1 : pg1);
 }
 
 // Count this CTA in; the last one merges: out[b, h, :] and lse[b, h] for h in [h0, h0 + NH) (8 threads per head,

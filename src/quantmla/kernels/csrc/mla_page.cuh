@@ -68,6 +68,12 @@ __device__ __forceinline__ bool empty_split(int pg0, int pg1) { return __shfl_sy
 __device__ __forceinline__ void empty_split_exit(const Params& p) {
   if (p.pdl_late) pdl_wait();
 }
+// Both: whether the CTA leaves at once (it has then done what it must before it returns).
+__device__ __forceinline__ bool empty_split_leaves(const Params& p, int pg0, int pg1) {
+  if (!empty_split(pg0, pg1)) return false;
+  empty_split_exit(p);
+  return true;
+}
 
 template <int CB, int RB = 4>  // bits of a content code (2, 4 or 8) and of a RoPE code (4 or 8)
 struct PageCfg {
