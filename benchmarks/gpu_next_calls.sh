@@ -3,43 +3,38 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (0) issue 9, first: session 29 (no device time) planned the splits for ragged lengths (split_plan.py), made the
-#     CTAs of splits without pages exit at once and the merge read only the splits with pages -- not yet run on a
-#     GPU: `ragged` below (its tests first; then the bench: a 32 x 4K..32K batch should take ~40% less than with the
-#     equal-lengths plan, FORMAT/equal in the same run); a failure there: revert to 1c81d23's kernels and merge.
-#     Then the split merge in the page kernel (written offline, off): `VARIANTS=base,fusedmerge VARIANT_TESTS=1
-#     VARIANT_FORMATS=c4r4@wgmma,c4r4t,c2r4t bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild); adopt it
-#     (QMLA_FUSED_MERGE default 1) where it is faster at B32 x 32K / B8 x 128K and no slower elsewhere.
-# (1) issue 9: session 28 made the Hopper kernel's codes exact fp16 subnormals (QMLA_SM90_SUBNORMAL; no magic-number
-#     bias, the T formats' content in one score accumulator) and issued each ldmatrix two batches ahead: round-robin,
-#     C4R4 1.71x / 1.73x / 1.85x, C4R4T 1.92x / 1.94x / 2.03x, C2R4T 1.97x / 2.01x / 2.11x FlashMLA at B32 x 32K / B8 x
-#     128K / B1 x 128K (decode_vs_flashmla_h200_s28_ldsm2_default.md); every GPU test and 10/10 wgmma mutations pass
-#     on the new code (check + mutation at 7adcac5 / 20471b9; the ldmatrix change's tests in its variants call). Next
-#     (docs/kernels.md "Subnormal codes"): a wgmma m64n16k16 costs 15 cycles per SM (wgmma_rate_h200_s28.txt), so the
-#     tensor cores are ~45% busy; the fixed ~20 us per call (the split merge 7-8 us of it) is ~12% at B32 x 32K: a
-#     merge folded into the page kernel, and shipped C4R4T transforms (`python benchmarks/full_budget.py --device cuda
-#     --tag paper_t --resume --carry-in <folder with full_budget_paper_t.json> --variants a --formats c4r4t,c2r4t
-#     --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none`, then `--ship`; + the kit
-#     calls below) so that C4R4T can become the recommended 4-bit format.
-# (2)-(4) issue 12's paper-budget chunks, tag paper: variant a is complete (session 22); variant b: 8 units left
-#     after session 27 (seeds 1-2 of the uniform objective `quantmla` at both formats, calibration + perplexity
-#     each; the default attention-weighted objective has all three seeds). A calibration unit takes 180-250 s, a
-#     perplexity unit ~15 s: ~35 min of H200 in all: `--seed-methods quantmla,quantmla-attnw`, carry-in
-#     benchmarks/results/full_budget_paper.json (copied into .fbcarry). A state file over
-#     16 MiB (variant b's transforms, 17 MiB) travels as byte parts that carry_in joins.
-#     The kit's four carry calls back to back (each `bash benchmarks/device_carry.sh collect`, carry [".gpucarry_K"];
-#     the kit lives in /root/keep only while the machine stays warm, given back ~30 s after a call), then the chunks
-#     on the same warm machine, carry [".fbcarry"] (each chunk also keeps its hand-over in /root/keep/fb_last, so
-#     the next chunk on a warm machine needs no copy here first):
+# (0) issue 9, first (session 30 found it, no device time left to measure): at B32 x 128K -- one of the issue's three
+#     must-shapes -- auto runs C4R4 / C2R4 on the *mma* kernel (WGMMA_MAX_WORK = 2^21 units, set in session 11 when
+#     mma was 1.54x FlashMLA there vs wgmma's 1.46x), 745.6 us = 1.50x (decode_vs_flashmla_h200_s30_default.md); the
+#     wgmma kernel has gained ~10% per page since (B32 x 32K 210 -> 190 us) and C4R4T on it runs B32 x 128K at 588 us:
+#     projected C4R4 on wgmma ~700 us (~1.6x). `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh large` (carry
+#     .fmbuild; ~4 min); if wgmma wins at every shape there, raise WGMMA_MAX_WORK (cuda_decode.py) past the largest
+#     grid or drop mma from auto on sm_90 (tests/kernels/test_cuda_build.py's auto cases follow), then `check`.
+#     Session 30 measured the rest of session 29's queue: the ragged plan (0.66-0.74x the equal-lengths plan's time,
+#     decode_vs_flashmla_h200_s30_ragged.md) and the fused merge (slower: kept off, kernel_variants_h200_s30_fusedmerge.md).
+# (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
+#     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.50-1.78x) needs shipped transforms to become the
+#     recommended 4-bit format: `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python
+#     benchmarks/full_budget.py --device cuda --budget-s 420 --tag paper_t --resume --ship --ship-method
+#     quantmla-attnw --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fbt_work --variants a --formats
+#     c4r4t,c2r4t --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` with
+#     benchmarks/results/full_budget_paper_t.json copied into .fbcarry (C4R4T calibrates in ~205 s, C2R4T ~190 s: two
+#     chunks; the kit's four carry calls first, ~20 s in all), then the shipped files to src/quantmla/models/data.
+# (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
+#     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
+#     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
+#     benchmarks/device_carry.sh prepare` here first; the kit lives in /root/keep only while the machine stays warm,
+#     given back ~30 s after a call), then the chunks on the same warm machine, carry [".fbcarry"]:
 #     `source benchmarks/device_smollm2_setup.sh && CIN=.fbcarry; [ -d /root/keep/fb_last ] &&
 #     CIN=/root/keep/fb_last; QUANTMLA_COMMIT=<sha> python benchmarks/full_budget.py --device cuda --budget-s 555
-#     --resume --tag paper --carry-in $CIN --carry-out $OUT/fb --work /root/keep/fb_work --variants a,b --methods
-#     rtn,quantmla,smoothquant,quarot,quantmla-attnw --seeds 0,1,2 --seed-methods quantmla,quantmla-attnw 2>&1 | grep -v
-#     "it/s]" | tail -15; rm -rf /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf
-#     /root/keep/fb_last && mv /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; a calibration stops after
-#     a finished block and resumes there, so the last chunk of a session can use whatever budget is left). Here,
-#     after every chunk (for a machine lost in between): `rm -rf .fbcarry && mkdir .fbcarry && cp <files_at>/fb/*
-#     .fbcarry/`; after the session's last, full_budget_paper.{json,md,png} to benchmarks/results.
+#     --resume --tag paper --carry-in $CIN --carry-out $OUT/fb --work /root/keep/fb_work ... 2>&1 | grep -v "it/s]" |
+#     tail -15; rm -rf /root/keep/fb_last.tmp && cp -r $OUT/fb /root/keep/fb_last.tmp && rm -rf /root/keep/fb_last &&
+#     mv /root/keep/fb_last.tmp /root/keep/fb_last` (timeout 595; a calibration stops after a finished block and
+#     resumes there). Here, after every chunk (for a machine lost in between): `rm -rf .fbcarry && mkdir .fbcarry &&
+#     cp <files_at>/fb/* .fbcarry/`; after the last, full_budget_<tag>.{json,md,png} to benchmarks/results.
+# A fresh checkout has no ignored folders (session 30 started without .fmbuild / .flashmla): `ragged`, `large`,
+# `heads` and `bench` build FlashMLA from .flashmla when .fmbuild is missing (~60 s of the call) and return
+# flashmla_dense_bench.so: `mkdir -p .fmbuild && cp <files_at>/flashmla_dense_bench.so .fmbuild/` for later calls.
 # After these, a new kernel change: `variants` with VARIANT_TESTS=1 (each variant's
 # wgmma GPU tests, then C4R4 at four shapes beside FlashMLA, carry .fmbuild), then `kernels` on the new default.
 # Every part runs under its own `timeout`, capped by what is left of QUANTMLA_GPU_BUDGET_S (default 560 s,
@@ -80,7 +75,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|ragged}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|ragged|large}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -228,6 +223,14 @@ case $CALL in
       fi
     fi
     ;;
+  large)  # auto's kernel for C4R4 / C2R4 past WGMMA_MAX_WORK (2^21 units): the wgmma and the mma kernels side by side
+    # at the grids where auto takes mma (B32 x 128K: mma since session 11, when it was 1.54x vs wgmma's 1.46x; the
+    # wgmma kernel has gained ~10% since, the mma kernel nothing), and at the boundary (B16 x 128K = 2^21)
+    flashmla_args
+    part bench_large 400 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
+      --tag "h200_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \
+      --formats "${FORMATS:-c4r4@wgmma,c4r4@mma,c2r4@wgmma,c2r4@mma,c4r4t}"
+    ;;
   ragged)  # splits planned for the lengths themselves (split_plan.py): the merge's tests on every kernel, then ragged
     # batches (lengths N/8 .. N) beside FlashMLA with the same lengths, each format also planned as equal lengths
     part tests_merge 150 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=short \
@@ -239,7 +242,7 @@ case $CALL in
     ;;
   *)
     echo "unknown call $CALL: check, kernels, speed, bench, mutation, heads, variants, ncu, breakdown," \
-      "kernels_breakdown, trace, change, ws or ragged" >&2
+      "kernels_breakdown, trace, change, ws, ragged or large" >&2
     exit 2
     ;;
 esac
