@@ -197,15 +197,26 @@ def parse_spec(spec: str) -> tuple[str, str, int | str | None]:
 
 
 def cuda_plan(kind: str, q_lat, q_pe, cache, splits) -> dict:
-    """``{"plan": "ns x pps"}`` of a CUDA call (splits per sequence x pages per split; the merge in the page kernel
-    marked), else nothing."""
+    """``{"plan": "ns x pps", "kernel": "cuda-<kernel>"}`` of a CUDA call (splits per sequence x pages per split, the
+    merge in the page kernel marked; the CUDA kernel that ran, also where ``auto`` chose it), else nothing."""
     if not kind.startswith("cuda"):
         return {}
     from quantmla.kernels.cuda_decode import fused_merge, plan_decode
 
     kernel = kind.partition("-")[2] or None
     p = plan_decode(q_lat, q_pe, cache, SCALE, num_splits=splits, kernel=kernel)
-    return {"plan": f"{p.ns} x {p.pps}" + (" fused" if fused_merge(p) else "")}
+    return {"plan": f"{p.ns} x {p.pps}" + (" fused" if fused_merge(p) else ""), "kernel": f"cuda-{p.kernel}"}
+
+
+def kernel_marks(rows: list[dict]) -> dict[int, str]:
+    """``{id(row): " [kernel]"}`` for the rows of a format that ran on different CUDA kernels at different shapes
+    (``auto``'s choice by the size of the grid), so that the table says which cells came from which kernel."""
+    by_impl: dict[str, set] = {}
+    for r in rows:
+        if r.get("us") is not None and str(r.get("kernel", "")).startswith("cuda-"):
+            by_impl.setdefault(r["impl"], set()).add(r["kernel"])
+    return {id(r): f" [{r['kernel'][5:]}]" for r in rows
+            if r.get("us") is not None and len(by_impl.get(r["impl"], ())) > 1}  # fmt: skip
 
 
 def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=False) -> bool:
@@ -259,6 +270,8 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=Fa
                 def run(c=c, n=splits, **kw):
                     return decode_attention(q_lat, q_pe, c, SCALE, num_splits=n, **kw)
             out, lse = run(return_lse=True)
+            plan = cuda_plan(kind, q_lat, q_pe, c, splits)
+            kind = plan.pop("kernel", kind)  # "cuda" -> the kernel auto chose ("cuda-wgmma", "cuda-mma", ...)
             qr_lat, qr_pe = q_as_kernel_rounds(q_lat, kind), q_as_kernel_rounds(q_pe, kind)
             ref, ref_lse = decode_attention_torch(qr_lat, qr_pe, c, SCALE, return_lse=True)
             rel, le = rel_err(out, ref), lse_err(lse, ref_lse)
@@ -266,7 +279,7 @@ def bench_shape(H, B, N, formats, fm_ext, timer, reps, rows, rounds=1, ragged=Fa
             us = timer(run, reps)
             eb = effective_bytes(c)
             rows.append({**base, "impl": spec, "us": us, "rel": rel, "lse_err": le, "ok": ok, "bytes": eb,
-                         "kernel": kind, "us_rounds": [us], **cuda_plan(kind, q_lat, q_pe, c, splits)})  # fmt: skip
+                         "kernel": kind, "us_rounds": [us], **plan})  # fmt: skip
             timed.append((rows[-1], run))
             log(f"H={H:3d} B={B:3d} N={N:7d} {spec:5s} [{kind}] {us:9.1f} us {eb / us / 1e3:6.0f} GB/s "
                 f"rel={rel:.1e} lse={le:.1e} {'OK' if ok else 'FAIL'} {rows[-1].get('plan', '')}")  # fmt: skip
@@ -311,9 +324,11 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
              + (f", {meta['rounds']} rounds round-robin (cells: median of the rounds; speed-up: median and range of "
                 "the per-round ratios)" if meta.get("rounds", 1) > 1 else "")
              + (", ragged batches (lengths spread evenly from context / 8 to context)" if meta.get("ragged") else "")
-             + ". Cells: us (speed-up over FlashMLA BF16). All results checked first.", "",
+             + ". Cells: us (speed-up over FlashMLA BF16); [kernel]: the CUDA kernel auto chose, where a format's "
+             "differs between shapes. All results checked first.", "",
              "| heads | batch | context | FlashMLA BF16 us | " + " | ".join(fmts) + " |",
              "|---|---|---|---|" + "---|" * len(fmts)]  # fmt: skip
+    marks = kernel_marks(rows)
     for key in sorted({(r["heads"], r["batch"], r["context"]) for r in rows}):
         cells = []
         for f in fmts:
@@ -325,7 +340,7 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
             if r.get("ratio_rounds"):  # the median ratio of the rounds, with its range
                 x = r["ratio_rounds"]
                 ratio = f" ({statistics.median(x):.2f}x, {min(x):.2f}-{max(x):.2f})"
-            cells.append(f"{r['us']:.1f}{ratio}{'' if r['ok'] else ' CHECK FAIL'}")
+            cells.append(f"{r['us']:.1f}{ratio}{marks.get(id(r), '')}{'' if r['ok'] else ' CHECK FAIL'}")
         fms = f"{fm[key]:.1f}" if key in fm else ""
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {fms} | " + " | ".join(cells) + " |")
     write_results(stem, {".json": json.dumps({"meta": meta, "rows": rows}, indent=1), ".md": "\n".join(lines) + "\n"})

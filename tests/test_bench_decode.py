@@ -63,3 +63,24 @@ def test_rounds_report_the_median_and_the_per_round_ratios(tmp_path):
     assert f"208.0 ({med:.2f}x, {min(want):.2f}-{max(want):.2f})" in md and "3 rounds round-robin" in md
     with pytest.raises(ValueError):  # rounds of unequal length are a bug, not a shorter ratio list
         bd.summarize_rounds([dict(rows[0], us_rounds=[1.0, 2.0, 3.0]), dict(rows[1], us_rounds=[1.0, 2.0])])
+
+
+def test_cells_name_the_kernel_where_auto_changed_it(tmp_path):
+    """A format that ``auto`` ran on different CUDA kernels at different shapes (mma past WGMMA_MAX_WORK on the H200)
+    has each cell marked with its kernel; a format on one kernel everywhere, and a failed row, are left unmarked."""
+    meta = {"device": "test", "date": "2026-12-04", "commit": "abc", "command": "x", "reps": 3, "copy_gbps": 4e3}
+    base = {"heads": 16, "ok": True}
+    rows = [dict(base, batch=32, context=32768, impl="flashmla-bf16", us=320.0),
+            dict(base, batch=32, context=131072, impl="flashmla-bf16", us=1120.0),
+            dict(base, batch=32, context=32768, impl="c4r4", us=190.0, kernel="cuda-wgmma"),
+            dict(base, batch=32, context=131072, impl="c4r4", us=745.0, kernel="cuda-mma"),
+            dict(base, batch=32, context=32768, impl="c4r4t", us=169.0, kernel="cuda-wgmma"),
+            dict(base, batch=32, context=131072, impl="c4r4t", us=588.0, kernel="cuda-wgmma"),
+            dict(base, batch=32, context=32768, impl="c8r8", us=None, kernel="cuda-mma", error="x"),
+            dict(base, batch=32, context=131072, impl="c8r8", us=760.0, kernel="cuda-wgmma")]
+    marks = bd.kernel_marks(rows)
+    assert sorted(marks.values()) == [" [mma]", " [wgmma]"]
+    bd.write_outputs(str(tmp_path), "k", meta, rows, plot=False)
+    md = (tmp_path / "decode_vs_flashmla_k.md").read_text()
+    assert f"190.0 ({320 / 190:.2f}x) [wgmma]" in md and f"745.0 ({1120 / 745:.2f}x) [mma]" in md
+    assert f"588.0 ({1120 / 588:.2f}x) |" in md and f"760.0 ({1120 / 760:.2f}x) |" in md
