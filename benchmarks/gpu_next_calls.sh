@@ -10,6 +10,10 @@
 #     projected C4R4 on wgmma ~700 us (~1.6x). `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh large` (carry
 #     .fmbuild; ~4 min); if wgmma wins at every shape there, raise WGMMA_MAX_WORK (cuda_decode.py) past the largest
 #     grid or drop mma from auto on sm_90 (tests/kernels/test_cuda_build.py's auto cases follow), then `check`.
+#     The same call then times one CTA per SM against two (half the splits, twice the pages per CTA): in session 13's
+#     breakdown a second CTA per SM bought no throughput (32 x 4K: 57.1 us at 4 splits, 57.5 at 8); if that holds
+#     today, the main loop is bound by something the two CTAs share (the tensor pipe with register-A operands, the
+#     register file), not by latency, and more warps per SM is not the lever docs/kernels.md supposes.
 #     Session 30 measured the rest of session 29's queue: the ragged plan (0.66-0.74x the equal-lengths plan's time,
 #     decode_vs_flashmla_h200_s30_ragged.md) and the fused merge (slower: kept off, kernel_variants_h200_s30_fusedmerge.md).
 # (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
@@ -230,6 +234,13 @@ case $CALL in
     part bench_large 400 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
       --tag "h200_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \
       --formats "${FORMATS:-c4r4@wgmma,c4r4@mma,c2r4@wgmma,c2r4@mma,c4r4t}"
+    # one CTA per SM against two: half the splits (each CTA twice the pages) on the wgmma kernel. Session 13's
+    # breakdown (decode_breakdown_h200_s13.md) timed 32 x 4K at 4 splits (128 CTAs, one per SM) 57.1 us and at 8 (two
+    # per SM) 57.5 us: a second CTA per SM bought no throughput -- if that still holds, occupancy is not the lever
+    part occupancy_b32 80 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds 2 \
+      --tag "h200_occupancy_b32_${TAG:-next}" --shapes 32x32768 --formats c4r4@wgmma,c4r4@wgmma/s4,c4r4t,c4r4t/s4
+    part occupancy_b1 60 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds 2 \
+      --tag "h200_occupancy_b1_${TAG:-next}" --shapes 1x131072 --formats c4r4@wgmma,c4r4@wgmma/s128,c4r4t,c4r4t/s128
     ;;
   ragged)  # splits planned for the lengths themselves (split_plan.py): the merge's tests on every kernel, then ragged
     # batches (lengths N/8 .. N) beside FlashMLA with the same lengths, each format also planned as equal lengths
