@@ -40,3 +40,20 @@ def test_table_ratios(tmp_path):
     assert rows["base"]["vs_flashmla"] == pytest.approx(1.5)
     md = (tmp_path / "kernel_variants_t.md").read_text()
     assert "160.0 (1.25x)" in md and "1.88x" in md
+
+
+def test_ablations_keep_their_timings_and_skip_nothing_else(tmp_path):
+    """An ablation (QMLA_SM90_ABLATE) computes a wrong result on purpose: its timed rows stay in the table even though
+    their check failed; any other variant's failed row is left out; a row without a time never stays. Its sources
+    carry the mask ahead of the kernel like any variant's."""
+    assert kv.is_ablation("abl_unpack") and not kv.is_ablation("base") and not kv.is_ablation("prev=/x")
+    rows = [{"impl": "c4r4@wgmma", "us": 120.0, "ok": False}, {"impl": "c4r4t", "us": None, "ok": False},
+            {"impl": "c2r4t", "us": 100.0, "ok": True}]  # fmt: skip
+    kept, bad = kv.kept_rows("abl_unpack", rows)
+    assert kept == [rows[0], rows[2]] and bad == [rows[1]]
+    kept, bad = kv.kept_rows("base", rows)
+    assert kept == [rows[2]] and bad == rows[:2]
+    d = kv.make_source("abl_dram", tmp_path)
+    assert (d / f"{kv.KERNEL}.cu").read_text().splitlines()[1] == "#define QMLA_SM90_ABLATE 8"
+    masks = {v["QMLA_SM90_ABLATE"] for n, v in kv.VARIANTS.items() if kv.is_ablation(n)}
+    assert masks == {1, 2, 3, 4, 8}

@@ -173,3 +173,22 @@ def test_token_scale_formats_share_one_p_tile_and_one_fold():
         assert sum(v for k, v in ts.items() if k.startswith("STSM")) == 1, f
         assert sum(v for k, v in base.items() if k.startswith("STSM")) == 4, f
         assert sum(ts.values()) < sum(base.values()) - 150, f
+
+
+@needs_nvcc
+def test_ablations_take_away_what_they_name():
+    """QMLA_SM90_ABLATE (mla_sm90_ablate.cuh, timing only): 3 leaves the page loop without tensor-core products, 4
+    without the unpacking (every product still there, the LOP3 / SHF of the codes gone), 8 with the same copies and
+    products (the page address changes, one instruction more)."""
+    sl = _tool()
+    loops = {m: sl.compile_sass([f"QMLA_SM90_ABLATE={m}"] if m else []) for m in (0, 3, 4, 8)}
+    for f in ("c4r4", "c4r4t"):
+        ops = {m: collections.Counter(sl.opcode(x) for x in sl.loop_of(s, f)) for m, s in loops.items()}
+        # (without products ptxas puts one empty HGMMA.64x8x16 on zero registers in each commit group: not counted)
+        hgmma = {m: sum(v for k, v in o.items() if k.startswith("HGMMA.64x16x16")) for m, o in ops.items()}
+        assert hgmma == {0: 68, 3: 0, 4: 68, 8: 68}, f
+        fam = {m: collections.Counter(k.split(".")[0] for k in o.elements()) for m, o in ops.items()}
+        assert fam[4]["LOP3"] < fam[0]["LOP3"] - 200 and fam[4]["SHF"] < fam[0]["SHF"] - 50, f
+        for op in ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"):
+            assert ops[8][op] == ops[0][op] > 0, (f, op)
+        assert abs(sum(ops[8].values()) - sum(ops[0].values())) <= 2, f

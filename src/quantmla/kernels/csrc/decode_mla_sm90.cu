@@ -36,6 +36,7 @@
 #include "mla_launch.cuh"
 #include "mla_page.cuh"
 #include "mla_query.cuh"
+#include "mla_sm90_ablate.cuh"
 #include "mla_sm90_bf16.cuh"
 #include "mla_sm90_cfg.cuh"
 #include "mla_sm90_pv.cuh"
@@ -45,14 +46,7 @@
 namespace qmla {
 namespace sm90 {
 
-// TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0, 1): the content
-// groups' score accumulators are summed as they are (one FADD per element, no per-group scale or offset), scaled
-// once, and the output product takes one (P s)^T tile and one offset sum. With subnormal codes (the default) all
-// four groups share one accumulator (kOneAcc): nothing large cancels in it. With magic numbers each group runs its own
-// accumulator from its own start -(1024 sum q_g), summed once small: one magic-number accumulator for all 512
-// channels (session 26's spike) carried 4x the 1024 sum q terms and its LSE error grew ~10x (up to 8.7e-3 at unit
-// values, H200 2026-12-03), failing at large values.
-template <int CB, int RB, bool CSYM, bool RSYM, int NH, bool TS = false>
+template <int CB, int RB, bool CSYM, bool RSYM, int NH, bool TS = false>  // TS: the T formats (mla_sm90_cfg.cuh)
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using C = Cfg<CB, RB, NH>;
@@ -101,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   auto issue = [&](int blk, int st) {  // blk: the page's block-table entry
-    const uint8_t* page = p.pool + (long long)blk * p.page_bytes;
+    const uint8_t* page = p.pool + (long long)(kAblate & kAblateDram ? min(blk, 0) : blk) * p.page_bytes;
     load_page<CB, kThreads, RB>(smem_u32(smem + st * C::STAGE), page, p, M::ROWS);
   };
 #pragma unroll
@@ -281,27 +275,29 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         if (j < NBC) {
           const int x = 2 * j;
           uint32_t a[2][F][4];
-          score_frags<CB, kSub>(R, a);
+          score_a<CB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx) {
             const int xx = x + hx, gr = xx / CPG, c = xx % CPG;
 #pragma unroll
             for (int pl = 0; pl < F; ++pl)
-              wgmma_f16<NH>(sacc[slot(gr)], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock), qdesc.hi);
+              product_f16<kAblateScore, NH>(sacc[slot(gr)], a[hx][pl], qdesc.at((8 * gr + c * F + pl) * kKBlock),
+                                            qdesc.hi);
           }
           wgmma_commit();
           wgmma_wait<kQkDepth>();  // the batches before these are done: their A registers are free
         } else {
           const int x = 2 * (j - NBC);
           uint32_t a[2][RF][4];
-          score_frags<RB, kSub>(R, a);
+          score_a<RB, kSub>(R, a);
           wgmma_fence();
 #pragma unroll
           for (int hx = 0; hx < 2; ++hx)
 #pragma unroll
             for (int pl = 0; pl < RF; ++pl)
-              wgmma_f16<NH>(sacc[slot(4)], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock), qdesc.hi);
+              product_f16<kAblateScore, NH>(sacc[slot(4)], a[hx][pl], qdesc.at((32 + (x + hx) * RF + pl) * kKBlock),
+                                            qdesc.hi);
           if (x + 2 < RCH) {
             wgmma_commit();
             wgmma_wait<kQkDepth>();

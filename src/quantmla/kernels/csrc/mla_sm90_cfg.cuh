@@ -54,6 +54,14 @@ namespace sm90 {
 
 // (QMLA_SM90_TOKEN_SCALE, session 26's spike of one content scale per token, became the T formats' instantiation:
 // decode_kernel_sm90<..., TS = true>, C4R4T / C2R4T.)
+//
+// decode_kernel_sm90's TS: one content scale and offset per token (the T formats, C4R4T / C2R4T; meta rows CS, CO = 0,
+// 1): the content groups' score accumulators are summed as they are (one FADD per element, no per-group scale or
+// offset), scaled once, and the output product takes one (P s)^T tile and one offset sum. With subnormal codes (the
+// default) all four groups share one accumulator (kOneAcc): nothing large cancels in it. With magic numbers each group
+// runs its own accumulator from its own start -(1024 sum q_g), summed once small: one magic-number accumulator for all
+// 512 channels (session 26's spike) carried 4x the 1024 sum q terms and its LSE error grew ~10x (up to 8.7e-3 at unit
+// values, H200 2026-12-03), failing at large values.
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks

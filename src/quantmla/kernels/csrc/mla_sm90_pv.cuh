@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "mla_ops.cuh"
+#include "mla_sm90_ablate.cuh"
 #include "mla_sm90_cfg.cuh"
 #include "mla_swapab.cuh"
 #include "mla_wgmma.cuh"
@@ -43,6 +44,11 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
         ldsm_x4_t(R[0], R[1], R[2], R[3], at);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
+          if constexpr ((kAblate & kAblateUnpack) != 0) {  // (mla_sm90_ablate.cuh)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[ks][hh][i] = R[i];
+            continue;
+          }
           a[ks][hh][0] = code_f16_byte<SUB>(R[2 * hh], 0);
           a[ks][hh][1] = code_f16_byte<SUB>(R[2 * hh], 1);
           a[ks][hh][2] = code_f16_byte<SUB>(R[2 * hh + 1], 0);
@@ -54,7 +60,8 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
       for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          product_f16<kAblateOutput, NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((gi * 4 + 2 * kp + ks) * kKBlock),
+                                         pdesc.hi);
       wgmma_commit();
       wgmma_wait<kPvDepth>();
     }
@@ -80,7 +87,10 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
     uint32_t a[2][2][4];
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
-      if constexpr (F16OUT) {
+      if constexpr ((kAblate & kAblateUnpack) != 0) {  // (mla_sm90_ablate.cuh)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[ks][i / 4][i % 4] = R[i % 4];
+      } else if constexpr (F16OUT) {
         const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -106,9 +116,11 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         if constexpr (F16OUT)
-          wgmma_f16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          product_f16<kAblateOutput, NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock),
+                                         pdesc.hi);
         else
-          wgmma_bf16<NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock), pdesc.hi);
+          product_bf16<kAblateOutput, NH>(oacc[2 * gi + hh], a[ks][hh], pdesc.at((pt * 4 + 2 * kp + ks) * kKBlock),
+                                          pdesc.hi);
       }
     wgmma_commit();
     wgmma_wait<kPvDepth>();  // the batches before these are done: their A registers are free
