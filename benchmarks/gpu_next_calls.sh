@@ -13,7 +13,9 @@
 #     The same call then times one CTA per SM against two (half the splits, twice the pages per CTA): in session 13's
 #     breakdown a second CTA per SM bought no throughput (32 x 4K: 57.1 us at 4 splits, 57.5 at 8); if that holds
 #     today, the main loop is bound by something the two CTAs share (the tensor pipe with register-A operands, the
-#     register file), not by latency, and more warps per SM is not the lever docs/kernels.md supposes.
+#     register file), not by latency, and more warps per SM is not the lever docs/kernels.md supposes. The call's first
+#     part (benchmarks/micro/wgmma_overlap.cu, seconds) asks the tensor pipe directly: do register-A products and
+#     LOP3 work overlap, and do shared-memory-A products (SS) overlap better?
 #     Then where a tile's time goes (session 30's ablations, mla_sm90_ablate.cuh, timing only: each takes one part
 #     away): `VARIANTS=base,abl_unpack,abl_mma,abl_score,abl_output,abl_dram VARIANT_FORMATS=c4r4@wgmma,c4r4t bash
 #     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~5 min): base - abl_unpack = the unpacking, abl_unpack -
@@ -231,9 +233,12 @@ case $CALL in
       fi
     fi
     ;;
-  large)  # auto's kernel for C4R4 / C2R4 past WGMMA_MAX_WORK (2^21 units): the wgmma and the mma kernels side by side
+  large)  # does a register-A wgmma overlap ALU work (benchmarks/micro/wgmma_overlap.cu, seconds), then auto's kernel
+    # for C4R4 / C2R4 past WGMMA_MAX_WORK (2^21 units): the wgmma and the mma kernels side by side
     # at the grids where auto takes mma (B32 x 128K: mma since session 11, when it was 1.54x vs wgmma's 1.46x; the
     # wgmma kernel has gained ~10% since, the mma kernel nothing), and at the boundary (B16 x 128K = 2^21)
+    part overlap 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgo \
+      benchmarks/micro/wgmma_overlap.cu && /tmp/wgo"
     flashmla_args
     part bench_large 400 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
       --tag "h200_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \

@@ -396,3 +396,16 @@ def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):
     for tiles in [*range(0, 9), 17, 33]:
         for seed in range(40):
             _simulate_ws_pipeline(tiles, stages, par, random.Random(seed))
+
+
+@pytest.mark.skipif(NVCC is None or _nvcc_major() < 12, reason="needs nvcc >= 12")
+@pytest.mark.parametrize("name", sorted(p.name for p in (CSRC.parents[3] / "benchmarks" / "micro").glob("*.cu")))
+def test_micro_benchmarks_compile_for_sm90a(tmp_path, name):
+    """The GPU calls build benchmarks/micro/*.cu on the device machine (gpu_next_calls.sh): a source ptxas rejects
+    (a wgmma operand form, a register constraint) would cost a device call. Each one compiles here for sm_90a."""
+    src = CSRC.parents[3] / "benchmarks" / "micro" / name
+    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(CSRC), "-cubin", "-o",
+           str(tmp_path / "k.cubin"), str(src)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "k.cubin").stat().st_size > 0
