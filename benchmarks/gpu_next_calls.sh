@@ -20,7 +20,7 @@
 #     away): `VARIANTS=base,abl_unpack,abl_mma,abl_score,abl_output,abl_dram VARIANT_FORMATS=c4r4@wgmma,c4r4t bash
 #     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~5 min): base - abl_unpack = the unpacking, abl_unpack -
 #     abl_mma = the tensor-core products with their operands ready, base - abl_dram = waiting for DRAM.
-#     Session 30 measured the rest of session 29's queue: the ragged plan (0.66-0.74x the equal-lengths plan's time,
+#     Session 30 measured the rest of session 29's queue: the ragged plan (0.66-0.75x the equal-lengths plan's time,
 #     decode_vs_flashmla_h200_s30_ragged.md) and the fused merge (slower: kept off, kernel_variants_h200_s30_fusedmerge.md).
 # (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
 #     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.50-1.78x) needs shipped transforms to become the
