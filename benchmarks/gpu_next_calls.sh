@@ -240,7 +240,7 @@ case $CALL in
     part overlap 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgo \
       benchmarks/micro/wgmma_overlap.cu && /tmp/wgo"
     flashmla_args
-    part bench_large 400 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
+    part bench_large 330 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
       --tag "h200_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \
       --formats "${FORMATS:-c4r4@wgmma,c4r4@mma,c2r4@wgmma,c2r4@mma,c4r4t}"
     # one CTA per SM against two: half the splits (each CTA twice the pages) on the wgmma kernel. Session 13's
