@@ -42,13 +42,12 @@ __device__ __forceinline__ void pv_product_c8(float (&oacc)[2 * C::NG][NH / 2], 
                                 : st_u + C::C_SM + tok * C::CBYTES + 16 * (chunk ^ (lane & 7));
         uint32_t R[4];  // half 0: tokens (2t, 2t+1) / (8+2t, 9+2t); then half 1
         ldsm_x4_t(R[0], R[1], R[2], R[3], at);
+        if constexpr ((kAblate & kAblateUnpack) != 0) {  // every fragment the raw words (mla_sm90_ablate.cuh)
+          raw_frags(R, a);
+          continue;
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {  // byte 0 -> row g, byte 1 -> row g + 8
-          if constexpr ((kAblate & kAblateUnpack) != 0) {  // (mla_sm90_ablate.cuh)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[ks][hh][i] = R[i];
-            continue;
-          }
           a[ks][hh][0] = code_f16_byte<SUB>(R[2 * hh], 0);
           a[ks][hh][1] = code_f16_byte<SUB>(R[2 * hh], 1);
           a[ks][hh][2] = code_f16_byte<SUB>(R[2 * hh + 1], 0);
@@ -87,9 +86,9 @@ __device__ __forceinline__ void pv_product_packed(float (&oacc)[2 * C::NG][NH / 
     uint32_t a[2][2][4];
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
-      if constexpr ((kAblate & kAblateUnpack) != 0) {  // (mla_sm90_ablate.cuh)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a[ks][i / 4][i % 4] = R[i % 4];
+      if constexpr ((kAblate & kAblateUnpack) != 0) {  // every fragment the raw words (mla_sm90_ablate.cuh)
+        raw_frags(R, a);
+        break;
       } else if constexpr (F16OUT) {
         const uint32_t r8a = R[2 * ks] >> 8, r8b = R[2 * ks + 1] >> 8;  // the upper byte's fields, in place
 #pragma unroll
