@@ -104,6 +104,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     "abl_mma": {"QMLA_SM90_ABLATE": 3},  # neither product: 657 / 475 (softmax, meta, copies, barriers)
     "abl_unpack": {"QMLA_SM90_ABLATE": 4},  # both products on the raw ldmatrix words: 943 / 718
     "abl_dram": {"QMLA_SM90_ABLATE": 8},  # every copy from the pool's page 0 (L2-resident): 1,284 / 1,057
+    # session 31: the output product costs ~5x the score product (kernel_variants_h200_s31_ablate.md); does it stall
+    # the loop at the score product's second wait (groups complete in order)? Two batches of cover, and its ablation
+    "qk3": {"QMLA_SM90_QK_DEPTH": 3},
+    "qk2_abl_output": {"QMLA_SM90_QK_DEPTH": 2, "QMLA_SM90_ABLATE": 2},
 }
 
 

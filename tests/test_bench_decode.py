@@ -66,8 +66,9 @@ def test_rounds_report_the_median_and_the_per_round_ratios(tmp_path):
 
 
 def test_cells_name_the_kernel_where_auto_changed_it(tmp_path):
-    """A format that ``auto`` ran on different CUDA kernels at different shapes (mma past WGMMA_MAX_WORK on the H200)
-    has each cell marked with its kernel; a format on one kernel everywhere, and a failed row, are left unmarked."""
+    """A format that ``auto`` ran on different CUDA kernels at different shapes (the H200 took mma past 2^21 units of
+    work until 2026-12-05) has each cell marked with its kernel; a format on one kernel everywhere, and a failed row,
+    are left unmarked."""
     meta = {"device": "test", "date": "2026-12-04", "commit": "abc", "command": "x", "reps": 3, "copy_gbps": 4e3}
     base = {"heads": 16, "ok": True}
     rows = [dict(base, batch=32, context=32768, impl="flashmla-bf16", us=320.0),

@@ -81,9 +81,9 @@ def test_each_cuda_kernel_names_the_formats_it_is_built_for():
 
 
 def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
-    """``auto``: mma off sm_90; on sm_90 wgmma for the formats only it builds, and for C4R4/C2R4 wgmma while
-    sequences x 16-head groups x longest length stays within WGMMA_MAX_WORK, mma above; past 16 heads ws for C4R4 and
-    C2R4, wgmma for the other quantized formats (no GPU: the capability query is replaced)."""
+    """``auto``: mma off sm_90; on sm_90 wgmma up to 16 heads for every format at every size (measured ahead of mma
+    up to B64 x 128K); past 16 heads ws for C4R4 and C2R4, wgmma for the other quantized formats (no GPU: the
+    capability query is replaced)."""
     import torch
 
     from quantmla.kernels import cuda_decode as cd
@@ -95,21 +95,20 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
         return c
 
     monkeypatch.delenv(cd.KERNEL_ENV, raising=False)
-    monkeypatch.setattr(cd, "WGMMA_MAX_WORK", 256)
     dev = torch.device("cuda", 0)
-    small = cache("c4r4", [100, 128])  # work 2 x 1 x 128 = 256 at 16 heads, 512 at 17
+    small = cache("c4r4", [100, 128])
     for cap, expect in (((8, 0), ("mma", "mma", "mma")), ((9, 0), ("wgmma", "ws", "wgmma"))):
         monkeypatch.setattr(cd, "_device_capability", lambda index, cap=cap: cap)
         got = (cd.cuda_kernel_choice(dev, cache=small, heads=16), cd.cuda_kernel_choice(dev, cache=small, heads=17),
                cd.cuda_kernel_choice(dev, cache=cache("c8r8", [2000]), heads=16))  # fmt: skip
         assert got == expect, (cap, got)
         assert cd.cuda_kernel_choice(dev, "mma", cache=cache("c2r4", [5]), heads=1) == "mma"  # asked for: kept
-        small.planned_length = 256  # a captured step plans for its capacity: the work of 2 x 1 x 256 = 512
-        assert cd.cuda_kernel_choice(dev, cache=small, heads=16) == "mma"
+        small.planned_length = 1 << 23  # planned for 8M tokens (2^24 units, past the 2^21 where mma used to take over)
+        assert cd.cuda_kernel_choice(dev, cache=small, heads=16) == ("wgmma" if cap == (9, 0) else "mma")
         small.planned_length = None
         # past WGMMA_AUTO_MAX_HEADS auto takes ws for C4R4 and C2R4 on sm_90 (measured faster than mma at 32-128
         # heads: decode_vs_flashmla_h200_ws.md, decode_vs_flashmla_h200_ws2_s18.md), mma for the rest (mma has no
-        # C8R8 -> Triton); at 16 heads C2R4 stays on the wgmma / mma rule
+        # C8R8 -> Triton); at 16 heads C2R4 stays on wgmma
         tiny, tiny2 = cache("c4r4", [3]), cache("c2r4", [3])
         for c in (tiny, tiny2):
             many = cd.cuda_kernel_choice(dev, cache=c, heads=cd.WGMMA_AUTO_MAX_HEADS + 1)

@@ -37,17 +37,17 @@ CTAS_PER_SM = {"mma": 3, "wgmma": 2, "ws": 1}  # fallbacks if the occupancy quer
 KERNELS = ("mma", "wgmma", "ws")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
-WGMMA_MAX_WORK = 1 << 21  # auto on sm_90, C4R4/C2R4: wgmma up to this many (sequence x 16-head group x token)
-# units of work, mma above (H200, 16 heads, benchmarks/results/decode_vs_flashmla_h200_s11.md, both kernels timed in
-# one run: wgmma 1.01-1.51x FlashMLA vs mma's 0.81-1.42x from B1x128K to B8x128K and B32x32K (2^20 units); mma
-# 1.49x vs 1.41x at B32x128K (2^22))
+# Auto on sm_90 at <= 16 heads takes wgmma for C4R4 / C2R4 at every size: measured ahead of the mma kernel from
+# B1 x 128K to B64 x 128K (2^23 units of work), both kernels in one run (decode_vs_flashmla_h200_s31_large.md,
+# 2026-12-05: C4R4 1.62-1.80x FlashMLA vs mma's 1.55-1.61x, C2R4 1.70-1.90x vs 1.57-1.63x). Until then mma took the
+# grids past 2^21 units (session 11, when mma was 1.49x vs wgmma's 1.41x at B32 x 128K).
 WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or the wgmma kernel's 16-head CTAs (C8R8,
 # C4R8: 0.71-1.03x FlashMLA at 32 heads, 0.37-0.69x at 64, 0.25-0.39x at 128, where Triton gave 0.05-0.23x and the
 # removed wgmma64 kernel 0.23-0.59x; decode_vs_flashmla_h200_s19_8bit_heads.md and _s19_heads.md, 2026-12-02)
-BF16_WGMMA_MAX_WORK = 1 << 17  # auto on sm_90, BF16 pages: the wgmma kernel up to this many units of work (as
-# WGMMA_MAX_WORK), Triton above (H200, decode_vs_flashmla_h200_s19_bf16.md, 2026-12-02, one run: wgmma 1.19x / 0.94x
-# FlashMLA at B1 x 128K / B32 x 4K (2^17 units) where Triton gave 0.89x / 0.86x; Triton ahead from B8 x 32K (2^18) on,
-# and at 32 heads and more)
+BF16_WGMMA_MAX_WORK = 1 << 17  # auto on sm_90, BF16 pages: the wgmma kernel up to this many (sequence x 16-head
+# group x token) units of work, Triton above (H200, decode_vs_flashmla_h200_s19_bf16.md, 2026-12-02, one run: wgmma
+# 1.19x / 0.94x FlashMLA at B1 x 128K / B32 x 4K (2^17 units) where Triton gave 0.89x / 0.86x; Triton ahead from
+# B8 x 32K (2^18) on, and at 32 heads and more)
 WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 1.12x /
 # 0.57x / 0.41x FlashMLA at 32 / 64 / 128 heads, B32 x 32K, vs mma's 0.91x / 0.46x / 0.32x, ahead or level at
@@ -137,11 +137,9 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
     """``"mma"``, ``"wgmma"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
-    is mma off sm_90; on sm_90 it is wgmma for the formats only wgmma builds (C8R8, C4R8,
-    BF16 pages) and, for C4R4 / C2R4 with ``cache`` (and ``heads`` query heads) given, wgmma when the work --
-    sequences x 16-head groups x longest length -- is at most :data:`WGMMA_MAX_WORK` tokens (all but the largest
-    grids), else mma (3 CTAs per SM to wgmma's 2); past :data:`WGMMA_AUTO_MAX_HEADS` heads, ws for the formats in
-    :data:`WS_AUTO_BITS` (C4R4 and C2R4) and wgmma for the other quantized ones (C8R8, C4R8). Whether BF16 pages take
+    is mma off sm_90; on sm_90 it is wgmma up to :data:`WGMMA_AUTO_MAX_HEADS` heads (every format, every size:
+    measured ahead of mma up to B64 x 128K) and past it ws for the formats in :data:`WS_AUTO_BITS` (C4R4 and C2R4)
+    and wgmma for the other quantized ones (C8R8, C4R8). Whether BF16 pages take
     the CUDA kernel at all is :func:`bf16_pages_on_cuda`'s answer."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
@@ -159,9 +157,7 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
             return "wgmma"
         if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
             return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "wgmma"
-        if _bits(cache.fmt) not in BITS["mma"]:
-            return "wgmma"
-        return "wgmma" if _work(cache, heads) <= WGMMA_MAX_WORK else "mma"
+        return "wgmma"
     if cap != (9, 0):
         raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
                            f"sm_{cap[0]}{cap[1]}: use kernel='mma'")  # fmt: skip
