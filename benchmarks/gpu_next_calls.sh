@@ -3,33 +3,29 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (0) issue 9, first (session 30 found it, no device time left to measure): at B32 x 128K -- one of the issue's three
-#     must-shapes -- auto runs C4R4 / C2R4 on the *mma* kernel (WGMMA_MAX_WORK = 2^21 units, set in session 11 when
-#     mma was 1.54x FlashMLA there vs wgmma's 1.46x), 745.6 us = 1.50x (decode_vs_flashmla_h200_s30_default.md); the
-#     wgmma kernel has gained ~10% per page since (B32 x 32K 210 -> 190 us) and C4R4T on it runs B32 x 128K at 588 us:
-#     projected C4R4 on wgmma ~700 us (~1.6x). `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh large` (carry
-#     .fmbuild; ~4 min); if wgmma wins at every shape there, raise WGMMA_MAX_WORK (cuda_decode.py) past the largest
-#     grid or drop mma from auto on sm_90 (tests/kernels/test_cuda_build.py's auto cases follow), then `check`.
-#     The same call then times one CTA per SM against two (half the splits, twice the pages per CTA): in session 13's
-#     breakdown a second CTA per SM bought no throughput (32 x 4K: 57.1 us at 4 splits, 57.5 at 8); if that holds
-#     today, the main loop is bound by something the two CTAs share (the tensor pipe with register-A operands, the
-#     register file), not by latency, and more warps per SM is not the lever docs/kernels.md supposes. The call's first
-#     part (benchmarks/micro/wgmma_overlap.cu, seconds) asks the tensor pipe directly: do register-A products and
-#     LOP3 work overlap, and do shared-memory-A products (SS) overlap better?
-#     Then where a tile's time goes (session 30's ablations, mla_sm90_ablate.cuh, timing only: each takes one part
-#     away): `VARIANTS=base,abl_unpack,abl_mma,abl_score,abl_output,abl_dram VARIANT_FORMATS=c4r4@wgmma,c4r4t bash
-#     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~5 min): base - abl_unpack = the unpacking, abl_unpack -
-#     abl_mma = the tensor-core products with their operands ready, base - abl_dram = waiting for DRAM.
-#     Session 30 measured the rest of session 29's queue: the ragged plan (0.66-0.75x the equal-lengths plan's time,
-#     decode_vs_flashmla_h200_s30_ragged.md) and the fused merge (slower: kept off, kernel_variants_h200_s30_fusedmerge.md).
+# (0) issue 9, first. Session 31 (2026-12-05) ran `large` (auto now takes wgmma at every size: WGMMA_MAX_WORK is
+#     gone; a second CTA per SM buys 1.12-1.19x; register-A products overlap little ALU work) and the ablations
+#     (kernel_variants_h200_s31_ablate.md: unpacking ~15%, the output product with its unpacking ~21%, the score
+#     product ~4%; the product-free loop at 2.7-2.9 TB/s), then lost the device (none lent) before these two calls,
+#     built offline (docs/kernels.md, "Session 31"):
+#     `OVERLAP=1 VARIANT_TESTS=1 VARIANTS=base,stages3 VARIANT_FORMATS=c4r4,c4r4t QUANTMLA_COMMIT=<sha> bash
+#     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~4 min: wgmma_overlap.cu's new rows -- products in one
+#     warpgroup, the ALU work in the other: does a ping-pong design overlap what one warp cannot? -- then stages3's
+#     wgmma GPU tests -- it changes the page pipeline -- then both timed), then `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,
+#     qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t ...variants` (~6 min; over 540 s: split it in two calls). If stages3
+#     wins, make QMLA_SM90_STAGES=3 the default for the packed formats but C8R8 / C4R8 (shared memory: one CTA per
+#     SM there), then `check`.
 # (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
-#     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.50-1.78x) needs shipped transforms to become the
+#     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.69-1.78x) needs shipped transforms to become the
 #     recommended 4-bit format: `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python
 #     benchmarks/full_budget.py --device cuda --budget-s 420 --tag paper_t --resume --ship --ship-method
 #     quantmla-attnw --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fbt_work --variants a --formats
 #     c4r4t,c2r4t --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` with
 #     benchmarks/results/full_budget_paper_t.json copied into .fbcarry (C4R4T calibrates in ~205 s, C2R4T ~190 s: two
-#     chunks; the kit's four carry calls first, ~20 s in all), then the shipped files to src/quantmla/models/data.
+#     chunks; the kit's four carry calls first, ~20 s in all; the fourth can carry .fbcarry too and run the first
+#     chunk after `source`), then the shipped files to src/quantmla/models/data: end the chunk's command with `; cp
+#     src/quantmla/models/data/*-c4r4t.safetensors src/quantmla/models/data/*-c2r4t.safetensors $OUT/ 2>/dev/null`
+#     (the device's copy of the tree does not come back). Session 31 had the kit ready but got no machine.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
@@ -169,6 +165,10 @@ case $CALL in
     ncu_part wgmma 60
     ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
+    if [[ -n ${OVERLAP:-} ]]; then  # first the tensor-pipe / ALU overlap micro benchmark (seconds)
+      part overlap 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgo \
+        benchmarks/micro/wgmma_overlap.cu && /tmp/wgo"
+    fi
     FM=()
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
     part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \

@@ -108,6 +108,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     # the loop at the score product's second wait (groups complete in order)? Two batches of cover, and its ablation
     "qk3": {"QMLA_SM90_QK_DEPTH": 3},
     "qk2_abl_output": {"QMLA_SM90_QK_DEPTH": 2, "QMLA_SM90_ABLATE": 2},
+    # session 31: a second page in flight (three staged pages; C4R4 88 KB of shared memory, two CTAs per SM still;
+    # C8R8 would drop to one): offline 244-252 registers, no spills, main loops within 3 instructions of base
+    "stages3": {"QMLA_SM90_STAGES": 3},
+    "stages3_abl_mma": {"QMLA_SM90_STAGES": 3, "QMLA_SM90_ABLATE": 3},  # the floor without products, vs abl_mma
 }
 
 

@@ -8,7 +8,10 @@
 //   alu     K LOP3 per batch (8 independent chains per thread, values never enter a product), no products
 //   rs+alu  both interleaved in one warp           ss+alu  both interleaved
 // overlap = (t(x) + t(alu) - t(x+alu)) / min(t(x), t(alu)): 1 = the smaller hides completely under the larger, 0 =
-// they add up. Build + run (sm_90a):
+// they add up. Then the same work split across two warpgroups of one CTA (one CTA per SM; session 31): warpgroup 0
+// only products, warpgroup 1 only the LOP3 -- a ping-pong design's question (FlashAttention-3's: one warpgroup's
+// softmax under the other's products): do the tensor pipe and the ALUs overlap when different warps feed them?
+// Build + run (sm_90a):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgo benchmarks/micro/wgmma_overlap.cu && /tmp/wgo
 #include <cstdio>
 #include <cuda_runtime.h>
@@ -82,6 +85,81 @@ __global__ void __launch_bounds__(128) k(float* out, int iters) {
   out[blockIdx.x * 128 + threadIdx.x] = s;
 }
 
+// Two warpgroups, one CTA: warpgroup 0 issues the products (A in registers: RS, or shared memory: SS), warpgroup 1
+// the ALU chains (ALU_SPLIT_*); or, for the baselines, one warpgroup's share alone with the other idle (WG0_ONLY:
+// the products, WG1_ONLY: the ALU work).
+enum Split { SPLIT_RS = 0, SPLIT_SS = 1, WG0_RS = 2, WG0_SS = 3, WG1_ALU = 4 };
+
+template <int SPLIT, int K>
+__global__ void __launch_bounds__(256) k_split(float* out, int iters) {
+  __shared__ __align__(128) uint16_t b[16 * 256];
+  for (int i = threadIdx.x; i < 16 * 256; i += 256) b[i] = 0x3C00 ^ (i & 7);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(b);
+  const uint64_t db = desc_of(base), da = desc_of(base + 4096);
+  float d[8];
+  for (int i = 0; i < 8; ++i) d[i] = 0.f;
+  const uint32_t a[4] = {0x3C003C00u ^ threadIdx.x, 0x3C003C00u, 0x3C003C01u, 0x3C003C02u};
+  uint32_t x[8];
+  for (int i = 0; i < 8; ++i) x[i] = threadIdx.x * 0x9E3779B9u + i;
+  constexpr bool kSs = SPLIT == SPLIT_SS || SPLIT == WG0_SS;
+  const bool mma = wg == 0 && SPLIT != WG1_ALU, alu = wg == 1 && (SPLIT == SPLIT_RS || SPLIT == SPLIT_SS ||
+                                                                   SPLIT == WG1_ALU);
+  if (mma) {
+    for (int it = 0; it < iters; ++it) {
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (kSs)
+          mma_ss(d, da, db);
+        else
+          mma_rs(d, a, db);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  } else if (alu) {
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+      for (int i = 0; i < K; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);
+    }
+  }
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += d[i] + (float)(x[i] & 1);
+  out[blockIdx.x * 256 + threadIdx.x] = s;
+}
+
+template <int SPLIT, int K>
+double cycles_split(float* out, int sms, double ghz) {  // one CTA of two warpgroups per SM
+  const int iters = 4096;
+  k_split<SPLIT, K><<<sms, 256>>>(out, 16);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0);
+  k_split<SPLIT, K><<<sms, 256>>>(out, iters);
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms;
+  cudaEventElapsedTime(&ms, e0, e1);
+  if (cudaGetLastError() != cudaSuccess) return -1.0;
+  return ms * 1e-3 * ghz * 1e9 / iters;
+}
+
+template <int K>
+void split_row(float* out, int sms, double ghz) {
+  const double rs = cycles_split<WG0_RS, K>(out, sms, ghz), ss = cycles_split<WG0_SS, K>(out, sms, ghz);
+  const double alu = cycles_split<WG1_ALU, K>(out, sms, ghz);
+  const double rsa = cycles_split<SPLIT_RS, K>(out, sms, ghz), ssa = cycles_split<SPLIT_SS, K>(out, sms, ghz);
+  auto ov = [](double x, double y, double xy) { return (x + y - xy) / (x < y ? x : y); };
+  printf("split WGs  LOP3/batch %3d | rs %7.1f  ss %7.1f  alu %7.1f | rs||alu %7.1f (overlap %5.2f)  ss||alu %7.1f "
+         "(overlap %5.2f)\n",
+         K, rs, ss, alu, rsa, ov(rs, alu, rsa), ssa, ov(ss, alu, ssa));
+}
+
 template <int MODE, int K>
 double cycles_per_batch(float* out, int sms, int ctas, double ghz) {
   const int iters = 4096;
@@ -125,5 +203,11 @@ int main() {
     row<24>(out, sms, ctas, ghz);  // ~ the decode kernel's ratio: ~400 unpacking LOP3 / SHF per 68 products
     row<64>(out, sms, ctas, ghz);
   }
+  printf("two warpgroups in one CTA per SM, warpgroup 0 the products, warpgroup 1 the LOP3 (cycles per SM per batch)\n");
+  cudaFree(out);
+  cudaMalloc(&out, sms * 256 * 4);
+  split_row<8>(out, sms, ghz);
+  split_row<24>(out, sms, ghz);
+  split_row<64>(out, sms, ghz);
   return 0;
 }

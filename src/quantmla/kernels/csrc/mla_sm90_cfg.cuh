@@ -43,6 +43,11 @@ namespace sm90 {
 #define QMLA_SM90_META_ONCE 1  // are kept for the softmax, not read and converted again (load_meta)
 #endif
 
+#ifndef QMLA_SM90_STAGES  // pages staged in shared memory (packed formats): 2 = the page being read and the next
+#define QMLA_SM90_STAGES 2  // one in flight; 3 keeps two in flight (+1 page of shared memory: C4R4 68 -> 88 KB, still
+#endif  // two CTAs per SM; C8R8 105 -> 143 KB, one). Session 31's ablations (kernel_variants_h200_s31_ablate.md) ran
+        // the loop without its products at 2.7-2.9 TB/s: does a second page in flight lift that floor? Offline only.
+
 #ifndef QMLA_SM90_SUBNORMAL  // 1 (fp16 output product): packed codes enter both products as exact fp16 subnormals
 #define QMLA_SM90_SUBNORMAL 1  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
 #endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths),
@@ -65,7 +70,8 @@ namespace sm90 {
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
-constexpr int kStages = 2;
+constexpr int kStages = QMLA_SM90_STAGES;
+static_assert(kStages == 2 || kStages == 3, "2 or 3 staged pages");
 constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
 constexpr int kLdsmAhead = QMLA_SM90_LDSM_AHEAD;
@@ -89,7 +95,7 @@ struct Cfg : PageCfg<CB, RB> {
   static constexpr int ROFF = SMX + 4 * 4;             // [group][head][warp] floats: offset sums
   static constexpr int QT = ROFF + NG * NH * 4 * 4;    // q^T k-blocks (fp16) [36][k-block]
   static constexpr int SMEM = QT + kQkBlocks * KB;
-  static_assert(kStages == 2 && QSTAGE <= STAGE + PTR, "q staging fits in stage 1 and the P tiles");
+  static_assert(QSTAGE <= STAGE + PTR, "q staging fits in the last stage and the P tiles");
   static_assert(QT % 16 == 0 && PT % 16 == 0 && QB % 16 == 0, "operand tiles are 16-byte aligned");
 };
 
