@@ -203,7 +203,8 @@ int main() {
     row<24>(out, sms, ctas, ghz);  // ~ the decode kernel's ratio: ~400 unpacking LOP3 / SHF per 68 products
     row<64>(out, sms, ctas, ghz);
   }
-  printf("two warpgroups in one CTA per SM, warpgroup 0 the products, warpgroup 1 the LOP3 (cycles per SM per batch)\n");
+  printf("two warpgroups in one CTA per SM, warpgroup 0 the products, warpgroup 1 the LOP3 "
+         "(cycles per SM per batch)\n");
   cudaFree(out);
   cudaMalloc(&out, sms * 256 * 4);
   split_row<8>(out, sms, ghz);

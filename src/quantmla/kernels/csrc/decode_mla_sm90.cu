@@ -107,9 +107,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   // stalled every tile's copy issue: ncu 2026-12-01)
   int blk_next = pg0 + kStages - 1 < pg1 ? bt[pg0 + kStages - 1] : 0;
 
-  // ---- q: bf16(q * qk_scale) staged from the last stage on (coalesced pairs), the CTA's largest |q| -> e; then q^T as the
-  // B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh). (Staging q once per sequence
-  // and head group in a prep kernel instead was 0.96-0.98x at B32 x 32K / B8 x 128K: kernel_variants_h200_s14a.md.)
+  // ---- q: bf16(q * qk_scale) staged from the last stage on (coalesced pairs), the CTA's largest |q| -> e; then q^T
+  // as the B operand of the score product, the accumulator starts and q sums (mla_swapab.cuh). (Staging q once per
+  // sequence and head group in a prep kernel instead was 0.96-0.98x at B32 x 32K / B8 x 128K:
+  // kernel_variants_h200_s14a.md.)
   // [head][kQRow], over the last stage (the first copy into it is issued by the loop) and PT
   __nv_bfloat16* qst = reinterpret_cast<__nv_bfloat16*>(smem + (kStages - 1) * C::STAGE);
   const int e = stage_q<kHeads, kThreads, true, kQRow>(qst, red, p, b, h0);
