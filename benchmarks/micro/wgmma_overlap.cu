@@ -44,92 +44,93 @@ __device__ __forceinline__ uint64_t desc_of(uint32_t addr) {  // K-major, no swi
 
 enum Mode { RS = 0, SS = 1, ALU = 2, RS_ALU = 3, SS_ALU = 4 };
 
-template <int MODE, int K>
-__global__ void __launch_bounds__(128) k(float* out, int iters) {
-  __shared__ __align__(128) uint16_t b[16 * 256];  // B: 16 x 16 (and room); A (SS): 64 x 16 at b + 2048
-  for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = 0x3C00 ^ (i & 7);  // fp16 values near 1
+// Every kernel's start: B (and SS's A) in shared memory, fp16 values near 1, their descriptors; accumulators, the
+// register A operand and the LOP3 chains' values in registers.
+__device__ __forceinline__ void setup(uint16_t* b, uint64_t& db, uint64_t& da, float (&d)[8], uint32_t (&a)[4],
+                                      uint32_t (&x)[8]) {
+  for (int i = threadIdx.x; i < 16 * 256; i += blockDim.x) b[i] = 0x3C00 ^ (i & 7);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(b);
-  const uint64_t db = desc_of(base), da = desc_of(base + 4096);
-  float d[8];
+  db = desc_of(base);
+  da = desc_of(base + 4096);
   for (int i = 0; i < 8; ++i) d[i] = 0.f;
-  const uint32_t a[4] = {0x3C003C00u ^ threadIdx.x, 0x3C003C00u, 0x3C003C01u, 0x3C003C02u};
-  uint32_t x[8];
+  a[0] = 0x3C003C00u ^ threadIdx.x;
+  a[1] = 0x3C003C00u;
+  a[2] = 0x3C003C01u;
+  a[3] = 0x3C003C02u;
   for (int i = 0; i < 8; ++i) x[i] = threadIdx.x * 0x9E3779B9u + i;
-  constexpr bool kMma = MODE != ALU, kAlu = MODE >= ALU, kSs = MODE == SS || MODE == SS_ALU;
-  for (int it = 0; it < iters; ++it) {
-    if constexpr (kMma) {
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+// One batch: four chained m64n16k16 (A in registers, or in shared memory with SS), each followed by KA / 4 LOP3 of
+// the ALU chains (KA = 0: none), then commit and wait until one batch is in flight.
+template <bool SS, int KA>
+__device__ __forceinline__ void batch(float (&d)[8], const uint32_t (&a)[4], uint64_t da, uint64_t db,
+                                      uint32_t (&x)[8]) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (kSs)
-          mma_ss(d, da, db);
-        else
-          mma_rs(d, a, db);
-        if constexpr (kAlu) {  // this product's share of the ALU work, issued right behind it
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (SS)
+      mma_ss(d, da, db);
+    else
+      mma_rs(d, a, db);
 #pragma unroll
-          for (int i = 0; i < K / 4; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);
-        }
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    } else {
-#pragma unroll
-      for (int i = 0; i < K; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);
-    }
+    for (int i = 0; i < KA / 4; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);  // behind it
   }
-  if constexpr (kMma) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
+
+template <int K>
+__device__ __forceinline__ void chains(uint32_t (&x)[8]) {  // K LOP3 in 8 independent chains
+#pragma unroll
+  for (int i = 0; i < K; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);
+}
+
+__device__ __forceinline__ void finish(float* out, const float (&d)[8], const uint32_t (&x)[8]) {  // keep all
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += d[i] + (float)(x[i] & 1);
-  out[blockIdx.x * 128 + threadIdx.x] = s;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+template <int MODE, int K>
+__global__ void __launch_bounds__(128) k(float* out, int iters) {
+  __shared__ __align__(128) uint16_t b[16 * 256];  // B: 16 x 16 (and room); A (SS): 64 x 16 at b + 2048
+  uint64_t db, da;
+  float d[8];
+  uint32_t a[4], x[8];
+  setup(b, db, da, d, a, x);
+  constexpr bool kSs = MODE == SS || MODE == SS_ALU;
+  for (int it = 0; it < iters; ++it) {
+    if constexpr (MODE == ALU)
+      chains<K>(x);
+    else
+      batch<kSs, MODE >= ALU ? K : 0>(d, a, da, db, x);
+  }
+  finish(out, d, x);
 }
 
 // Two warpgroups, one CTA: warpgroup 0 issues the products (A in registers: RS, or shared memory: SS), warpgroup 1
-// the ALU chains (ALU_SPLIT_*); or, for the baselines, one warpgroup's share alone with the other idle (WG0_ONLY:
-// the products, WG1_ONLY: the ALU work).
+// the ALU chains (SPLIT_*); or, for the baselines, one warpgroup's share alone with the other idle (WG0_RS / WG0_SS:
+// the products, WG1_ALU: the ALU work).
 enum Split { SPLIT_RS = 0, SPLIT_SS = 1, WG0_RS = 2, WG0_SS = 3, WG1_ALU = 4 };
 
 template <int SPLIT, int K>
 __global__ void __launch_bounds__(256) k_split(float* out, int iters) {
   __shared__ __align__(128) uint16_t b[16 * 256];
-  for (int i = threadIdx.x; i < 16 * 256; i += 256) b[i] = 0x3C00 ^ (i & 7);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  const int wg = threadIdx.x / 128;
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(b);
-  const uint64_t db = desc_of(base), da = desc_of(base + 4096);
+  uint64_t db, da;
   float d[8];
-  for (int i = 0; i < 8; ++i) d[i] = 0.f;
-  const uint32_t a[4] = {0x3C003C00u ^ threadIdx.x, 0x3C003C00u, 0x3C003C01u, 0x3C003C02u};
-  uint32_t x[8];
-  for (int i = 0; i < 8; ++i) x[i] = threadIdx.x * 0x9E3779B9u + i;
-  constexpr bool kSs = SPLIT == SPLIT_SS || SPLIT == WG0_SS;
-  const bool mma = wg == 0 && SPLIT != WG1_ALU, alu = wg == 1 && (SPLIT == SPLIT_RS || SPLIT == SPLIT_SS ||
-                                                                   SPLIT == WG1_ALU);
-  if (mma) {
-    for (int it = 0; it < iters; ++it) {
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (kSs)
-          mma_ss(d, da, db);
-        else
-          mma_rs(d, a, db);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  } else if (alu) {
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-      for (int i = 0; i < K; ++i) x[i % 8] = lop3(x[i % 8], x[(i + 1) % 8], x[(i + 3) % 8]);
-    }
-  }
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += d[i] + (float)(x[i] & 1);
-  out[blockIdx.x * 256 + threadIdx.x] = s;
+  uint32_t a[4], x[8];
+  setup(b, db, da, d, a, x);
+  const int wg = threadIdx.x / 128;
+  const bool mma = wg == 0 && SPLIT != WG1_ALU;
+  const bool alu = wg == 1 && (SPLIT == SPLIT_RS || SPLIT == SPLIT_SS || SPLIT == WG1_ALU);
+  if (mma)
+    for (int it = 0; it < iters; ++it) batch<SPLIT == SPLIT_SS || SPLIT == WG0_SS, 0>(d, a, da, db, x);
+  else if (alu)
+    for (int it = 0; it < iters; ++it) chains<K>(x);
+  finish(out, d, x);
 }
 
 template <int SPLIT, int K>
