@@ -14,7 +14,9 @@
 #     wgmma GPU tests -- it changes the page pipeline -- then both timed), then `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,
 #     qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t ...variants` (~6 min; over 540 s: split it in two calls). If stages3
 #     wins, make QMLA_SM90_STAGES=3 the default for the packed formats but C8R8 / C4R8 (shared memory: one CTA per
-#     SM there), then `check`.
+#     SM there), then `check`. And the Triton BF16 kernel's ragged plan (session 31, offline; BF16 pages past 2^17
+#     units of work run it on the H200): `FORMATS=bf16,bf16/equal QUANTMLA_COMMIT=<sha> bash
+#     benchmarks/gpu_next_calls.sh ragged` (carry .fmbuild; ~5 min).
 # (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
 #     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.69-1.78x) needs shipped transforms to become the
 #     recommended 4-bit format: `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python

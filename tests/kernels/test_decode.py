@@ -93,6 +93,24 @@ def test_decode_planned_for_a_longer_capacity(name):
         decode_attention(*_q(3, 3, 128, 32), cache, SCALE, impl="triton")
 
 
+def test_decode_bf16_ragged_batch_on_its_own_plan():
+    """A ragged BF16 batch with the default splits runs the plan for its own lengths (triton_decode.plan_num_splits:
+    on the CPU's 8 "SMs" 11 splits of 4 pages where the longest-sequence count is 3 of 15), matches the reference,
+    and gives what the equal-lengths count gives."""
+    from quantmla.kernels.triton_decode import TUNING_BF16, default_num_splits, plan_num_splits
+
+    cache, _, _ = make_cache("bf16", [700, 60, 30], policy=CachePolicy(sink=4, local=16, page_size=16), seed=9)
+    dev = torch.device(DEVICE)
+    equal = default_num_splits(3, 44, dev, TUNING_BF16)
+    planned = plan_num_splits(cache, 44, dev, TUNING_BF16)
+    if dev.type == "cpu":
+        assert (planned, equal) == (11, 3)
+    out, lse = _check(cache, H=3)
+    out_eq, lse_eq = _check(cache, H=3, splits=equal)
+    assert_close(out, out_eq, name="ragged plan vs equal", **O_TOL)
+    assert_close(lse, lse_eq, atol=1e-4, rtol=1e-5, min_cos=0.99999, name="lse ragged plan vs equal")
+
+
 @pytest.mark.parametrize("dc,dr,group", [(128, 32, 64), (256, 128, 128)])
 def test_decode_c2_two_planes_per_subtile(dc, dr, group):
     """2-bit content whose groups hold two of the kernel's four sub-tiles (group = 2 x latent / 4: SmolLM2-MLA's

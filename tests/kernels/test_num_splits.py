@@ -49,3 +49,32 @@ def test_packed_kernel_settings_are_not_rounded():
     for b, n in SHAPES:
         pages = math.ceil(n / 64)
         assert default_num_splits(b, pages, CPU, TUNING, sms=H200_SMS) == _first_choice(b, pages, H200_SMS)
+
+
+def test_ragged_bf16_batches_get_the_plan_for_their_own_lengths():
+    """The BF16 kernel (resident programs known) plans a ragged batch for its lengths, as the CUDA kernels do
+    (split_plan.split_plan); equal lengths, a plan set for a capacity, and the packed kernel keep
+    default_num_splits' measured count."""
+    from types import SimpleNamespace
+
+    from quantmla.kernels.split_plan import split_plan
+    from quantmla.kernels.triton_decode import plan_num_splits
+    from quantmla.quant.formats import get_format
+
+    def cache(name, lens, planned=None):  # what the planner reads of a PagedMLACache (plan_lengths: test_paged.py)
+        return SimpleNamespace(fmt=get_format(name), batch=len(lens), layout=SimpleNamespace(page_size=64),
+                               plan_lengths=lambda: [planned] * len(lens) if planned else list(lens))  # fmt: skip
+
+    ragged = [4096 * (i + 1) for i in range(8)] * 4  # 32 sequences of 4K..32K: 64..512 pages
+    pages = tuple(sorted(math.ceil(n / 64) for n in ragged))
+    bf16 = cache("bf16", ragged)
+    got = plan_num_splits(bf16, 512, CPU, TUNING_BF16, sms=H200_SMS)
+    assert got == split_plan(pages, 1, TUNING_BF16["resident"] * H200_SMS)
+    assert got > default_num_splits(32, 512, CPU, TUNING_BF16, sms=H200_SMS)  # the longest sequences split further
+    captured = cache("bf16", ragged, planned=32768)  # a captured step: every sequence at the capacity
+    assert plan_num_splits(captured, 512, CPU, TUNING_BF16, sms=H200_SMS) == 8
+    equal = cache("bf16", [32768] * 32)
+    assert plan_num_splits(equal, 512, CPU, TUNING_BF16, sms=H200_SMS) == 8  # the measured count, unchanged
+    packed = cache("c4r4", ragged)
+    assert plan_num_splits(packed, 512, CPU, TUNING, sms=H200_SMS) == default_num_splits(32, 512, CPU, TUNING,
+                                                                                          sms=H200_SMS)  # fmt: skip

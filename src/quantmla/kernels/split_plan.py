@@ -6,7 +6,8 @@ anything: the merge reads of each sequence only the splits that had pages. So ``
 and the shorter ones of a ragged batch cost their own pages only. The plan picks ``pps`` for the lengths themselves:
 today's kernels are timed by their busiest SM, so it minimizes ``waves x (pps + 1)`` over the CTAs that have pages
 (the 1: the prologue and the partial's write): the longest sequence gets as many splits as it needs to finish with
-the others, and the short ones of a ragged batch no longer wait for it.
+the others, and the short ones of a ragged batch no longer wait for it. The Triton BF16 kernel plans ragged batches
+the same way (``triton_decode.plan_num_splits``: one program per split and sequence, all heads).
 
 ``packed_pages`` / ``used_splits`` are the host mirror of ``csrc/mla_page.cuh``'s functions of the same names (the
 page kernels' early exit and the merge's choice of slots); the three must agree.

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantmla.kernels.split_plan import packed_page_counts, split_plan
 from quantmla.kernels.triton_tiles import _bf16_tile, _group_perm, _packed_tile
 
 LOG2E = 1.4426950408889634
@@ -299,6 +300,20 @@ def default_num_splits(batch: int, max_pages: int, device: torch.device, tuning:
     return ns
 
 
+def plan_num_splits(cache, max_pages: int, device: torch.device, tuning: dict, sms: int | None = None) -> int:
+    """The split count of a launch: :func:`default_num_splits` for the longest (planned) sequence, except for a
+    ragged batch on a kernel whose resident programs per SM are known (``tuning["resident"]``: the BF16 kernel), which
+    gets the plan for its own lengths that the CUDA kernels use (:func:`~quantmla.kernels.split_plan.split_plan`, one
+    program per split and sequence, all heads): the longest sequences take more splits so that they finish with the
+    short ones. (Equal lengths keep the measured count; splits past a sequence's pages write an empty partial.)"""
+    slots = (tuning.get("resident") or 0) * (sms or _num_sms(device))
+    if slots and not cache.fmt.is_quantized:
+        pages = packed_page_counts(tuple(cache.plan_lengths()), 0, 0, cache.layout.page_size)
+        if pages and pages[0] != pages[-1]:
+            return split_plan(pages, 1, slots)
+    return default_num_splits(cache.batch, max_pages, device, tuning, sms=sms)
+
+
 def _spec_args(spec, width: int, srow: int, orow: int | None) -> tuple:
     if spec is None:
         return 16, False, width, 0, 0
@@ -347,7 +362,7 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
     quant = fmt.is_quantized
     max_pages = max(1, math.ceil(cache.plan_longest() / P))
     tun = TUNING if quant else TUNING_BF16
-    ns = num_splits or default_num_splits(B, max_pages, q_lat.device, tun)
+    ns = num_splits or plan_num_splits(cache, max_pages, q_lat.device, tun)
     ns = max(1, min(ns, max_pages))
     pps = math.ceil(max_pages / ns)
     ns = math.ceil(max_pages / pps)
