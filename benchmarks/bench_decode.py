@@ -198,7 +198,13 @@ def parse_spec(spec: str) -> tuple[str, str, int | str | None]:
 
 def cuda_plan(kind: str, q_lat, q_pe, cache, splits) -> dict:
     """``{"plan": "ns x pps", "kernel": "cuda-<kernel>"}`` of a CUDA call (splits per sequence x pages per split, the
-    merge in the page kernel marked; the CUDA kernel that ran, also where ``auto`` chose it), else nothing."""
+    merge in the page kernel marked; the CUDA kernel that ran, also where ``auto`` chose it); ``{"plan": ...}`` of a
+    Triton call; else nothing."""
+    if kind in ("triton", "triton-packed"):
+        from quantmla.kernels.triton_decode import launch_splits
+
+        ns, pps = launch_splits(cache, q_lat.device, splits)
+        return {"plan": f"{ns} x {pps}"}
     if not kind.startswith("cuda"):
         return {}
     from quantmla.kernels.cuda_decode import fused_merge, plan_decode

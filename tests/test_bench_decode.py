@@ -85,3 +85,22 @@ def test_cells_name_the_kernel_where_auto_changed_it(tmp_path):
     md = (tmp_path / "decode_vs_flashmla_k.md").read_text()
     assert f"190.0 ({320 / 190:.2f}x) [wgmma]" in md and f"745.0 ({1120 / 745:.2f}x) [mma]" in md
     assert f"588.0 ({1120 / 588:.2f}x) |" in md and f"760.0 ({1120 / 760:.2f}x) |" in md
+
+
+def test_triton_rows_record_the_split_plan_the_kernel_launches():
+    """A Triton row's ``plan`` is the launch's (splits x pages per split): for a ragged BF16 batch the plan for its own
+    lengths (split_plan: 11 x 4 on the CPU's 8 "SMs", 2 programs each), a forced count as given."""
+    import torch
+
+    from quantmla.kernels.paged import PagedMLACache
+    from quantmla.kernels.split_plan import split_plan
+    from quantmla.quant.formats import CachePolicy
+
+    lens = [700, 60, 30]
+    cache = PagedMLACache("bf16", 3, 700, policy=CachePolicy(sink=4, local=16, page_size=16))
+    cache.write_reference(torch.zeros(3, 700, 512), torch.zeros(3, 700, 64), lens)
+    q = torch.zeros(3, 2, 512)
+    ns = split_plan((2, 4, 44), 1, 16)
+    assert bd.cuda_plan("triton", q, q, cache, None) == {"plan": f"{ns} x {-(-44 // ns)}"} == {"plan": "11 x 4"}
+    assert bd.cuda_plan("triton", q, q, cache, 2) == {"plan": "2 x 22"}
+    assert bd.cuda_plan("torch", q, q, cache, None) == {}

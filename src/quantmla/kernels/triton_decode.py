@@ -352,6 +352,16 @@ def decode_attention_triton(
 MAX_HEADS = 64  # heads per launch
 
 
+def launch_splits(cache, device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits per sequence, pages per split) of the page kernel's launch: ``num_splits`` if given, else
+    :func:`plan_num_splits`, at most one split per page of the longest (planned) sequence."""
+    max_pages = max(1, math.ceil(cache.plan_longest() / cache.layout.page_size))
+    tun = TUNING if cache.fmt.is_quantized else TUNING_BF16
+    ns = max(1, min(num_splits or plan_num_splits(cache, max_pages, device, tun), max_pages))
+    pps = math.ceil(max_pages / ns)
+    return math.ceil(max_pages / pps), pps
+
+
 def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | None):
     """One launch sequence (pages, BF16 buffers, combine) for ``H <= MAX_HEADS`` heads -> (out, lse)."""
     B, H, Dc = q_lat.shape
@@ -360,12 +370,8 @@ def _decode_heads(q_lat, q_pe, cache, softmax_scale: float, num_splits: int | No
     P = L.page_size
     Dr = L.rope_dim
     quant = fmt.is_quantized
-    max_pages = max(1, math.ceil(cache.plan_longest() / P))
     tun = TUNING if quant else TUNING_BF16
-    ns = num_splits or plan_num_splits(cache, max_pages, q_lat.device, tun)
-    ns = max(1, min(ns, max_pages))
-    pps = math.ceil(max_pages / ns)
-    ns = math.ceil(max_pages / pps)
+    ns, pps = launch_splits(cache, q_lat.device, num_splits)
     ns_total = ns + buffer_tiles(cache)
     dev = q_lat.device
     if q_lat.stride(-1) != 1:
