@@ -10,7 +10,9 @@
 #     built offline (docs/kernels.md, "Session 31"):
 #     `OVERLAP=1 VARIANT_TESTS=1 VARIANTS=base,stages3 VARIANT_FORMATS=c4r4,c4r4t QUANTMLA_COMMIT=<sha> bash
 #     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~4 min: wgmma_overlap.cu's new rows -- products in one
-#     warpgroup, the ALU work in the other: does a ping-pong design overlap what one warp cannot? -- then stages3's
+#     warpgroup, the ALU work in the other: does a ping-pong design overlap what one warp cannot? -- and
+#     membar_cpasync.cu -- does the proxy fence before the output product (MEMBAR.ALL.CTA in SASS) wait for the next
+#     page's cp.async? if it WAITS, stages3 or a TMA/mbarrier copy is the fix -- then stages3's
 #     wgmma GPU tests -- it changes the page pipeline -- then both timed), then `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,
 #     qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t ...variants` (~6 min; over 540 s: split it in two calls). If stages3
 #     wins, make QMLA_SM90_STAGES=3 the default for the packed formats but C8R8 / C4R8 (shared memory: one CTA per
@@ -167,9 +169,12 @@ case $CALL in
     ncu_part wgmma 60
     ;;
   variants)  # compile-time variants of the Hopper kernel, C4R4 at 16 heads, each against base (kernel_variants.py)
-    if [[ -n ${OVERLAP:-} ]]; then  # first the tensor-pipe / ALU overlap micro benchmark (seconds)
+    if [[ -n ${OVERLAP:-} ]]; then  # first the micro benchmarks (seconds): tensor pipe / ALU overlap, then whether
+      # the proxy fence before the output product waits for the next page's copy
       part overlap 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgo \
         benchmarks/micro/wgmma_overlap.cu && /tmp/wgo"
+      part membar 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/mbc \
+        benchmarks/micro/membar_cpasync.cu && /tmp/mbc"
     fi
     FM=()
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
