@@ -13,8 +13,9 @@
 #     warpgroup, the ALU work in the other: does a ping-pong design overlap what one warp cannot? -- and
 #     membar_cpasync.cu -- does the proxy fence before the output product (MEMBAR.ALL.CTA in SASS) wait for the next
 #     page's cp.async? if it WAITS, bulk copies on an mbarrier are the fix, docs/kernels.md item 8 -- then stages3's
-#     wgmma GPU tests -- it changes the page pipeline -- then both timed), then `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,
-#     qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t ...variants` (~6 min; over 540 s: split it in two calls). If stages3
+#     wgmma GPU tests -- it changes the page pipeline -- then both timed), then
+#     `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t
+#     ...variants` (~6 min; over 540 s: split it in two calls). If stages3
 #     wins, make QMLA_SM90_STAGES=3 the default for the packed formats but C8R8 / C4R8 (shared memory: one CTA per
 #     SM there), then `check`. And the Triton BF16 kernel's ragged plan (session 31, offline; BF16 pages past 2^17
 #     units of work run it on the H200): `FORMATS=bf16,bf16/equal QUANTMLA_COMMIT=<sha> bash

@@ -105,8 +105,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "abl_unpack": {"QMLA_SM90_ABLATE": 4},  # both products on the raw ldmatrix words: 943 / 718
     "abl_dram": {"QMLA_SM90_ABLATE": 8},  # every copy from the pool's page 0 (L2-resident): 1,284 / 1,057
     # session 31: the output product costs ~5x the score product (kernel_variants_h200_s31_ablate.md); does it stall
-    # the loop at the score product's second wait (groups complete in order)? Two batches of cover, and its ablation
-    "qk3": {"QMLA_SM90_QK_DEPTH": 3},
+    # the loop at the score product's second wait (groups complete in order)? Three batches of cover (qk2: two),
+    # and qk2 with the output product ablated
+    "qk3": {"QMLA_SM90_QK_DEPTH": 3},  # offline: no spills; ptxas serializes C2R4's wgmma (C7514): C4R4(T) only
     "qk2_abl_output": {"QMLA_SM90_QK_DEPTH": 2, "QMLA_SM90_ABLATE": 2},
     # session 31: a second page in flight (three staged pages; C4R4 88 KB of shared memory, two CTAs per SM still;
     # C8R8 would drop to one): offline 244-252 registers, no spills, main loops within 3 instructions of base
