@@ -7,7 +7,8 @@ within noise. This measures that before any kernel is written: the converted mod
 paper-budget QuantMLA C4R4 transforms through a C4R4 cache (and the base model through a BF16 cache, to see the
 rounding alone), every attention call run by the fp32 reference inside
 :func:`quantmla.kernels.operand_rounding.simulated_operand_rounding` (schemes: ``fp32``; ``bf16``: today's 16-bit
-operands; ``e4m3-q``: FP8 score product; ``int8-q``: int8 score product; ``e4m3``: both products FP8). Per row:
+operands; ``e4m3-q``: FP8 score product; ``int8-q``: int8 score product; ``e4m3``: both products FP8; ``int8-p``:
+an int8 output product). Per row:
 perplexity, KL(P_fp || P_model) in 1e-3 nats per token and top-1 agreement with the full-precision model (the same
 ``perplexity`` / ``reference_logprobs`` calls as ``full_budget.py``), and the relative L2 error of the attention
 outputs against the same call's exact fp32 result (median / max over calls).
@@ -36,7 +37,8 @@ from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 CACHES = {"c4r4": "QuantMLA (shipped C4R4 transforms), C4R4 cache", "bf16": "base model, BF16 cache"}
 SCHEME_NAMES = {"fp32": "fp32 (reference)", "bf16": "BF16 q, p (today's kernels)", "e4m3-q": "FP8 q, BF16 p",
-                "int8-q": "int8 q, BF16 p", "e4m3": "FP8 q, FP8 p", "int8x2-q": "two-term int8 q, BF16 p"}  # fmt: skip
+                "int8-q": "int8 q, BF16 p", "e4m3": "FP8 q, FP8 p", "int8x2-q": "two-term int8 q, BF16 p",
+                "int8-p": "BF16 q, int8 p (one scale per 64-key tile)"}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -74,6 +74,25 @@ def test_e4m3_probabilities_keep_small_numerators():
     assert P_SCALE * 1.0 <= 448
 
 
+def test_int8_probabilities_are_rounded_per_64_key_tile():
+    g = torch.Generator().manual_seed(3)
+    # rows of 150 keys: tiles [0, 64), [64, 128) and a short [128, 150); tile maxima far apart within a row
+    tile_top = torch.tensor([1.0, 1e-3, 0.3]).repeat_interleave(torch.tensor([64, 64, 22]))
+    p = torch.rand(4, 150, generator=g, dtype=torch.float64) * tile_top
+    p[1, 64:128] = 0.0  # an all-zero tile stays zero
+    r = round_probs(p.float(), scheme="int8-p").double()
+    for a, b in ((0, 64), (64, 128), (128, 150)):
+        t, rt = p[:, a:b], r[:, a:b]
+        step = t.amax(-1, keepdim=True) / 127  # the tile's own grid, whatever the other tiles hold
+        assert ((rt - t).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all()
+        k = rt / step.clamp_min(1e-300)
+        assert torch.allclose(k, k.round(), atol=1e-3)  # on the grid: integers 0 .. 127
+    assert (r[1, 64:128] == 0).all() and not r.isnan().any() and (r >= 0).all()
+    assert (r != p.float().double()).any()
+    q = _q()
+    assert torch.equal(round_query(q, DC, 64, 16, scheme="int8-p"), q.bfloat16().float())  # a 16-bit score product
+
+
 def _attention64(q, keys, scale, allowed, dc):
     s = (q.double() @ keys.double().T) * scale
     if allowed is not None:

@@ -22,7 +22,12 @@ Schemes (``q``: the query [..., Dc + Dr]; ``p``: the softmax numerators exp(s - 
   accumulates them: both products in FP8;
 * ``int8-q`` -- q in int8 (symmetric, per the same groups), p in bf16: an int8 score product;
 * ``int8x2-q`` -- q as two int8 terms, ``s (h + l / 256)`` (h as ``int8-q``, l the residual's int8 on a 256x finer
-  grid), p in bf16: two int8 score products (the 4- and 2-bit codes are exact int8), ~15 bits of q.
+  grid), p in bf16: two int8 score products (the 4- and 2-bit codes are exact int8), ~15 bits of q;
+* ``int8-p`` -- q in bf16, p in int8 with one scale per (query, head, tile of 64 keys: a page), the tile's largest
+  numerator mapped to 127: a 16-bit score product and an int8 output product (the codes are exact int8; session 32
+  measured the output product as the costlier one, docs/kernels.md). A kernel's operand would be p times the
+  token's content scale, rounded on the same per-tile grid; the scales' spread inside a tile is not simulated, and
+  the sink and local-window tokens (BF16 in a kernel) are rounded like the rest.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMES = ("fp32", "bf16", "e4m3-q", "e4m3", "int8-q", "int8x2-q")
+SCHEMES = ("fp32", "bf16", "e4m3-q", "e4m3", "int8-q", "int8x2-q", "int8-p")
 E4M3_MAX = 448.0
 P_SCALE = 256.0  # p in (0, 1] times this before the e4m3 cast
+P_TILE = 64  # keys per int8 scale of p (int8-p): one page
 
 
 @dataclass
@@ -94,7 +100,7 @@ def round_query(q: torch.Tensor, dc: int, content_group: int = 128, rope_group: 
     """``q`` [..., Dc + Dr] fp32 as the scheme's score product reads it (fp32 out). 8-bit schemes scale each
     channel group of each query row by its absolute maximum (an all-zero group stays zero)."""
     scheme = _checked(scheme or active_scheme())
-    if scheme in ("fp32", "bf16"):
+    if scheme in ("fp32", "bf16", "int8-p"):
         return q if scheme == "fp32" else q.to(torch.bfloat16).float()
     out = torch.empty_like(q)
     top = E4M3_MAX if scheme.startswith("e4m3") else 127.0
@@ -118,6 +124,11 @@ def round_probs(p: torch.Tensor, scheme: str | None = None) -> torch.Tensor:
         return p
     if scheme == "e4m3":
         return (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
+    if scheme == "int8-p":  # symmetric int8 per tile of P_TILE keys (the last one may be short); p >= 0
+        n = p.shape[-1]
+        t = torch.nn.functional.pad(p, (0, -n % P_TILE)).unflatten(-1, (-1, P_TILE))  # [..., tiles, P_TILE]
+        step = t.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        return (torch.round(t / step).clamp(0, 127) * step).flatten(-2)[..., :n]
     return p.to(torch.bfloat16).float()
 
 
