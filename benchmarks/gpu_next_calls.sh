@@ -3,34 +3,21 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (0) issue 9, first. Session 31 (2026-12-05) ran `large` (auto now takes wgmma at every size: WGMMA_MAX_WORK is
-#     gone; a second CTA per SM buys 1.12-1.19x; register-A products overlap little ALU work) and the ablations
-#     (kernel_variants_h200_s31_ablate.md: unpacking ~15%, the output product with its unpacking ~21%, the score
-#     product ~4%; the product-free loop at 2.7-2.9 TB/s), then lost the device (none lent) before these two calls,
-#     built offline (docs/kernels.md, "Session 31"):
-#     `OVERLAP=1 VARIANT_TESTS=1 VARIANTS=base,stages3 VARIANT_FORMATS=c4r4,c4r4t QUANTMLA_COMMIT=<sha> bash
-#     benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~4 min: wgmma_overlap.cu's new rows -- products in one
-#     warpgroup, the ALU work in the other: does a ping-pong design overlap what one warp cannot? -- and
-#     membar_cpasync.cu -- does the proxy fence before the output product (MEMBAR.ALL.CTA in SASS) wait for the next
-#     page's cp.async? if it WAITS, bulk copies on an mbarrier are the fix, docs/kernels.md item 8 -- then stages3's
-#     wgmma GPU tests -- it changes the page pipeline -- then both timed), then
-#     `VARIANTS=base,abl_mma,stages3_abl_mma,qk2,qk3,pv2,abl_output,qk2_abl_output VARIANT_FORMATS=c4r4,c4r4t
-#     ...variants` (~6 min; over 540 s: split it in two calls). If stages3
-#     wins, make QMLA_SM90_STAGES=3 the default for the packed formats but C8R8 / C4R8 (shared memory: one CTA per
-#     SM there), then `check`. And the Triton BF16 kernel's ragged plan (session 31, offline; BF16 pages past 2^17
-#     units of work run it on the H200): `FORMATS=bf16,bf16/equal QUANTMLA_COMMIT=<sha> bash
-#     benchmarks/gpu_next_calls.sh ragged` (carry .fmbuild; ~5 min).
-# (1) issue 9 / 12: C4R4T (one content scale per token: 1.91-2.00x FlashMLA at B32 x 32K / B8 x 128K / B32 x 128K,
-#     decode_vs_flashmla_h200_s30_default.md, where C4R4 is 1.69-1.78x) needs shipped transforms to become the
-#     recommended 4-bit format: `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python
-#     benchmarks/full_budget.py --device cuda --budget-s 420 --tag paper_t --resume --ship --ship-method
-#     quantmla-attnw --carry-in .fbcarry --carry-out $OUT/fb --work /root/keep/fbt_work --variants a --formats
-#     c4r4t,c2r4t --methods rtn,quantmla-attnw --seeds 0 --seed-methods quantmla-attnw --tasks none` with
-#     benchmarks/results/full_budget_paper_t.json copied into .fbcarry (C4R4T calibrates in ~205 s, C2R4T ~190 s: two
-#     chunks; the kit's four carry calls first, ~20 s in all; the fourth can carry .fbcarry too and run the first
-#     chunk after `source`), then the shipped files to src/quantmla/models/data: end the chunk's command with `; cp
-#     src/quantmla/models/data/*-c4r4t.safetensors src/quantmla/models/data/*-c2r4t.safetensors $OUT/ 2>/dev/null`
-#     (the device's copy of the tree does not come back). Session 31 had the kit ready but got no machine.
+# (0) issue 9. Session 32 (2026-12-05, an H100: no H200 was lent) answered session 31's two questions
+#     (docs/kernels.md "Session 32"): the proxy fence does not wait for the cp.async in flight, and split
+#     warpgroups overlap the products with ALU work no better than one warp does; stages3 / qk2 / qk3 do not help
+#     (kernel_variants_h100_s32_*.md), and our kernel takes the same time on the H100 as on the H200 (SM-bound).
+#     Left from the queue: the Triton BF16 kernel's ragged plan (session 31, offline; BF16 pages past 2^17 units of
+#     work run it): `FORMATS=bf16,bf16/equal QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ragged` (carry
+#     .fmbuild; ~5 min), or directly, without the merge tests: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
+#     benchmarks/bench_decode.py --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so --out $OUT --rounds 2 --ragged
+#     --tag h200_s33_ragged_bf16 --shapes 32x32768,8x131072,64x16384 --formats bf16,bf16/equal` (~3 min).
+#     The next kernel lever is an operand change, not a schedule (docs/kernels.md session 32 item 6): an int8 output
+#     product if `benchmarks/results/operand_accuracy_smollm2_int8p.md` keeps the accuracy (CPU, session 32).
+# (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
+#     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
+#     ~9 MB for a kit part; session 32 untracked them for the calls (`git rm --cached` + .git/info/exclude, restored
+#     after) and carried two parts a call.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
