@@ -113,6 +113,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     # C8R8 would drop to one): offline 244-252 registers, no spills, main loops within 3 instructions of base
     "stages3": {"QMLA_SM90_STAGES": 3},
     "stages3_abl_mma": {"QMLA_SM90_STAGES": 3, "QMLA_SM90_ABLATE": 3},  # the floor without products, vs abl_mma
+    # session 32 (stages3 alone 0.95-0.99x on the H100): with three stages the next page's copy can be issued after
+    # the P barrier and waited for before the next one, so the barrier at the top of the tile goes (two a tile, not
+    # three; the same cover). Offline: no spills, 246-254 registers, main loops within 1 instruction of stages3
+    "stages3_late": {"QMLA_SM90_STAGES": 3, "QMLA_SM90_LATE_COPY": 1},
 }
 
 

@@ -145,13 +145,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
   }
   const int vshift = CB * 2 * (warp / CPG);  // the two planes this warp's output rows take from each byte
 
-  for (int it = 0; pg0 + it < pg1; ++it) {
-    const int pg = pg0 + it;
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
+  auto next_copy = [&](int it, int pg) {  // page pg + kStages - 1's copy, then the block-table entry after it
     if (pg + kStages - 1 < pg1) issue(blk_next, (it + kStages - 1) % kStages);
     cp_async_commit();
     if (pg + kStages < pg1) blk_next = bt[pg + kStages];
+  };
+  if constexpr (kLateCopy) {  // the first page (later ones are waited for at the P barrier of the tile before)
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+  }
+  for (int it = 0; pg0 + it < pg1; ++it) {
+    const int pg = pg0 + it;
+    if constexpr (!kLateCopy) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      next_copy(it, pg);
+    }
 
     const uint8_t* st = smem + (it % kStages) * C::STAGE;
     const uint32_t st_u = smem_u32(st);
@@ -404,8 +413,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
 #pragma unroll
       for (int a = 0; a < kLdsmAhead; ++a) ldsm_x4_t(Rv[a][0], Rv[a][1], Rv[a][2], Rv[a][3], pv_addr(a));
     }
+    if constexpr (kLateCopy) cp_async_wait<0>();  // page it + 1, the one copy in flight, lands before the barrier
     fence_proxy_async();
     __syncthreads();
+    if constexpr (kLateCopy) next_copy(it, pg);  // into the stage tile it - 1 read: every warp is past it now
 
     // ---- (3) output product: O_(g,h)^T += codes^T (bf16, exact) x bf16(P s_g)^T, 4 k-steps of 16 tokens
 #pragma unroll

@@ -48,6 +48,11 @@ namespace sm90 {
 #endif  // two CTAs per SM; C8R8 105 -> 143 KB, one). Session 31's ablations (kernel_variants_h200_s31_ablate.md) ran
         // the loop without its products at 2.7-2.9 TB/s: does a second page in flight lift that floor? Offline only.
 
+#ifndef QMLA_SM90_LATE_COPY  // 1 (with QMLA_SM90_STAGES=3): a tile's next page copy is issued after its P barrier,
+#define QMLA_SM90_LATE_COPY 0  // into the stage the tile before read, and waited for before the next tile's P
+#endif  // barrier, so the barrier at the top of the tile goes (two a tile instead of three; the same cover, ~one tile).
+        // Session 32, offline.
+
 #ifndef QMLA_SM90_SUBNORMAL  // 1 (fp16 output product): packed codes enter both products as exact fp16 subnormals
 #define QMLA_SM90_SUBNORMAL 1  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
 #endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths),
@@ -72,6 +77,8 @@ constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 heads' rows on distinct shared banks
 constexpr int kStages = QMLA_SM90_STAGES;
 static_assert(kStages == 2 || kStages == 3, "2 or 3 staged pages");
+constexpr bool kLateCopy = QMLA_SM90_LATE_COPY;
+static_assert(!kLateCopy || kStages == 3, "QMLA_SM90_LATE_COPY needs QMLA_SM90_STAGES=3");
 constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;
 constexpr int kLdsmAhead = QMLA_SM90_LDSM_AHEAD;
