@@ -12,10 +12,11 @@
 #     .fmbuild; ~5 min), or directly, without the merge tests: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
 #     benchmarks/bench_decode.py --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so --out $OUT --rounds 2 --ragged
 #     --tag h200_s33_ragged_bf16 --shapes 32x32768,8x131072,64x16384 --formats bf16,bf16/equal` (~3 min).
-#     First of all: `VARIANT_TESTS=1 VARIANTS=base,stages3,stages3_late VARIANT_FORMATS=c4r4,c4r4t
-#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~5 min): stages3_late drops
-#     the barrier at the top of each tile (docs/kernels.md session 32 item 8); if it gains, make it the default for
-#     C4R4 / C2R4 / C4R4T / C2R4T (not C8R8 / C4R8: three stages leave one CTA per SM there) and run `check`.
+#     First of all: `VARIANT_TESTS=1 VARIANTS=base,stages3_late,vote,stages3_late_vote VARIANT_FORMATS=c4r4,c4r4t
+#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~6 min): stages3_late drops
+#     the barrier at the top of each tile, vote the softmax's cross-warp exchange on most tiles (docs/kernels.md
+#     session 32 item 8); what gains becomes the default (stages3_late: for C4R4 / C2R4 / C4R4T / C2R4T only, not
+#     C8R8 / C4R8, where three stages leave one CTA per SM), then `check`.
 #     8-bit products are out (CPU, session 32: an int8 output product costs +17% / +8% KL and 1e-2 relative L2,
 #     operand_accuracy_smollm2_int8p.md).
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped

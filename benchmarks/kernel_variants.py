@@ -117,6 +117,11 @@ VARIANTS: dict[str, dict[str, int]] = {
     # the P barrier and waited for before the next one, so the barrier at the top of the tile goes (two a tile, not
     # three; the same cover). Offline: no spills, 246-254 registers, main loops within 1 instruction of stages3
     "stages3_late": {"QMLA_SM90_STAGES": 3, "QMLA_SM90_LATE_COPY": 1},
+    # session 32: the softmax's cross-warp exchange (maximum, largest scale) only when a barrier-vote says something
+    # moves, and every 8 tiles. Offline: no spills, 246-248 registers; the whole C4R4 kernel +248 static instructions
+    # (both paths, and 18 WARPSYNC before the now-conditional shuffles), the fast path ~45 fewer per warp and tile
+    "vote": {"QMLA_SM90_VOTE": 1},
+    "stages3_late_vote": {"QMLA_SM90_STAGES": 3, "QMLA_SM90_LATE_COPY": 1, "QMLA_SM90_VOTE": 1},
 }
 
 

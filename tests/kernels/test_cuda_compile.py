@@ -60,6 +60,7 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_FUSED_MERGE=1",)),  # fusedmerge
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_STAGES=3",)),  # stages3: two pages in flight
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_STAGES=3", "-DQMLA_SM90_LATE_COPY=1")),  # stages3_late: two barriers
+     ("decode_mla_sm90", "90a", ("-DQMLA_SM90_STAGES=3", "-DQMLA_SM90_LATE_COPY=1", "-DQMLA_SM90_VOTE=1")),  # + vote
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ())],
 )  # fmt: skip

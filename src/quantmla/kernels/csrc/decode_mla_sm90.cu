@@ -356,19 +356,34 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel_sm90(const P
         }
       }
     }
-    heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps
-    if constexpr (kF16Out) warp_max_scale_to<NPT>(smx, sv, tok_ok, warp, lane);  // (mla_swapab.cuh)
-    __syncthreads();
     float k_scale = 1.f;  // fp16 output: 2^(new k - old k) for the accumulators
-    if constexpr (kF16Out) k_scale = p_exponent(smx, k_run, k_set);
     float mt[NC];
     bool need[NC], any = false;
+    auto exchange = [&]() {
+      heads_max_to(red, sc, warp, g, t);  // tile maximum per head: over g (lanes), then over the four warps
+      if constexpr (kF16Out) warp_max_scale_to<NPT>(smx, sv, tok_ok, warp, lane);  // (mla_swapab.cuh)
+      __syncthreads();
+      if constexpr (kF16Out) k_scale = p_exponent(smx, k_run, k_set);
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const float4 m4 = head_row(red, c, t);
-      mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
-      need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
-      any |= need[c];
+      for (int c = 0; c < NC; ++c) {
+        const float4 m4 = head_row(red, c, t);
+        mt[c] = fmaxf(fmaxf(m4.x, m4.y), fmaxf(m4.z, m4.w)) * two_e;
+        need[c] = mt[c] > m_run[c] + kLazy;  // false for an empty tile (-inf)
+        any |= need[c];
+      }
+    };
+    if constexpr (kVote) {  // QMLA_SM90_VOTE (mla_sm90_cfg.cuh): exchange only when a vote says something moves
+      if ((it & 7) == 0 || (kF16Out && !k_set) ||
+          __syncthreads_or(vote_moves<NPT, kF16Out>(sc, sv, tok_ok, m_run, two_e, k_run)))
+        exchange();
+      else
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {  // the running maximum and k stay: nothing to rescale
+          need[c] = false;
+          mt[c] = m_run[c];
+        }
+    } else {
+      exchange();
     }
     if (__any_sync(0xffffffffu, any) || k_scale != 1.f) {
       float alpha[NC];

@@ -53,6 +53,11 @@ namespace sm90 {
 #endif  // barrier, so the barrier at the top of the tile goes (two a tile instead of three; the same cover, ~one tile).
         // Session 32, offline.
 
+#ifndef QMLA_SM90_VOTE  // 1: the softmax exchanges its tile maximum and largest scale across the warps (shuffles,
+#define QMLA_SM90_VOTE 0  // shared memory, a barrier) only when a barrier-vote says some thread's scores pass the lazy
+#endif  // threshold or its scales would overflow k, and every 8 tiles; else one OR-barrier and nothing moves (~45
+        // fewer instructions per warp and tile). Session 32, offline.
+
 #ifndef QMLA_SM90_SUBNORMAL  // 1 (fp16 output product): packed codes enter both products as exact fp16 subnormals
 #define QMLA_SM90_SUBNORMAL 1  // 2^k c 2^-24 (the field masked in place, nothing above it) instead of the magic
 #endif  // numbers 1024 + 2^k c: no bias in either product -- the score accumulators start at zero (asymmetric paths),
@@ -78,6 +83,7 @@ constexpr int kQRow = kDc + kDr + 8;  // staged q's row stride (elements): 8 hea
 constexpr int kStages = QMLA_SM90_STAGES;
 static_assert(kStages == 2 || kStages == 3, "2 or 3 staged pages");
 constexpr bool kLateCopy = QMLA_SM90_LATE_COPY;
+constexpr bool kVote = QMLA_SM90_VOTE;
 static_assert(!kLateCopy || kStages == 3, "QMLA_SM90_LATE_COPY needs QMLA_SM90_STAGES=3");
 constexpr int kMinCtas = QMLA_SM90_MIN_CTAS;  // __launch_bounds__ minimum CTAs per SM
 constexpr int kQkDepth = QMLA_SM90_QK_DEPTH, kPvDepth = QMLA_SM90_PV_DEPTH;

@@ -230,6 +230,30 @@ __device__ __forceinline__ float p_exponent(const float* smx, int& k_run, bool& 
   return k_scale;
 }
 
+// QMLA_SM90_VOTE: whether this thread's tile would move the running maximum (a score above m_run + kLazy, the test
+// the exchange makes on the tile maximum: the maximum of the products is the product of the maximum, so the same
+// decision) or raise k (a scale whose k_want is below k_run: p_exponent's test on the CTA's largest scale holds iff
+// it holds for some thread's). A shrinking k -- p_exponent's other move, precision only -- waits for an exchange
+// (the kernel makes one every 8 tiles).
+template <int NPT, bool F16OUT, int NC>
+__device__ __forceinline__ int vote_moves(const float (&sc)[2][NC], const float (&sv)[4][2], const bool (&tok_ok)[2],
+                                          const float (&m_run)[NC], float two_e, int k_run) {
+  bool moves = false;
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) moves |= sc[ri][c] * two_e > m_run[c] + kLazy;  // -inf (invalid): false
+  if constexpr (F16OUT) {
+    float sm = 0.f;
+#pragma unroll
+    for (int gr = 0; gr < NPT; ++gr)
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) sm = tok_ok[ri] ? fmaxf(sm, fabsf(sv[gr][ri])) : sm;
+    if (sm > 0.f && sm <= 65504.f) moves |= 6 - (((__float_as_int(sm) >> 23) & 0xff) - 127) < k_run;
+  }
+  return moves;
+}
+
 // The meta of token tau of a staged page (fp16 rows, mla_page.cuh MetaRows M) into slot ri: content scales and
 // offsets per group, RoPE scale and offset (0 for a symmetric path).
 template <bool CSYM, bool RSYM, typename M>
