@@ -200,3 +200,38 @@ def test_row_packing_content_grouped_rope_plain_planar():
         assert torch.equal(cb[:, 64 * g + j] >> 4, cc[:, 128 * g + 64 + j].long())
     assert torch.equal(rb & 15, rc[:, :64].long())
     assert torch.equal(rb >> 4, rc[:, 64:].long())
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c8r8", "c2r4t"])
+def test_rope_rounding_writers_bit_exact_and_read_back_the_fed_codes(name):
+    """With a query-aware rounding plan both writers store quantize_codes_feedback's codes (content untouched), bit
+    for bit, also across a NaN / inf / saturated RoPE value; the plan is refused for a wrong width or a BF16 key."""
+    from quantmla.quant.quantize import dequantize_codes
+    from quantmla.quant.rounding import fit_rope_rounding, quantize_codes_feedback
+
+    policy = CachePolicy(sink=1, local=2, page_size=4)
+    g = torch.Generator().manual_seed(12)
+    B, T, dc, dr = 2, 7, 128, 32
+    a = torch.randn(dr, dr, generator=g)
+    plan = fit_rope_rounding(a @ a.T)
+    c, k = torch.randn(B, T, dc, generator=g), torch.randn(B, T, dr, generator=g) * 3
+    k[0, 1, 2], k[1, 2, 7], k[1, 4, 0] = -1e6, float("inf"), float("nan")
+    caches = {}
+    for impl in ("torch", "triton", "rtn"):
+        cache = PagedMLACache(name, B, T, kv_lora_rank=dc, rope_dim=dr, policy=policy, device=DEVICE, fill_byte=0xFF)
+        if impl != "rtn":
+            cache.set_rope_rounding(plan)
+        cache.write(c.to(DEVICE), k.to(DEVICE), impl="torch" if impl == "rtn" else impl)
+        caches[impl] = cache
+    assert torch.equal(caches["torch"].pool, caches["triton"].pool)
+    assert not torch.equal(caches["torch"].pool, caches["rtn"].pool)
+    fmt = caches["torch"].fmt
+    for b in range(B):
+        got = caches["torch"].read_packed(b, torch.arange(T)).cpu()
+        want_rope = dequantize_codes(*quantize_codes_feedback(k[b], fmt.rope, plan), fmt.rope)
+        assert torch.equal(got[:, dc:].nan_to_num(1.5), want_rope.nan_to_num(1.5))
+        assert torch.equal(got[:, :dc], caches["rtn"].read_packed(b, torch.arange(T)).cpu()[:, :dc])
+    with pytest.raises(ValueError, match="has 16 channels"):
+        PagedMLACache(name, 1, 8, kv_lora_rank=dc, rope_dim=16, policy=policy).set_rope_rounding(plan)
+    with pytest.raises(ValueError, match="nothing to round"):
+        PagedMLACache("bf16", 1, 8, kv_lora_rank=dc, rope_dim=dr, policy=policy).set_rope_rounding(plan)

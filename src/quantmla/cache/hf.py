@@ -127,13 +127,26 @@ class QuantMLACacheLayer(CacheLayerMixin):
         pass
 
 
+def rope_rounding_of(model) -> list | None:
+    """The query-aware RoPE rounding plans a model carries, one per cache layer (None where a layer has none), or
+    None when no layer has one. :func:`quantmla.calibrate.shipped.apply_transforms` attaches them (attribute
+    ``ROPE_ROUNDING_ATTR`` of each attention module) from a transforms file that stores query moments."""
+    from quantmla.mla.weights import iter_mla_attention
+    from quantmla.quant.rounding import ROPE_ROUNDING_ATTR
+
+    plans = [getattr(attn, ROPE_ROUNDING_ATTR, None) for _, attn in iter_mla_attention(model)]
+    return plans if any(p is not None for p in plans) else None
+
+
 class QuantMLACache(Cache):
     """Paged low-bit MLA cache for a transformers model.
 
     config: the model's config (or an :class:`MLASpec`); fmt: a format name (``"c4r4"``), a
     :class:`CacheFormat`, one per cache layer, or a plan with a ``formats`` attribute; policy: sink/local sizes
     and page size (default sink 4, local 128, page 64); max_length: fixed capacity in tokens per sequence
-    (default: grow on demand).
+    (default: grow on demand); rope_rounding: one :class:`~quantmla.quant.rounding.RopeRounding` (or None) per
+    cache layer -- the query-aware rounding of the RoPE key that calibrated transforms carry
+    (:func:`rope_rounding_of` reads it from a model they were folded into); None: round to nearest.
     """
 
     def __init__(
@@ -143,6 +156,7 @@ class QuantMLACache(Cache):
         policy: CachePolicy | None = None,
         *,
         max_length: int | None = None,
+        rope_rounding: list | None = None,
     ):
         self.spec = config if isinstance(config, MLASpec) else MLASpec.from_config(config)
         dc, dr = self.spec.kv_lora_rank, self.spec.qk_rope_head_dim
@@ -154,7 +168,7 @@ class QuantMLACache(Cache):
         if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
             raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
         self._check_capacity(config)
-        self.store = PagedStore(self.formats, dc, dr, self.policy, max_length=max_length)
+        self.store = PagedStore(self.formats, dc, dr, self.policy, max_length=max_length, rope_rounding=rope_rounding)
         layers = [QuantMLACacheLayer(PagedCacheLayer(self.store, i)) for i in range(len(self.formats))]
         super().__init__(layers=layers)
 

@@ -44,9 +44,19 @@ class PagedStore:
         policy: CachePolicy,
         *,
         max_length: int | None = None,
+        rope_rounding: list | None = None,
     ) -> None:
         if not formats:
             raise ValueError("a cache needs at least one layer")
+        if rope_rounding is not None and len(rope_rounding) != len(formats):
+            raise ValueError(f"rope_rounding needs one plan (or None) per layer: {len(formats)} layers, got "
+                             f"{len(rope_rounding)}")  # fmt: skip
+        for i, plan in enumerate(rope_rounding or []):
+            if plan is not None and getattr(plan, "width", None) != rope_dim:
+                raise ValueError(f"layer {i}: a RoPE rounding plan for {getattr(plan, 'width', '?')} channels on a "
+                                 f"{rope_dim}-channel RoPE key (another model's transforms?)")  # fmt: skip
+        # per layer, the RoPE key's query-aware rounding plan (quantmla.quant.rounding) or None (round to nearest)
+        self.rope_rounding = list(rope_rounding) if rope_rounding is not None else [None] * len(formats)
         self.policy = policy
         self.layouts = [PagedLayout(f, kv_lora_rank, rope_dim, policy.page_size) for f in formats]
         self.max_length = max_length
@@ -83,13 +93,15 @@ class PagedStore:
         self.pads = [0] * batch
         pools = self._pools(self._alloc(self.table.num_pages, device), self.table.num_pages)
         cap = self._capacity()
-        for layout, pool in zip(self.layouts, pools):
+        for layout, pool, plan in zip(self.layouts, pools, self.rope_rounding):
             n_sink, n_local = buffer_slots(layout.fmt, self.policy, cap)
             d = layout.kv_lora_rank + layout.rope_dim
             sink = torch.zeros(batch, n_sink, d, dtype=torch.bfloat16, device=device)
             local = torch.zeros(batch, n_local, d, dtype=torch.bfloat16, device=device)
-            self.views.append(PagedMLACache.on_storage(layout, self.policy, self.table, pool, sink, local,
-                                                       max_seq_len=cap))  # fmt: skip
+            view = PagedMLACache.on_storage(layout, self.policy, self.table, pool, sink, local, max_seq_len=cap)
+            if plan is not None and layout.fmt.rope is not None:  # a BF16 RoPE key (e.g. a BF16 layer) needs none
+                view.set_rope_rounding(plan)
+            self.views.append(view)
 
     def _capacity(self) -> int:
         """Tokens per sequence the store can hold now: ``max_length``, else the block table's pages."""

@@ -2,7 +2,9 @@
 
 A transforms file (safetensors) holds, per attention layer ``i``, the learned content transform's factors
 ``layers.i.content.u`` [Dc], ``.q`` [Dc, Dc], ``.v`` [Dc] (``T = diag(u) Q diag(v)``) and the RoPE transform's
-``layers.i.rope.log_s`` / ``.phi`` [Dr/2], in fp32 (a few MB for the embedded model), plus metadata (JSON
+``layers.i.rope.log_s`` / ``.phi`` [Dr/2], in fp32 (a few MB for the embedded model), optionally the RoPE queries'
+second moment ``layers.i.rope.query_moment`` [Dr, Dr] (fp16, :mod:`quantmla.calibrate.query_moments`: folding
+attaches the layer's query-aware rounding plan, which every cache built for the model then uses), plus metadata (JSON
 strings): ``format`` = ``quantmla-transforms``, ``version``, ``model`` (the built-in name it was calibrated on),
 ``base_key`` (that model's conversion key: a transforms file is never applied to another base), ``cache_format``,
 ``method``, ``calibration`` (the recipe), ``label`` (what budget / machine produced it) and ``eval``: evaluation
@@ -30,9 +32,12 @@ TRANSFORMS_VERSION = 1
 DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "data"
 
 
-def transforms_tensors(layer: int, content, rope) -> dict[str, torch.Tensor]:
-    """The file's tensors for one attention layer's transforms (None = identity, not stored)."""
+def transforms_tensors(layer: int, content, rope, query_moment: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The file's tensors for one attention layer's transforms (None = identity, not stored) and, optionally, its
+    RoPE queries' second moment (stored fp16, for query-aware rounding)."""
     out = {}
+    if query_moment is not None:
+        out[f"layers.{layer}.rope.query_moment"] = query_moment.detach().to(torch.float16).cpu().contiguous()
     if content is not None:
         u, q, v = (x.detach().to(torch.float32).cpu().contiguous() for x in content.factors(torch.float64))
         out.update({f"layers.{layer}.content.u": u, f"layers.{layer}.content.q": q, f"layers.{layer}.content.v": v})
@@ -102,9 +107,18 @@ def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     for i in layers:
         if i not in attns:
             raise ValueError(f"the transforms have layer {i}, the model has {len(attns)} attention layers")
+        m = tensors.get(f"layers.{i}.rope.query_moment")
+        if m is not None and m.shape != (spec.qk_rope_head_dim,) * 2:
+            raise ValueError(f"layer {i}: a {tuple(m.shape)} query moment for a {spec.qk_rope_head_dim}-dim RoPE key")
         plan.append((attns[i], *layer_transforms(attns[i], spec, tensors, i)))
     for attn, content, rope in plan:
         fold_transforms(attn, spec, content, rope)
+    moments = {i: tensors[f"layers.{i}.rope.query_moment"].float() for i in layers
+               if f"layers.{i}.rope.query_moment" in tensors}  # fmt: skip
+    if moments:
+        from quantmla.calibrate.query_moments import attach_rope_rounding
+
+        attach_rope_rounding(model, moments)
     return len(plan)
 
 

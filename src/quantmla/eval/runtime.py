@@ -66,10 +66,12 @@ def make_cache(model, spec: CacheSpec):
             f"cache format {spec.format!r} needs an MLA model; {model.config.model_type!r} is GQA/MHA "
             "(convert it first with `quantmla convert`), or use --format bf16 / fp32"
         )
-    from quantmla.cache.hf import QuantMLACache  # lazy: the cache package is optional at import time
+    from quantmla.cache.hf import QuantMLACache, rope_rounding_of  # lazy: the cache package is optional at import
     from quantmla.quant.formats import CachePolicy
 
-    return QuantMLACache(model.config, fmt, CachePolicy(sink=spec.sink, local=spec.local))
+    # the model's query-aware RoPE rounding plans, where folded transforms brought them (round to nearest if none)
+    return QuantMLACache(model.config, fmt, CachePolicy(sink=spec.sink, local=spec.local),
+                         rope_rounding=rope_rounding_of(model))  # fmt: skip
 
 
 def prepare_model(model):

@@ -24,6 +24,7 @@ from quantmla.kernels.pages import PageTable
 from quantmla.quant.formats import CacheFormat, CachePolicy, get_format
 from quantmla.quant.packing import pack, unpack
 from quantmla.quant.quantize import dequantize_codes, quantize_codes
+from quantmla.quant.rounding import RopeRounding, quantize_codes_feedback
 
 __all__ = ["PagedLayout", "PagedMLACache", "buffer_slots"]
 
@@ -149,6 +150,22 @@ class PagedMLACache:
         # decode kernels plan their splits for sequences this long (None: the longest now); a captured decode step
         # (quantmla.cache.graph) sets it to the capacity, so one captured launch covers every later length
         self.planned_length: int | None = None
+        # query-aware rounding of the RoPE key (quantmla.quant.rounding): None = round to nearest
+        self.rope_rounding: RopeRounding | None = None
+
+    def set_rope_rounding(self, plan: RopeRounding | None) -> None:
+        """Round the RoPE key of every later write with ``plan`` (None: round to nearest). Same bytes, same
+        readers; a plan for another RoPE width, or for a cache whose RoPE key is not quantized, is an error."""
+        if plan is not None:
+            if not isinstance(plan, RopeRounding):
+                raise TypeError(f"rope rounding must be a RopeRounding (quantmla.quant.rounding), got {type(plan)}")
+            if self.fmt.rope is None:
+                raise ValueError(f"format {self.fmt.name} stores the RoPE key in BF16: there is nothing to round")
+            if plan.width != self.layout.rope_dim:
+                raise ValueError(f"a rounding plan for a {plan.width}-channel RoPE key on a cache whose RoPE key "
+                                 f"has {self.layout.rope_dim} channels")  # fmt: skip
+            plan = plan.to(self.device)
+        self.rope_rounding = plan
 
     # -- geometry ---------------------------------------------------------------------------------
     @property
@@ -372,7 +389,10 @@ class PagedMLACache:
             return
         if spec.scale_dtype != "fp16":
             raise NotImplementedError("the paged layout stores fp16 scales; QuantSpec.scale_dtype must be 'fp16'")
-        codes, scale, offset = quantize_codes(x, spec)  # [k, D] uint8, [k, G], [k, G]
+        if which == "rope" and self.rope_rounding is not None:
+            codes, scale, offset = quantize_codes_feedback(x, spec, self.rope_rounding)
+        else:
+            codes, scale, offset = quantize_codes(x, spec)  # [k, D] uint8, [k, G], [k, G]
         region[pages, slots] = pack(codes, spec.bits, self.layout.pack_group(which))
         meta = self._meta()
         r_s, r_o, g = self._meta_rows_of(which)

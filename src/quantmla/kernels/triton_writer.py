@@ -9,7 +9,10 @@ then the packing of :mod:`quantmla.kernels.layout` (content grouped planar: byte
 ``b``-bit row holds channel ``g*G + j + p*G/k`` in bits ``[p*b, (p+1)*b)``; RoPE plain planar: ``G = Dr``).
 Tokens in the sequence's final local window are copied as
 BF16 into the ring (only those, so that a long prefill chunk writes each ring slot exactly once); tokens
-at positions below ``sink`` go into the sink buffer. Works on CUDA and under ``TRITON_INTERPRET=1``.
+at positions below ``sink`` go into the sink buffer. With a query-aware rounding plan on the cache
+(``PagedMLACache.rope_rounding``) the RoPE key's codes are those of
+:func:`quantmla.quant.rounding.quantize_codes_feedback`, bit for bit (same scales and offsets).
+Works on CUDA and under ``TRITON_INTERPRET=1``.
 
 Import this module only when a Triton writer is wanted: it imports triton.
 """
@@ -59,6 +62,9 @@ def _write_path(
     OROW: tl.constexpr,
     P: tl.constexpr,
     WP: tl.constexpr,  # next power of two >= D * BITS / 8
+    FB_ptr,  # fp32 [D, D] feedback of a query-aware rounding plan (quantmla.quant.rounding; read when FEEDBACK)
+    ORD_ptr,  # int32 [D] its channel order
+    FEEDBACK: tl.constexpr,  # round in ORD's order, feeding each error forward (else round to nearest)
 ):
     K: tl.constexpr = 8 // BITS  # codes per byte = planes
     W: tl.constexpr = D // K  # plane width = packed bytes per token
@@ -96,7 +102,34 @@ def _write_path(
             s_e = tl.where(sel, s16.to(tl.float32), s_e)
             m_e = tl.where(sel, o16.to(tl.float32), m_e)
     s_e = tl.where(inb, s_e, 1.0)
-    if SYM:
+    if FEEDBACK:  # quantize_codes_feedback: one channel at a time in ORD's order, its error fed forward
+        w = x
+        qf = tl.zeros([K, WP], dtype=tl.float32)
+        for t in range(D):
+            c = tl.load(ORD_ptr + t)
+            sel = inb & (ch == c)
+            wc = tl.sum(tl.sum(tl.where(sel, w, 0.0), axis=1), axis=0)
+            sc = tl.sum(tl.sum(tl.where(sel, s_e, 0.0), axis=1), axis=0)
+            if SYM:
+                yc = tl.math.div_rn(wc, sc)
+                yc = tl.where(yc == yc, yc, 0.0)
+                qc = tl.minimum(tl.maximum((yc + 12582912.0) - 12582912.0, -QMAX_S * 1.0), QMAX_S * 1.0)
+                deq = qc * sc
+            else:
+                oc = tl.sum(tl.sum(tl.where(sel, m_e, 0.0), axis=1), axis=0)
+                yc = tl.math.div_rn(wc - oc, sc)
+                yc = tl.where(yc == yc, yc, 0.0)
+                qc = tl.minimum(tl.maximum((yc + 12582912.0) - 12582912.0, 0.0), QMAX_A * 1.0)
+                deq = qc * sc + oc
+            e = wc - deq
+            e = tl.where((e == e) & (tl.abs(e) < float("inf")), e, 0.0)  # a NaN group feeds nothing forward
+            f = tl.load(FB_ptr + c * D + ch, mask=inb, other=0.0)
+            w = w - e * f
+            qf = tl.where(sel, qc, qf)
+        q = qf
+        if SYM:
+            q = qf + (1 << (BITS - 1))
+    elif SYM:
         y = tl.math.div_rn(x, s_e)
         y = tl.where(y == y, y, 0.0)  # NaN -> 0 (torch: nan_to_num), on every device
         q = (y + 12582912.0) - 12582912.0  # round half to even
@@ -140,6 +173,8 @@ def _writer_kernel(
     NNEW,  # int32 [B] number of real new tokens
     SINKB,  # bf16 [B, SINK, DC + DR]
     LOCB,  # bf16 [B, LOCAL, DC + DR]
+    RFB,  # fp32 [DR, DR]: the RoPE key's query-aware rounding feedback (read when RFEED)
+    RORD,  # int32 [DR]: its channel order
     stride_cb,
     stride_ct,
     stride_kb,
@@ -171,6 +206,7 @@ def _writer_kernel(
     DRP: tl.constexpr,
     SINK: tl.constexpr,
     LOCAL: tl.constexpr,
+    RFEED: tl.constexpr,  # the cache has a RoPE rounding plan (PagedMLACache.rope_rounding)
 ):
     b = tl.program_id(0)
     t = tl.program_id(1)
@@ -188,14 +224,14 @@ def _writer_kernel(
     else:
         _write_path(
             x_c, base8 + C_OFF + slot * (DC * CBITS // 8), meta, valid, DC, CBITS, CGROUP, CPGROUP, CSYM, CSROW,
-            COROW, P, CWP,
+            COROW, P, CWP, RFB, RORD, False,
         )  # fmt: skip
     if RBITS == 16:
         _copy_bf16(x_r, POOLBF + page * (PAGE_BYTES // 2) + R_OFF // 2 + slot * DR, valid, DR, RWP)
     else:
         _write_path(
             x_r, base8 + R_OFF + slot * (DR * RBITS // 8), meta, valid, DR, RBITS, RGROUP, DR, RSYM, RSROW, ROROW,
-            P, RWP,
+            P, RWP, RFB, RORD, RFEED,
         )  # fmt: skip
     if CBITS != 16 or RBITS != 16:  # a quantized format: BF16 copies of the sink and the final local window
         if SINK > 0:
@@ -269,6 +305,13 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
     r_args = _path_args(fmt.rope, L.rope_dim, L.rope_scale_row, L.rope_offset_row)
     sink = cache.sink
     local = cache.local
+    plan = getattr(cache, "rope_rounding", None)
+    feed = plan is not None and fmt.rope is not None
+    if feed:
+        plan = plan.to(dev)
+        r_fb, r_ord = plan.feedback, plan.order
+    else:  # never read: any valid pointers
+        r_fb, r_ord = nnew_t, nnew_t
     _writer_kernel[(B, T)](
         c_kv,
         k_pe,
@@ -280,6 +323,8 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
         nnew_t,
         sink,
         local,
+        r_fb,
+        r_ord,
         c_kv.stride(0),
         c_kv.stride(1),
         k_pe.stride(0),
@@ -311,6 +356,7 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
         DRP=triton.next_power_of_2(L.rope_dim),
         SINK=sink.shape[1],
         LOCAL=local.shape[1],
+        RFEED=feed,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the arithmetic must round exactly as torch's
     )
