@@ -172,6 +172,7 @@ def run_calibrate(args) -> int:
         check_model_name(args.model)
     check_output(args.out, flag="--out", force=args.force, kind="dir")
 
+    from quantmla.calibrate.blocks import resolve_device
     from quantmla.calibrate.fuse import make_quant_config, save_fused
     from quantmla.calibrate.trainer import calibrate_model
     from quantmla.mla.spec import MLASpec
@@ -188,8 +189,15 @@ def run_calibrate(args) -> int:
     if args.corpus:
         qc["corpus"] = args.corpus
     out = Path(args.out)  # the report is written inside the checkpoint folder, which appears whole or not at all
+    moments = None  # the query-aware RoPE rounding of the calibrated model, from its own training sequences
+    if fmt.rope is not None:
+        from quantmla.calibrate.query_moments import query_moments
+
+        moments = query_moments(model, tokens[: config.train_seqs, : config.seq_len], sink=config.sink,
+                                local=config.local, batch_size=config.batch_size,
+                                device=resolve_device(config.device))  # fmt: skip
     save_fused(model, out, qc, force=args.force, tokenizer=tokenizer,
-               extra_json={"calibration_report.json": report.to_dict()})  # fmt: skip
+               extra_json={"calibration_report.json": report.to_dict()}, rope_moments=moments)  # fmt: skip
     print(out)
     print(json.dumps(report.summary()))
     return 0

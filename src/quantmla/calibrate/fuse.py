@@ -176,11 +176,14 @@ def save_fused(
     force: bool = False,
     tokenizer: Any = None,
     extra_json: dict[str, Any] | None = None,
+    rope_moments: dict[int, Any] | None = None,
 ) -> Path:
     """Save the (fused) model as a transformers checkpoint with ``quantmla.json`` inside; return the directory.
 
     ``extra_json`` (file name -> JSON-serializable object, e.g. ``{"calibration_report.json": report.to_dict()}``)
-    is written into the same folder. Everything goes to a temp folder first, a completion manifest last, then one
+    is written into the same folder; ``rope_moments`` (cache layer -> query moment) as its query-aware RoPE rounding
+    (``rope_rounding.safetensors``, :mod:`quantmla.calibrate.query_moments`), which loading the folder attaches.
+    Everything goes to a temp folder first, a completion manifest last, then one
     rename (:func:`quantmla.artifacts.staged`): a failure or interrupt never leaves a half-written checkpoint at
     ``out_dir``, and without ``force`` an existing ``out_dir`` -- also one that appears while this runs -- is never
     replaced (:class:`FileExistsError`). With ``force`` the old folder is set aside, swapped, then deleted.
@@ -203,6 +206,12 @@ def save_fused(
             json.dump(quant_config, f, indent=2, sort_keys=True)
         for name, obj in extra_json.items():
             write_json(tmp, name, obj)
+        if rope_moments:
+            from quantmla.calibrate.query_moments import ROUNDING_FILE, rounding_file_tensors
+            from quantmla.calibrate.shipped import save_transforms
+
+            meta = {"method": quant_config.get("method"), "what": "query moments (rope rounding)"}
+            save_transforms(os.path.join(tmp, ROUNDING_FILE), rounding_file_tensors(rope_moments), meta)
     return out
 
 

@@ -21,6 +21,38 @@ from quantmla.quant.rounding import ROPE_ROUNDING_ATTR, fit_rope_rounding
 
 
 @torch.no_grad()
+def layer_query_moment(
+    attn: nn.Module,
+    spec: MLASpec,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    sink: int = 4,
+    local: int = 128,
+    query_stride: int = 4,
+    batch_size: int = 4,
+) -> torch.Tensor:
+    """H [Dr, Dr] fp32 (unit mean diagonal, on the CPU) of one attention module on its inputs ``hidden`` [N, T, D]
+    (``cos`` / ``sin`` [1, T, Dr/2]); every ``query_stride``-th position from ``local`` on is a query (keys before
+    ``local`` are all in the BF16 window). The module as it is now: fold the transforms first."""
+    t = hidden.shape[1]
+    if hidden.dim() != 3 or t <= local + 1:
+        raise ValueError(f"inputs must be [N, T, D] with T > local + 1 = {local + 1} (queries that read packed "
+                         f"keys), got {tuple(hidden.shape)}")  # fmt: skip
+    w = extract_layer_weights(attn)
+    dev = w.o_proj.device
+    qidx = torch.arange(local, t, query_stride)
+    h = torch.zeros(spec.qk_rope_head_dim, spec.qk_rope_head_dim, dtype=torch.float64, device=dev)
+    for j in range(0, hidden.shape[0], batch_size):
+        x = layer_inputs(w, spec, hidden[j : j + batch_size].to(dev), cos.to(dev), sin.to(dev), qidx, sink, local)
+        p = attention_probs(x, spec)  # [B, H, Tq, S]
+        weight = (p * x.quant_mask.to(p.dtype)).sum(-1)  # [B, H, Tq]: the probability it gives packed keys
+        h += torch.einsum("bht,bhtr,bhtq->rq", weight, x.q_pe, x.q_pe).double()
+    mean = h.diagonal().mean()
+    return (h / mean if mean > 0 else h).float().cpu()
+
+
 def query_moments(
     model: nn.Module,
     tokens: torch.Tensor,
@@ -32,26 +64,16 @@ def query_moments(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> dict[int, torch.Tensor]:
-    """{cache layer index: H [Dr, Dr] fp32, unit mean diagonal} of ``model`` on ``tokens`` [N, T] (every
-    ``query_stride``-th position from ``local`` on is a query: keys before ``local`` are all in the BF16 window)."""
+    """{cache layer index: :func:`layer_query_moment`} of ``model`` on ``tokens`` [N, T], block by block."""
     if tokens.dim() != 2 or tokens.shape[1] <= local + 1:
         raise ValueError(f"tokens must be [N, T] with T > local + 1 = {local + 1} (queries that read packed keys), "
                          f"got {tuple(tokens.shape)}")  # fmt: skip
     spec = MLASpec.from_config(model.config)
     index = {id(a): i for i, a in iter_mla_attention(model)}
-    dev = torch.device(device)
-    qidx = torch.arange(local, tokens.shape[1], query_stride)
     out = {}
-    for attn, hidden, cos, sin in iter_attention_inputs(model, tokens, batch_size, dev, progress):
-        w = extract_layer_weights(attn)
-        h = torch.zeros(spec.qk_rope_head_dim, spec.qk_rope_head_dim, dtype=torch.float64, device=dev)
-        for j in range(0, hidden.shape[0], batch_size):
-            x = layer_inputs(w, spec, hidden[j : j + batch_size].to(dev), cos.to(dev), sin.to(dev), qidx, sink, local)
-            p = attention_probs(x, spec)  # [B, H, Tq, S]
-            weight = (p * x.quant_mask.to(p.dtype)).sum(-1)  # [B, H, Tq]: the probability it gives packed keys
-            h += torch.einsum("bht,bhtr,bhtq->rq", weight, x.q_pe, x.q_pe).double()
-        mean = h.diagonal().mean()
-        out[index[id(attn)]] = (h / mean if mean > 0 else h).float().cpu()
+    for attn, hidden, cos, sin in iter_attention_inputs(model, tokens, batch_size, torch.device(device), progress):
+        out[index[id(attn)]] = layer_query_moment(attn, spec, hidden, cos, sin, sink=sink, local=local,
+                                                  query_stride=query_stride, batch_size=batch_size)  # fmt: skip
     return out
 
 
@@ -67,4 +89,37 @@ def attach_rope_rounding(model: nn.Module, moments: dict[int, torch.Tensor]) -> 
     return len(moments)
 
 
-__all__ = ["attach_rope_rounding", "query_moments"]
+
+
+ROUNDING_FILE = "rope_rounding.safetensors"  # beside a fused checkpoint (`quantmla calibrate`): its query moments
+
+
+def rounding_file_tensors(moments: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transforms file's tensors holding only ``moments`` (the transforms themselves already folded)."""
+    from quantmla.calibrate.shipped import transforms_tensors
+
+    out = {}
+    for i, m in moments.items():
+        out.update(transforms_tensors(i, None, None, m))
+    return out
+
+
+def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
+    """Attach the rounding stored beside a fused checkpoint (:data:`ROUNDING_FILE`), if there is one; returns the
+    number of layers given a plan (0: none stored)."""
+    import os
+
+    from quantmla.calibrate.shipped import apply_transforms, load_transforms
+
+    path = os.path.join(str(model_dir), ROUNDING_FILE)
+    if not os.path.isfile(path):
+        return 0
+    tensors, _ = load_transforms(path)
+    if any(not k.endswith(".rope.query_moment") for k in tensors):
+        raise ValueError(f"{path} holds more than query moments: it is not a rope-rounding file")
+    apply_transforms(model, tensors)
+    return len(tensors)
+
+
+__all__ = ["ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding", "query_moments",
+           "rounding_file_tensors"]

@@ -52,6 +52,7 @@ from quantmla.calibrate.checkpoint import (
 from quantmla.calibrate.config import CalibrationConfig, recorded_rope_weighting
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
+from quantmla.calibrate.query_moments import layer_query_moment
 from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
 from quantmla.calibrate.trainer import LayerBanks, _check_policy_coverage, _token_bank, calibrate_attention
 from quantmla.mla.rope import cos_sin_from_position_embeddings
@@ -248,7 +249,11 @@ def calibrate_streamed(
             content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
             fold_transforms(attn, spec, content, rope)
             reports.append(asdict(rep))
-            tf.update({TF_PREFIX + k: v for k, v in transforms_tensors(attn.layer_idx, content, rope).items()})
+            moment = None  # the folded layer's query moment: the query-aware RoPE rounding the transforms file carries
+            if fmt.rope is not None:  # in every part, so a resumed run's transforms file has every layer's
+                moment = layer_query_moment(attn, spec, x[:n_train], cos, sin, sink=config.sink, local=config.local,
+                                            batch_size=config.batch_size)  # fmt: skip
+            tf.update({TF_PREFIX + k: v for k, v in transforms_tensors(attn.layer_idx, content, rope, moment).items()})
         del attn_inputs
         stats["calibrate_s"] = time.time() - t2
         state, local = block.state_dict(), f"{prefix}layers.{b}."

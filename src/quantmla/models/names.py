@@ -77,4 +77,8 @@ def resolve_model(name: str, dtype: str = "float32"):
         m, t = load_healed(dtype=dt)
         return m, t, "smollm2-mla-b-healed"
     m, t = load_model(name, dtype=dt)
+    if os.path.isdir(name):  # a fused checkpoint (`quantmla calibrate`) may carry its query-aware RoPE rounding
+        from quantmla.calibrate.query_moments import load_saved_rope_rounding
+
+        load_saved_rope_rounding(m, name)
     return m, t, os.path.basename(os.path.normpath(name))
