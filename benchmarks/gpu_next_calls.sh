@@ -3,22 +3,13 @@
 # to back (it is given back ~30 s after a call). A fresh checkout has no ignored folders: `bash
 # benchmarks/prepare_flashmla.sh <FlashMLA mirror> <CUTLASS mirror>` (the `fetch` tool's mirrors; .flashmla, 28 MB)
 # and `bash benchmarks/device_carry.sh prepare` (.gpucarry_1..4; needs `apt-get install python3-doc` first).
-# (0) issue 9. Session 32 (2026-12-05, an H100: no H200 was lent) answered session 31's two questions
-#     (docs/kernels.md "Session 32"): the proxy fence does not wait for the cp.async in flight, and split
-#     warpgroups overlap the products with ALU work no better than one warp does; stages3 / qk2 / qk3 do not help
-#     (kernel_variants_h100_s32_*.md), and our kernel takes the same time on the H100 as on the H200 (SM-bound).
-#     Left from the queue: the Triton BF16 kernel's ragged plan (session 31, offline; BF16 pages past 2^17 units of
-#     work run it): `FORMATS=bf16,bf16/equal QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ragged` (carry
-#     .fmbuild; ~5 min), or directly, without the merge tests: `PYTHONPATH=src QUANTMLA_COMMIT=<sha> python
-#     benchmarks/bench_decode.py --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so --out $OUT --rounds 2 --ragged
-#     --tag h200_s33_ragged_bf16 --shapes 32x32768,8x131072,64x16384 --formats bf16,bf16/equal` (~3 min).
-#     First of all: `VARIANT_TESTS=1 VARIANTS=base,stages3_late,vote,stages3_late_vote VARIANT_FORMATS=c4r4,c4r4t
-#     QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh variants` (carry .fmbuild; ~6 min): stages3_late drops
-#     the barrier at the top of each tile, vote the softmax's cross-warp exchange on most tiles (docs/kernels.md
-#     session 32 item 8); what gains becomes the default (stages3_late: for C4R4 / C2R4 / C4R4T / C2R4T only, not
-#     C8R8 / C4R8, where three stages leave one CTA per SM), then `check`.
-#     8-bit products are out (CPU, session 32: an int8 output product costs +17% / +8% KL and 1e-2 relative L2,
-#     operand_accuracy_smollm2_int8p.md).
+# (0) issue 9. Session 33 (2026-12-05, H100) measured the last queued variants: `stages3_late` 0.93-0.98x, `vote`
+#     0.96-1.00x, both 0.92-0.97x (kernel_variants_h100_s33_late_vote.md; all pass the GPU tests; defaults unchanged),
+#     and the Triton BF16 ragged plan (0.77-0.88x the longest-sequence plan's time,
+#     decode_vs_flashmla_h100_s33_ragged_bf16.md). Nothing kernel-side is queued: the schedule levers are spent
+#     (docs/kernels.md "Session 32" / "Session 33"); C4R4 past 2x on the H200 needs fewer instructions per tile from
+#     an operand or work change. `check` passed at 1407143 (the writer's query-aware RoPE rounding included).
+#     Optional: `PYTHONPATH=src python benchmarks/bench_writer.py --out $OUT --tag h200` (~20 s) after a writer change.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
 #     ~9 MB for a kit part; session 32 untracked them for the calls (`git rm --cached` + .git/info/exclude, restored
