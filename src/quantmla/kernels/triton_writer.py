@@ -260,6 +260,11 @@ def _path_args(spec, width: int, srow: int, orow: int | None) -> tuple:
 
 
 MAX_TOKENS_PER_LAUNCH = 32768  # the grid's second dimension is limited to 65535 on CUDA
+WARPS = 4  # per program (one token)
+# with a RoPE rounding plan: each of the Dr sequential steps reduces across the program's warps three times, which
+# fewer warps make cheaper (the results do not depend on it: every reduction is exact -- one value and zeros, min /
+# max, disjoint bit fields)
+FEEDBACK_WARPS = 4
 
 
 def write_triton(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int], n_new: list[int]) -> None:
@@ -357,6 +362,6 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
         SINK=sink.shape[1],
         LOCAL=local.shape[1],
         RFEED=feed,
-        num_warps=4,
+        num_warps=FEEDBACK_WARPS if feed else WARPS,
         enable_fp_fusion=False,  # no FMA contraction: the arithmetic must round exactly as torch's
     )
