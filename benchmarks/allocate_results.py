@@ -44,6 +44,7 @@ HAND_PLANS = {"hot-r8": "mix:c4r8@7,17,18,20,23:c4r4"}  # picked on test tokens 
 def plans_in_eval(plans: dict):
     """Let the evaluation's cache factory build per-layer caches: a CacheSpec whose format is a plan's name."""
     from quantmla.analysis.allocate import plan_cache
+    from quantmla.cache.hf import rope_rounding_of
     from quantmla.eval import runtime
     from quantmla.quant.formats import CachePolicy
 
@@ -51,7 +52,8 @@ def plans_in_eval(plans: dict):
 
     def make_cache(model, spec):
         if spec.format in plans:
-            return plan_cache(model.config, plans[spec.format], CachePolicy(sink=spec.sink, local=spec.local))
+            return plan_cache(model.config, plans[spec.format], CachePolicy(sink=spec.sink, local=spec.local),
+                              rope_rounding=rope_rounding_of(model))  # fmt: skip
         return real(model, spec)
 
     with mock.patch("quantmla.eval.perplexity.make_cache", make_cache), mock.patch(

@@ -62,7 +62,7 @@ def layer_format(i: int, fmt: str) -> str:
 def per_layer_formats():
     """Let the evaluation's cache factory build one-layer caches from :func:`layer_format` names (the same patch
     point as ``allocate_results.py``'s plans); every other name goes to the library's own ``make_cache``."""
-    from quantmla.cache.hf import QuantMLACache
+    from quantmla.cache.hf import QuantMLACache, rope_rounding_of
     from quantmla.eval import runtime
     from quantmla.mla.spec import MLASpec
     from quantmla.quant.formats import CachePolicy
@@ -80,7 +80,8 @@ def per_layer_formats():
         else:
             fmts = ["bf16"] * n
             fmts[int(m[1])] = m[2]
-        return QuantMLACache(model.config, fmts, CachePolicy(sink=spec.sink, local=spec.local))
+        return QuantMLACache(model.config, fmts, CachePolicy(sink=spec.sink, local=spec.local),
+                             rope_rounding=rope_rounding_of(model))  # fmt: skip
 
     with mock.patch("quantmla.eval.perplexity.make_cache", make_cache):
         yield

@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
     fmt, policy, text = check_generate_args(args)
     import torch
 
-    from quantmla.cache.hf import QuantMLACache
+    from quantmla.cache.hf import QuantMLACache, rope_rounding_of
     from quantmla.compat import with_cache
     from quantmla.models.names import resolve_model
 
@@ -112,7 +112,8 @@ def cmd_generate(args) -> int:
             f"{limit} tokens (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
         )
     with usage_errors(f"--model {args.model}: "):  # pages for the whole generation, allocated at the first write
-        cache = QuantMLACache(model.config, fmt, policy, max_length=ids.shape[1] + args.max_new_tokens)
+        cache = QuantMLACache(model.config, fmt, policy, max_length=ids.shape[1] + args.max_new_tokens,
+                              rope_rounding=rope_rounding_of(model))  # a calibrated folder's RoPE rounding
     if args.absorbed or device == "cuda":
         from quantmla.mla.attention import enable_absorbed_attention
 

@@ -238,12 +238,12 @@ def _sample(model, tok, label: str) -> str | None:
         return None
     import torch
 
-    from quantmla.cache.hf import QuantMLACache
+    from quantmla.cache.hf import QuantMLACache, rope_rounding_of
     from quantmla.compat import with_cache
 
     prompt = "The quick brown fox"
     p = tok(prompt, return_tensors="pt").input_ids
-    cache = QuantMLACache(model.config, QUANTMLA_FORMAT)
+    cache = QuantMLACache(model.config, QUANTMLA_FORMAT, rope_rounding=rope_rounding_of(model))
     with torch.no_grad():
         out = model.generate(p, max_new_tokens=24, do_sample=False, **with_cache(cache))
     sample = tok.decode(out[0, p.shape[1] :], skip_special_tokens=True)

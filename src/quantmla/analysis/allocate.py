@@ -380,9 +380,10 @@ def predicted_uniform(sens: list[LayerSensitivity], bits_c: int, bits_r: int) ->
 # ---- using a plan --------------------------------------------------------------------------------------------
 
 
-def plan_cache(config, plan: Plan, policy=None):
+def plan_cache(config, plan: Plan, policy=None, rope_rounding: list | None = None):
     """A :class:`~quantmla.cache.hf.QuantMLACache` whose layer ``i`` stores ``plan.formats[i]`` (the cache takes
-    per-layer formats itself; this only checks the plan's widths against the model's first)."""
+    per-layer formats itself; this only checks the plan's widths against the model's first). ``rope_rounding``: the
+    model's query-aware RoPE rounding plans (:func:`quantmla.cache.hf.rope_rounding_of`), or None."""
     from quantmla.cache.hf import QuantMLACache
     from quantmla.mla.spec import MLASpec
 
@@ -396,7 +397,7 @@ def plan_cache(config, plan: Plan, policy=None):
         raise ValueError(
             f"the plan has {len(plan.layers)} layers, the model {spec.num_cache_layers}: made for another model"
         )
-    return QuantMLACache(config, plan, policy)
+    return QuantMLACache(config, plan, policy, rope_rounding=rope_rounding)
 
 
 def plan_bytes(plan: Plan, context: int, policy=None) -> int:
