@@ -112,11 +112,9 @@ def add_scoring_args(ap) -> None:
     ap.add_argument("--threads", type=int, default=2)
 
 
-def scoring_setup(args):
-    """(base model, corpora, data, QuantMLA model, transforms info): the converted SmolLM2-MLA (variant a), ``data``
-    {corpus: (test ids, full-precision reference)} for :func:`score`, and a copy with the shipped paper-budget C4R4
-    transforms folded in. A missing corpus is an error before anything long."""
-    from quantmla.calibrate.shipped import apply_transforms, load_transforms, shipped_path
+def scoring_data(args):
+    """(base model, tokenizer, corpora, data): the converted SmolLM2-MLA (variant a) and ``data`` {corpus: (test ids,
+    full-precision reference)} for :func:`score`. A missing corpus is an error before anything long."""
     from quantmla.data.corpus import load_split, token_stream
     from quantmla.eval.perplexity import reference_logprobs
     from quantmla.models.names import resolve_model
@@ -131,6 +129,15 @@ def scoring_setup(args):
     for c in corpora:
         ids = token_stream(tok, c, "test", args.tokens)
         data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
+    return base, tok, corpora, data
+
+
+def scoring_setup(args):
+    """(base model, corpora, data, QuantMLA model, transforms info): :func:`scoring_data` and a copy of the model
+    with the shipped paper-budget C4R4 transforms folded in."""
+    from quantmla.calibrate.shipped import apply_transforms, load_transforms, shipped_path
+
+    base, _, corpora, data = scoring_data(args)
     path = shipped_path("smollm2-mla", "c4r4")
     tensors, meta = load_transforms(path)
     quantmla = copy.deepcopy(base)

