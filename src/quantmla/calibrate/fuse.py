@@ -207,11 +207,9 @@ def save_fused(
         for name, obj in extra_json.items():
             write_json(tmp, name, obj)
         if rope_moments:
-            from quantmla.calibrate.query_moments import ROUNDING_FILE, rounding_file_tensors
-            from quantmla.calibrate.shipped import save_transforms
+            from quantmla.calibrate.query_moments import save_rounding_file
 
-            meta = {"method": quant_config.get("method"), "what": "query moments (rope rounding)"}
-            save_transforms(os.path.join(tmp, ROUNDING_FILE), rounding_file_tensors(rope_moments), meta)
+            save_rounding_file(tmp, rope_moments, {"method": quant_config.get("method")})
     return out
 
 

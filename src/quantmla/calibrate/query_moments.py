@@ -92,16 +92,23 @@ def attach_rope_rounding(model: nn.Module, moments: dict[int, torch.Tensor]) -> 
 
 
 ROUNDING_FILE = "rope_rounding.safetensors"  # beside a fused checkpoint (`quantmla calibrate`): its query moments
+ROUNDING_KIND, ROUNDING_VERSION = "quantmla-rope-rounding", 1
 
 
 def rounding_file_tensors(moments: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transforms file's tensors holding only ``moments`` (the transforms themselves already folded)."""
-    from quantmla.calibrate.shipped import transforms_tensors
+    """The tensors of a rounding file (the keys a transforms file uses for them): ``layers.i.rope.query_moment``."""
+    return {f"layers.{i}.rope.query_moment": m.detach().to(torch.float16).cpu().contiguous()
+            for i, m in moments.items()}  # fmt: skip
 
-    out = {}
-    for i, m in moments.items():
-        out.update(transforms_tensors(i, None, None, m))
-    return out
+
+def save_rounding_file(directory, moments: dict[int, torch.Tensor], meta: dict | None = None) -> None:
+    """Write :data:`ROUNDING_FILE` into ``directory`` (temp file + rename)."""
+    import os
+
+    from quantmla.calibrate.delta import save_tagged
+
+    save_tagged(os.path.join(str(directory), ROUNDING_FILE), rounding_file_tensors(moments), dict(meta or {}),
+                kind=ROUNDING_KIND, version=ROUNDING_VERSION, force=False)  # fmt: skip
 
 
 def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
@@ -109,17 +116,14 @@ def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
     number of layers given a plan (0: none stored)."""
     import os
 
-    from quantmla.calibrate.shipped import apply_transforms, load_transforms
+    from quantmla.calibrate.delta import load_tagged
 
     path = os.path.join(str(model_dir), ROUNDING_FILE)
     if not os.path.isfile(path):
         return 0
-    tensors, _ = load_transforms(path)
-    if any(not k.endswith(".rope.query_moment") for k in tensors):
-        raise ValueError(f"{path} holds more than query moments: it is not a rope-rounding file")
-    apply_transforms(model, tensors)
-    return len(tensors)
-
+    tensors, _ = load_tagged(path, kind=ROUNDING_KIND, version=ROUNDING_VERSION, what="rope-rounding file")
+    moments = {int(k.split(".")[1]): t.float() for k, t in tensors.items() if k.endswith(".rope.query_moment")}
+    return attach_rope_rounding(model, moments)
 
 __all__ = ["ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding", "query_moments",
-           "rounding_file_tensors"]
+           "rounding_file_tensors", "save_rounding_file"]
