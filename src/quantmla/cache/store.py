@@ -51,11 +51,8 @@ class PagedStore:
         if rope_rounding is not None and len(rope_rounding) != len(formats):
             raise ValueError(f"rope_rounding needs one plan (or None) per layer: {len(formats)} layers, got "
                              f"{len(rope_rounding)}")  # fmt: skip
-        for i, plan in enumerate(rope_rounding or []):
-            if plan is not None and getattr(plan, "width", None) != rope_dim:
-                raise ValueError(f"layer {i}: a RoPE rounding plan for {getattr(plan, 'width', '?')} channels on a "
-                                 f"{rope_dim}-channel RoPE key (another model's transforms?)")  # fmt: skip
-        # per layer, the RoPE key's query-aware rounding plan (quantmla.quant.rounding) or None (round to nearest)
+        # per layer, the RoPE key's query-aware rounding plan (quantmla.quant.rounding) or None (round to nearest);
+        # each layer's view checks its plan (PagedMLACache.set_rope_rounding) when the storage starts
         self.rope_rounding = list(rope_rounding) if rope_rounding is not None else [None] * len(formats)
         self.policy = policy
         self.layouts = [PagedLayout(f, kv_lora_rank, rope_dim, policy.page_size) for f in formats]

@@ -89,16 +89,21 @@ def attach_rope_rounding(model: nn.Module, moments: dict[int, torch.Tensor]) -> 
     return len(moments)
 
 
-
-
 ROUNDING_FILE = "rope_rounding.safetensors"  # beside a fused checkpoint (`quantmla calibrate`): its query moments
 ROUNDING_KIND, ROUNDING_VERSION = "quantmla-rope-rounding", 1
 
 
+MOMENT_KEY = "layers.{}.rope.query_moment"  # a layer's moment in a rounding file and in a transforms file
+
+
 def rounding_file_tensors(moments: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors of a rounding file (the keys a transforms file uses for them): ``layers.i.rope.query_moment``."""
-    return {f"layers.{i}.rope.query_moment": m.detach().to(torch.float16).cpu().contiguous()
-            for i, m in moments.items()}  # fmt: skip
+    """{``MOMENT_KEY`` of layer i: its moment in fp16}: how both kinds of file store them."""
+    return {MOMENT_KEY.format(i): m.detach().to(torch.float16).cpu().contiguous() for i, m in moments.items()}
+
+
+def moments_in(tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """{layer: fp32 moment} of the ``MOMENT_KEY`` entries of a file's tensors."""
+    return {int(k.split(".")[1]): t.float() for k, t in tensors.items() if k.endswith(".rope.query_moment")}
 
 
 def save_rounding_file(directory, moments: dict[int, torch.Tensor], meta: dict | None = None) -> None:
@@ -122,8 +127,8 @@ def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
     if not os.path.isfile(path):
         return 0
     tensors, _ = load_tagged(path, kind=ROUNDING_KIND, version=ROUNDING_VERSION, what="rope-rounding file")
-    moments = {int(k.split(".")[1]): t.float() for k, t in tensors.items() if k.endswith(".rope.query_moment")}
-    return attach_rope_rounding(model, moments)
+    return attach_rope_rounding(model, moments_in(tensors))
 
-__all__ = ["ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding", "query_moments",
+__all__ = ["ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding", "moments_in",
+           "query_moments",
            "rounding_file_tensors", "save_rounding_file"]

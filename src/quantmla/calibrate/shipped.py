@@ -37,7 +37,9 @@ def transforms_tensors(layer: int, content, rope, query_moment: torch.Tensor | N
     RoPE queries' second moment (stored fp16, for query-aware rounding)."""
     out = {}
     if query_moment is not None:
-        out[f"layers.{layer}.rope.query_moment"] = query_moment.detach().to(torch.float16).cpu().contiguous()
+        from quantmla.calibrate.query_moments import rounding_file_tensors
+
+        out.update(rounding_file_tensors({layer: query_moment}))
     if content is not None:
         u, q, v = (x.detach().to(torch.float32).cpu().contiguous() for x in content.factors(torch.float64))
         out.update({f"layers.{layer}.content.u": u, f"layers.{layer}.content.q": q, f"layers.{layer}.content.v": v})
@@ -103,21 +105,20 @@ def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     spec = MLASpec.from_config(model.config)
     attns = dict(iter_mla_attention(model))
     layers = sorted({int(k.split(".")[1]) for k in tensors})
+    from quantmla.calibrate.query_moments import attach_rope_rounding, moments_in
+
+    moments = moments_in(tensors)  # {layer: query moment}: the layers' query-aware RoPE rounding, where stored
     plan = []
     for i in layers:
         if i not in attns:
             raise ValueError(f"the transforms have layer {i}, the model has {len(attns)} attention layers")
-        m = tensors.get(f"layers.{i}.rope.query_moment")
-        if m is not None and m.shape != (spec.qk_rope_head_dim,) * 2:
-            raise ValueError(f"layer {i}: a {tuple(m.shape)} query moment for a {spec.qk_rope_head_dim}-dim RoPE key")
+        if i in moments and moments[i].shape != (spec.qk_rope_head_dim,) * 2:
+            raise ValueError(f"layer {i}: a {tuple(moments[i].shape)} query moment for a "
+                             f"{spec.qk_rope_head_dim}-dim RoPE key")  # fmt: skip
         plan.append((attns[i], *layer_transforms(attns[i], spec, tensors, i)))
     for attn, content, rope in plan:
         fold_transforms(attn, spec, content, rope)
-    moments = {i: tensors[f"layers.{i}.rope.query_moment"].float() for i in layers
-               if f"layers.{i}.rope.query_moment" in tensors}  # fmt: skip
     if moments:
-        from quantmla.calibrate.query_moments import attach_rope_rounding
-
         attach_rope_rounding(model, moments)
     return len(plan)
 

@@ -311,8 +311,8 @@ def _write_launch(cache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: list[int
     r_args = _path_args(fmt.rope, L.rope_dim, L.rope_scale_row, L.rope_offset_row)
     sink = cache.sink
     local = cache.local
-    plan = getattr(cache, "rope_rounding", None)
-    feed = plan is not None and fmt.rope is not None
+    plan = cache.rope_rounding  # set_rope_rounding refused plans for a BF16 RoPE key
+    feed = plan is not None
     if feed:
         plan = plan.to(dev)
         r_fb, r_ord = plan.feedback, plan.order
