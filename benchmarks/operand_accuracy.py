@@ -24,15 +24,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
-from error_split import add_scoring_args, score, scoring_setup  # noqa: E402 - error_split's scoring, same data
+from error_split import add_scoring_args, device_label, score, scoring_setup  # noqa: E402 - error_split's scoring, same data
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 CACHES = {"c4r4": "QuantMLA (shipped C4R4 transforms), C4R4 cache", "bf16": "base model, BF16 cache"}
@@ -55,6 +52,9 @@ def main(argv=None) -> int:
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     if any(s not in SCHEMES for s in schemes) or any(c not in CACHES for c in caches) or args.tokens % args.context:
         ap.error(f"--schemes from {SCHEMES}, --caches from {tuple(CACHES)}, --tokens a multiple of --context")
+    if args.device != "cpu":
+        ap.error("--device: the operand rounding is simulated in the torch reference attention, which runs on the "
+                 "CPU only; leave --device out")
     stem = result_stem(args.out, "operand_accuracy", args.tag, args.force)
     t0 = time.time()
     base, corpora, data, quantmla, transforms = scoring_setup(args)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
 def write(res: dict, stem: str, args) -> None:
     commit = res.setdefault("commit", commit_id())  # the commit the run started from, not one made meanwhile
-    device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    device = device_label(args.device)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)
     cs = res["corpora"]

