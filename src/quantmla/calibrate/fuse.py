@@ -182,7 +182,7 @@ def save_fused(
 
     ``extra_json`` (file name -> JSON-serializable object, e.g. ``{"calibration_report.json": report.to_dict()}``)
     is written into the same folder; ``rope_moments`` (cache layer -> query moment) as its query-aware RoPE rounding
-    (``rope_rounding.safetensors``, :mod:`quantmla.calibrate.query_moments`), which loading the folder attaches.
+    (``quantmla_rope_rounding.st``, :mod:`quantmla.calibrate.query_moments`), which loading the folder attaches.
     Everything goes to a temp folder first, a completion manifest last, then one
     rename (:func:`quantmla.artifacts.staged`): a failure or interrupt never leaves a half-written checkpoint at
     ``out_dir``, and without ``force`` an existing ``out_dir`` -- also one that appears while this runs -- is never

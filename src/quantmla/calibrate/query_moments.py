@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from quantmla.calibrate.blocks import iter_attention_inputs
+from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_KIND, ROUNDING_VERSION, load_tagged, save_tagged
 from quantmla.calibrate.objectives import attention_probs, layer_inputs
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.weights import extract_layer_weights, iter_mla_attention
-from quantmla.quant.rounding import ROPE_ROUNDING_ATTR, fit_rope_rounding
+from quantmla.quant.rounding import ROPE_ROUNDING_ATTR, RopeRounding, fit_rope_rounding
 
 
 @torch.no_grad()
@@ -89,10 +90,6 @@ def attach_rope_rounding(model: nn.Module, moments: dict[int, torch.Tensor]) -> 
     return len(moments)
 
 
-ROUNDING_FILE = "rope_rounding.safetensors"  # beside a fused checkpoint (`quantmla calibrate`): its query moments
-ROUNDING_KIND, ROUNDING_VERSION = "quantmla-rope-rounding", 1
-
-
 MOMENT_KEY = "layers.{}.rope.query_moment"  # a layer's moment in a rounding file and in a transforms file
 
 
@@ -107,28 +104,38 @@ def moments_in(tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
 
 
 def save_rounding_file(directory, moments: dict[int, torch.Tensor], meta: dict | None = None) -> None:
-    """Write :data:`ROUNDING_FILE` into ``directory`` (temp file + rename)."""
+    """Write :data:`ROUNDING_FILE` into ``directory`` (temp file + rename). The moments are in the channel order
+    of the model's cache (``MLASpec.rope_cache_pairing``), as :func:`query_moments` measures them."""
     import os
-
-    from quantmla.calibrate.delta import save_tagged
 
     save_tagged(os.path.join(str(directory), ROUNDING_FILE), rounding_file_tensors(moments), dict(meta or {}),
                 kind=ROUNDING_KIND, version=ROUNDING_VERSION, force=False)  # fmt: skip
 
 
-def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
-    """Attach the rounding stored beside a fused checkpoint (:data:`ROUNDING_FILE`), if there is one; returns the
-    number of layers given a plan (0: none stored)."""
+def saved_moments(model_dir) -> dict[int, torch.Tensor]:
+    """{cache layer: fp32 moment} stored beside a checkpoint (:data:`ROUNDING_FILE`); {} without one."""
     import os
-
-    from quantmla.calibrate.delta import load_tagged
 
     path = os.path.join(str(model_dir), ROUNDING_FILE)
     if not os.path.isfile(path):
-        return 0
+        return {}
     tensors, _ = load_tagged(path, kind=ROUNDING_KIND, version=ROUNDING_VERSION, what="rope-rounding file")
-    return attach_rope_rounding(model, moments_in(tensors))
+    return moments_in(tensors)
 
-__all__ = ["ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding", "moments_in",
-           "query_moments",
-           "rounding_file_tensors", "save_rounding_file"]
+
+def saved_rounding_plans(model_dir) -> dict[int, RopeRounding]:
+    """{cache layer: plan} fitted to :func:`saved_moments`, in the model's cache channel order: what the serving
+    backend gives its layers (it never holds the transformers modules)."""
+    return {i: fit_rope_rounding(m) for i, m in sorted(saved_moments(model_dir).items())}
+
+
+def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
+    """Attach the rounding stored beside a fused checkpoint (:data:`ROUNDING_FILE`), if there is one; returns the
+    number of layers given a plan (0: none stored)."""
+    moments = saved_moments(model_dir)
+    return attach_rope_rounding(model, moments) if moments else 0
+
+
+__all__ = ["MOMENT_KEY", "ROUNDING_FILE", "attach_rope_rounding", "layer_query_moment", "load_saved_rope_rounding",
+           "moments_in", "query_moments", "rounding_file_tensors", "save_rounding_file", "saved_moments",
+           "saved_rounding_plans"]

@@ -279,7 +279,8 @@ def calibrate_streamed(
     report.seconds = time.time() - t_start
     meta = {"base_key": stamp["base_key"], "base_digests": digests, "recipe": recipe, "report": layers,
             "model_type": spec.model_type, "num_blocks": len(blocks)}
-    save_delta(out, tensors, meta, force=force)
+    rounding = {k: v for k, v in transforms.items() if k.endswith(".rope.query_moment")}  # carried into `merge`
+    save_delta(out, tensors, meta, force=force, rounding=rounding)
     if transforms_out is not None:
         tmeta = {"base_key": stamp["base_key"], "cache_format": recipe["cache_format"], "method": config.method,
                  "calibration": recipe["calibration"], "dtype": recipe["dtype"]}  # fmt: skip

@@ -53,6 +53,17 @@ class RopeRounding:
     def width(self) -> int:
         return self.order.numel()
 
+    def permuted(self, perm: torch.Tensor | list[int]) -> RopeRounding:
+        """This plan for keys whose channel ``j`` is this plan's channel ``perm[j]`` (``k_new = k[..., perm]``):
+        the same roundings, renamed -- the codes of ``k[..., perm]`` are this plan's codes of ``k``, permuted, bit
+        for bit (how the vLLM plugin serves a model whose cache stores the RoPE key rotate-half: vLLM's key is
+        interleaved)."""
+        perm = torch.as_tensor(perm, dtype=torch.int64, device=self.feedback.device)
+        if perm.shape != self.order.shape or not torch.equal(perm.sort().values.cpu(), torch.arange(self.width)):
+            raise ValueError(f"perm must be a permutation of the plan's {self.width} channels")
+        inv = torch.argsort(perm)  # old channel c is new channel inv[c]
+        return RopeRounding(inv[self.order.long()].to(self.order.dtype), self.feedback[perm][:, perm].contiguous())
+
     def to(self, device: torch.device | str) -> RopeRounding:
         """The plan with its tensors on ``device`` (``order`` int32 there, as the writer reads it)."""
         device = torch.device(device)

