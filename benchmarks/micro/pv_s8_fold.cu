@@ -8,9 +8,9 @@
 //        pair, the hi and lo columns of a head sit in the same thread) -- 16 products per tile instead of 32.
 // One warpgroup per CTA, CTAS CTAs per SM (the kernel runs 2), ITERS tiles. Prints SM cycles per tile.
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/pvs8 benchmarks/micro/pv_s8_fold.cu && /tmp/pvs8
-#include <cstdio>
-#include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "micro_device.cuh"
 
 #define F8(x, o) "+f"(x[o + 0]), "+f"(x[o + 1]), "+f"(x[o + 2]), "+f"(x[o + 3]), "+f"(x[o + 4]), "+f"(x[o + 5]), \
                  "+f"(x[o + 6]), "+f"(x[o + 7])
@@ -105,41 +105,22 @@ __global__ void __launch_bounds__(128) k(float* out, int iters, float scale) {
 }
 
 template <bool S8, int MB = 4>
-void time_one(float* out, int sms, int ctas, double ghz) {
+void time_one(const MicroDevice& dev, int ctas) {
   const int iters = 1024;
-  k<S8, MB><<<sms * ctas, 128>>>(out, 8, 1.f);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  float best = 1e30f;
-  for (int r = 0; r < 5; ++r) {
-    cudaEventRecord(e0);
-    k<S8, MB><<<sms * ctas, 128>>>(out, iters, 1.f);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    best = ms < best ? ms : best;
-  }
-  const double tiles_per_sm = (double)ctas * iters;
+  const double cycles = best_cycles(dev, [&] { k<S8, MB><<<dev.sms * ctas, 128>>>(dev.out, iters, 1.f); });
   printf("%s (%d M blocks per wait)  CTAs/SM %d: %7.1f SM cycles per tile (%s)\n",
          S8 ? "s8 two-term, 16 x m64n32k32 + fold" : "f16, 32 x m64n16k16              ", S8 ? MB : 8, ctas,
-         best * 1e-3 * ghz * 1e9 / tiles_per_sm,
-         cudaGetErrorString(cudaGetLastError()));
+         cycles / ((double)ctas * iters), cudaGetErrorString(cudaGetLastError()));
 }
 
 int main() {
-  int sms, clk;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
-  const double ghz = clk / 1e6;
-  float* out;
-  cudaMalloc(&out, sms * 4 * 128 * 4);
-  printf("%d SMs, max clock %.2f GHz; one tile's output product (16 heads, 64 tokens, 512 channels)\n", sms, ghz);
+  const MicroDevice dev = micro_device(2 * 128);
+  printf("%d SMs, max clock %.2f GHz; one tile's output product (16 heads, 64 tokens, 512 channels)\n", dev.sms,
+         dev.ghz);
   for (int ctas = 1; ctas <= 2; ++ctas) {
-    time_one<false>(out, sms, ctas, ghz);
-    time_one<true, 4>(out, sms, ctas, ghz);
-    time_one<true, 2>(out, sms, ctas, ghz);
+    time_one<false>(dev, ctas);
+    time_one<true, 4>(dev, ctas);
+    time_one<true, 2>(dev, ctas);
   }
   return 0;
 }

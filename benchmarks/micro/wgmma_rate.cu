@@ -8,9 +8,9 @@
 // terms, hi and lo, side by side in B) than as fp16 with N = 16? (issue 9, session 34)
 // Prints cycles per wgmma per SM and TFLOP/s (TOP/s for s8). Build + run (sm_90a):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgr benchmarks/micro/wgmma_rate.cu && /tmp/wgr
-#include <cstdio>
-#include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "micro_device.cuh"
 
 #define R8(x, o) "+f"(x[o + 0]), "+f"(x[o + 1]), "+f"(x[o + 2]), "+f"(x[o + 3]), "+f"(x[o + 4]), "+f"(x[o + 5]), \
                  "+f"(x[o + 6]), "+f"(x[o + 7])
@@ -60,50 +60,40 @@ __device__ __forceinline__ uint64_t desc_of(uint32_t addr) {  // K-major, no swi
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
 }
 
-template <int N, int BATCH, bool CHAIN>
+// One product of type T: fp16 (m64nNk16, fp32 accumulators) or s8 (m64nNk32, s32 accumulators).
+struct F16 {
+  using Acc = float;
+  static constexpr int K = 16;
+  static constexpr uint16_t B_BITS = 0x3C00;                  // fp16 values near 1
+  static constexpr uint32_t A_BITS[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C01u, 0x3C003C02u};
+  template <int N>
+  __device__ static void mma(Acc (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) { ::mma<N>(d, a, desc); }
+};
+struct S8 {  // B is N x 32 int8: the same bytes per row as N x 16 fp16 (one K-major core matrix is 8 rows x 16 B)
+  using Acc = int;
+  static constexpr int K = 32;
+  static constexpr uint16_t B_BITS = 0x0101;                  // small int8 values
+  static constexpr uint32_t A_BITS[4] = {0x01010101u, 0x01020304u, 0x05060708u, 0x07070707u};
+  template <int N>
+  __device__ static void mma(Acc (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) { mma_s8<N>(d, a, desc); }
+};
+
+template <class T, int N, int BATCH, bool CHAIN>
 __global__ void __launch_bounds__(128) k(float* out, int iters) {
   __shared__ __align__(128) uint16_t b[16 * 256];
-  for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = 0x3C00 ^ (i & 7);  // fp16 values near 1
+  for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = T::B_BITS ^ (i & 7);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const uint64_t desc = desc_of((uint32_t)__cvta_generic_to_shared(b));
   constexpr int NA = CHAIN ? 1 : BATCH;
-  float d[NA][N / 2];
-  for (int j = 0; j < NA; ++j)
-    for (int i = 0; i < N / 2; ++i) d[j][i] = 0.f;
-  uint32_t a[4] = {0x3C003C00u ^ threadIdx.x, 0x3C003C00u, 0x3C003C01u, 0x3C003C02u};
-  for (int it = 0; it < iters; ++it) {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int j = 0; j < BATCH; ++j) mma<N>(d[CHAIN ? 0 : j], a, desc);
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  float s = 0.f;
-  for (int j = 0; j < NA; ++j)
-    for (int i = 0; i < N / 2; ++i) s += d[j][i];
-  out[blockIdx.x * 128 + threadIdx.x] = s;
-}
-
-// The same loop with s8 products: B is N x 32 int8 = the same smem bytes per row as N x 16 fp16 (one K-major core
-// matrix is 8 rows x 16 bytes for either type, so the descriptor is unchanged).
-template <int N, int BATCH, bool CHAIN>
-__global__ void __launch_bounds__(128) k8(float* out, int iters) {
-  __shared__ __align__(128) uint16_t b[16 * 256];
-  for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = 0x0101 ^ (i & 7);  // small int8 values
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  const uint64_t desc = desc_of((uint32_t)__cvta_generic_to_shared(b));
-  constexpr int NA = CHAIN ? 1 : BATCH;
-  int d[NA][N / 2];
+  typename T::Acc d[NA][N / 2];
   for (int j = 0; j < NA; ++j)
     for (int i = 0; i < N / 2; ++i) d[j][i] = 0;
-  uint32_t a[4] = {0x01010101u ^ threadIdx.x, 0x01020304u, 0x05060708u, 0x07070707u};
+  uint32_t a[4] = {T::A_BITS[0] ^ threadIdx.x, T::A_BITS[1], T::A_BITS[2], T::A_BITS[3]};
   for (int it = 0; it < iters; ++it) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < BATCH; ++j) mma_s8<N>(d[CHAIN ? 0 : j], a, desc);
+    for (int j = 0; j < BATCH; ++j) T::template mma<N>(d[CHAIN ? 0 : j], a, desc);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
   }
@@ -114,66 +104,33 @@ __global__ void __launch_bounds__(128) k8(float* out, int iters) {
   out[blockIdx.x * 128 + threadIdx.x] = s;
 }
 
-template <int N, int BATCH, bool CHAIN>
-void time_s8(float* out, int sms, int ctas, double clk_ghz) {
+template <class T, int N, int BATCH, bool CHAIN>
+void time_one(const MicroDevice& dev, int ctas) {
   const int iters = 2048;
-  k8<N, BATCH, CHAIN><<<sms * ctas, 128>>>(out, 8);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0);
-  k8<N, BATCH, CHAIN><<<sms * ctas, 128>>>(out, iters);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms;
-  cudaEventElapsedTime(&ms, e0, e1);
-  const double per_sm = (double)ctas * iters * BATCH;
-  const double ops = per_sm * sms * 2.0 * 64 * N * 32;
-  printf("s8 N %3d k32  %s x%d  CTAs/SM %d: %6.1f cycles per wgmma per SM, %6.0f TOP/s (%s)\n", N,
-         CHAIN ? "chain " : "indep.", BATCH, ctas, ms * 1e-3 * clk_ghz * 1e9 / per_sm, ops / (ms * 1e-3) / 1e12,
-         cudaGetErrorString(cudaGetLastError()));
-}
-
-template <int N, int BATCH, bool CHAIN>
-void time_one(float* out, int sms, int ctas, double clk_ghz) {
-  const int iters = 2048;
-  k<N, BATCH, CHAIN><<<sms * ctas, 128>>>(out, 8);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0);
-  k<N, BATCH, CHAIN><<<sms * ctas, 128>>>(out, iters);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms;
-  cudaEventElapsedTime(&ms, e0, e1);
+  const double cycles = best_cycles(dev, [&] { k<T, N, BATCH, CHAIN><<<dev.sms * ctas, 128>>>(dev.out, iters); }, 1);
   const double per_sm = (double)ctas * iters * BATCH;  // wgmma (warpgroup instructions) per SM
-  const double flops = per_sm * sms * 2.0 * 64 * N * 16;
-  printf("N %3d  %s x%d  CTAs/SM %d: %6.1f cycles per wgmma per SM, %6.0f TFLOP/s (%s)\n", N,
-         CHAIN ? "chain " : "indep.", BATCH, ctas, ms * 1e-3 * clk_ghz * 1e9 / per_sm, flops / (ms * 1e-3) / 1e12,
-         cudaGetErrorString(cudaGetLastError()));
+  const double ops = per_sm * dev.sms * 2.0 * 64 * N * T::K;
+  printf("%s N %3d k%d  %s x%d  CTAs/SM %d: %6.1f cycles per wgmma per SM, %6.0f T%s/s (%s)\n",
+         T::K == 16 ? "f16" : "s8 ", N, T::K, CHAIN ? "chain " : "indep.", BATCH, ctas, cycles / per_sm,
+         ops / (cycles / (dev.ghz * 1e9)) / 1e12, T::K == 16 ? "FLOP" : "OP", cudaGetErrorString(cudaGetLastError()));
 }
 
 int main() {
-  int sms, clk;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0);
-  const double ghz = clk / 1e6;
-  float* out;
-  cudaMalloc(&out, sms * 4 * 128 * 4);
-  printf("%d SMs, max clock %.2f GHz; dense fp16 peak = 8 cycles per m64n16k16 per SM (4,096 FLOP/clock)\n", sms, ghz);
+  const MicroDevice dev = micro_device(4 * 128);
+  printf("%d SMs, max clock %.2f GHz; dense fp16 peak = 8 cycles per m64n16k16 per SM (4,096 FLOP/clock)\n",
+         dev.sms, dev.ghz);
   for (int ctas = 1; ctas <= 2; ++ctas) {
-    time_one<16, 4, true>(out, sms, ctas, ghz);
-    time_one<16, 8, true>(out, sms, ctas, ghz);
-    time_one<16, 4, false>(out, sms, ctas, ghz);
-    time_one<32, 4, true>(out, sms, ctas, ghz);
-    time_one<32, 4, false>(out, sms, ctas, ghz);
-    time_one<64, 4, true>(out, sms, ctas, ghz);
-    time_one<64, 2, false>(out, sms, ctas, ghz);
-    time_s8<16, 4, true>(out, sms, ctas, ghz);
-    time_s8<16, 4, false>(out, sms, ctas, ghz);
-    time_s8<32, 4, true>(out, sms, ctas, ghz);
-    time_s8<32, 4, false>(out, sms, ctas, ghz);
+    time_one<F16, 16, 4, true>(dev, ctas);
+    time_one<F16, 16, 8, true>(dev, ctas);
+    time_one<F16, 16, 4, false>(dev, ctas);
+    time_one<F16, 32, 4, true>(dev, ctas);
+    time_one<F16, 32, 4, false>(dev, ctas);
+    time_one<F16, 64, 4, true>(dev, ctas);
+    time_one<F16, 64, 2, false>(dev, ctas);
+    time_one<S8, 16, 4, true>(dev, ctas);
+    time_one<S8, 16, 4, false>(dev, ctas);
+    time_one<S8, 32, 4, true>(dev, ctas);
+    time_one<S8, 32, 4, false>(dev, ctas);
   }
   return 0;
 }
