@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
 def write(res: dict, stem: str, args) -> None:
     commit = res.setdefault("commit", commit_id())  # the commit the run started from, not one made meanwhile
-    device = device_label(args.device)
+    device = device_label()  # the CPU: the rounding is simulated in the torch reference (main refuses a GPU)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     res.update(date=date, commit=commit, device=device, command=args.command)
     cs = res["corpora"]
