@@ -46,7 +46,8 @@ __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-template <bool S8, int MB = 4>  // MB: M blocks per wait in the s8 form (4: two halves, 2: four quarters)
+// MB: M blocks per wait in the s8 form (4: two halves, 2: four quarters); FOLD: how the s32 pair reaches fp32 O
+template <bool S8, int MB = 4, int FOLD = 0>
 __global__ void __launch_bounds__(128) k(float* out, int iters, float scale) {
   __shared__ __align__(128) uint16_t b[16 * 256];
   for (int i = threadIdx.x; i < 16 * 256; i += 128) b[i] = S8 ? (0x0101 ^ (i & 7)) : (0x3C00 ^ (i & 7));
@@ -90,8 +91,18 @@ __global__ void __launch_bounds__(128) k(float* out, int iters, float scale) {
         for (int m = 0; m < MB; ++m)
 #pragma unroll
           for (int i = 0; i < 8; ++i) {  // columns j (hi) and j + 16 (lo) of a head: registers i and i + 8
-            const float hi = (float)d[m][i], lo = (float)d[m][i + 8];
-            o[MB * h + m][i] = fmaf(scale, fmaf(lo, 0.00390625f, hi), o[MB * h + m][i]);
+            if constexpr (FOLD == 0) {  // two conversions, two FMAs per pair
+              const float hi = (float)d[m][i], lo = (float)d[m][i + 8];
+              o[MB * h + m][i] = fmaf(scale, fmaf(lo, 0.00390625f, hi), o[MB * h + m][i]);
+            } else if constexpr (FOLD == 1) {  // the pair joined in integers (hi * 256 + lo), one conversion, one FMA
+              o[MB * h + m][i] = fmaf(scale, (float)(d[m][i] * 256 + d[m][i + 8]), o[MB * h + m][i]);
+            } else if constexpr (FOLD == 2) {  // joined as hi * 64 + lo (|sum| < 2^22 with 13-bit P), converted by
+              // the magic-number add (IADD + FADD, no I2F): 2^23 + 2^22 = 0x4B400000
+              const float f = __int_as_float(d[m][i] * 64 + d[m][i + 8] + 0x4B400000) - 12582912.f;
+              o[MB * h + m][i] = fmaf(scale, f, o[MB * h + m][i]);
+            } else {  // FOLD == 3: no arithmetic fold, one LOP3 per pair keeps the products alive (a lower bound)
+              o[MB * h + m][i] = __int_as_float(__float_as_int(o[MB * h + m][i]) ^ d[m][i] ^ d[m][i + 8]);
+            }
           }
       }
     }
@@ -104,12 +115,13 @@ __global__ void __launch_bounds__(128) k(float* out, int iters, float scale) {
   out[blockIdx.x * 128 + threadIdx.x] = s;
 }
 
-template <bool S8, int MB = 4>
+template <bool S8, int MB = 4, int FOLD = 0>
 void time_one(const MicroDevice& dev, int ctas) {
   const int iters = 1024;
-  const double cycles = best_cycles(dev, [&] { k<S8, MB><<<dev.sms * ctas, 128>>>(dev.out, iters, 1.f); });
-  printf("%s (%d M blocks per wait)  CTAs/SM %d: %7.1f SM cycles per tile (%s)\n",
-         S8 ? "s8 two-term, 16 x m64n32k32 + fold" : "f16, 32 x m64n16k16              ", S8 ? MB : 8, ctas,
+  const double cycles = best_cycles(dev, [&] { k<S8, MB, FOLD><<<dev.sms * ctas, 128>>>(dev.out, iters, 1.f); });
+  static const char* folds[] = {"2 I2F + 2 FFMA", "IMAD + I2F + FFMA", "IMAD + IADD + FADD + FFMA", "LOP3 only (lower bound)"};
+  printf("%s (%d M blocks per wait, fold %-25s)  CTAs/SM %d: %7.1f SM cycles per tile (%s)\n",
+         S8 ? "s8 two-term, 16 x m64n32k32" : "f16, 32 x m64n16k16        ", S8 ? MB : 8, S8 ? folds[FOLD] : "-", ctas,
          cycles / ((double)ctas * iters), cudaGetErrorString(cudaGetLastError()));
 }
 
@@ -121,6 +133,10 @@ int main() {
     time_one<false>(dev, ctas);
     time_one<true, 4>(dev, ctas);
     time_one<true, 2>(dev, ctas);
+    time_one<true, 2, 1>(dev, ctas);
+    time_one<true, 2, 2>(dev, ctas);
+    time_one<true, 2, 3>(dev, ctas);
+    time_one<true, 4, 1>(dev, ctas);
   }
   return 0;
 }
