@@ -86,10 +86,10 @@ def test_plan_respects_the_budget_exactly_and_beats_uniform_at_equal_bytes():
         allocate(sens, dc, dr, uniform_bytes(2, 2, dc, dr, 6) - 1)
 
 
-def _runtime_distortions(model, toks, sink, local):
+def _runtime_distortions(model, toks, sink, local, paths=("content", "rope"), rope_rounding=None):
     """Independent reference: the model's own absorbed attention over a real per-layer cache (only layer l's path
     quantized, every other layer exact): the attention-output error of every token, weighted by that layer's
-    output Fisher trace / (2 D) and averaged over tokens."""
+    output Fisher trace / (2 D) and averaged over tokens. ``rope_rounding``: the cache's writer plans, per layer."""
     from quantmla.cache.hf import QuantMLACache
     from quantmla.mla.attention import enable_absorbed_attention
 
@@ -105,7 +105,7 @@ def _runtime_distortions(model, toks, sink, local):
                                        for i, b in enumerate(blocks)]  # fmt: skip
         try:
             with torch.no_grad():
-                cache = QuantMLACache(model.config, formats, CachePolicy(sink, local))
+                cache = QuantMLACache(model.config, formats, CachePolicy(sink, local), rope_rounding=rope_rounding)
                 model(toks, use_cache=True, **with_cache(cache))
         finally:
             for hk in hooks:
@@ -114,7 +114,7 @@ def _runtime_distortions(model, toks, sink, local):
 
     fisher = output_fisher(model, toks, 2, 2, "cpu", 0)
     clean, _ = run([make_format(16, 16)] * n)
-    for layer, path, bits in itertools.product(range(n), ("content", "rope"), (2, 4, 8)):
+    for layer, path, bits in itertools.product(range(n), paths, (2, 4, 8)):
         fm = [make_format(16, 16)] * n
         fm[layer] = make_format(bits, 16) if path == "content" else make_format(16, bits)
         outs, _ = run(fm)
@@ -141,6 +141,31 @@ def test_measured_distortion_equals_the_runtime_and_the_predictor_agrees(family)
         assert measured[layer].d(path, 16) == 0.0
     keys = sorted(runtime)
     assert spearman([predicted[k[0]].d(k[1], k[2]) for k in keys], [runtime[k] for k in keys]) > 0.95
+
+
+def test_measured_rope_distortion_follows_the_writers_query_aware_rounding():
+    """With query-aware rounding plans attached (as folding a transforms file with moments attaches them), the
+    measured RoPE distortion is that of the cache whose writer rounds by the plans -- not that of rounding to
+    nearest, which the same cache without plans reproduces."""
+    from quantmla.cache.hf import rope_rounding_of
+    from quantmla.calibrate.query_moments import attach_rope_rounding, query_moments
+
+    model = tiny_model("deepseek_v2")
+    toks = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    nearest = model_sensitivities(model, toks, sink=4, local=16, query_tokens=0, device="cpu")
+    attach_rope_rounding(model, query_moments(model, toks, sink=4, local=16, query_stride=1))
+    plans = rope_rounding_of(model)
+    assert plans is not None and all(p is not None for p in plans)
+    rounded = model_sensitivities(model, toks, sink=4, local=16, query_tokens=0, device="cpu")
+    runtime = _runtime_distortions(model, toks, 4, 16, paths=("rope",), rope_rounding=plans)
+    moved = 0
+    for (layer, path, bits), want in runtime.items():
+        if bits == 8:  # the runtime's BF16 rounding of the exact path is comparable there (see the test above)
+            continue
+        assert 0.93 < rounded[layer].d(path, bits) / want < 1.03, (layer, bits, rounded[layer].d(path, bits), want)
+        assert rounded[layer].d("content", bits) == nearest[layer].d("content", bits)  # the content path: unchanged
+        moved += not 0.93 < nearest[layer].d(path, bits) / want < 1.03
+    assert moved > 0, "rounding to nearest reproduces the plans' distortion everywhere: the plans changed nothing"
 
 
 def test_plan_round_trip_and_per_layer_cache(tmp_path):

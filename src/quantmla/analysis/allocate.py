@@ -152,15 +152,20 @@ def layer_sensitivity(attn, spec, hidden, fisher, cos, sin, sink, local, batch_s
     (the other exact), read under the cache policy. ``measured``: the attention is recomputed with the error (the
     dual-path error model's injection); ``predicted``: the first-order predictor ``sum e^2 K`` (operator traces with
     the Fisher weight of every query), which needs no second attention pass but underestimates 2-bit errors of a
-    trained model's sharp attention (softmax is not linear at that size)."""
+    trained model's sharp attention (softmax is not linear at that size). The RoPE key of a layer with a query-aware
+    rounding plan attached (folding a transforms file with moments attaches one) is rounded by that plan at every
+    bit width, as the cache's writer will round it."""
     from quantmla.analysis.predictor import operator_traces
     from quantmla.calibrate.objectives import attention_output, layer_inputs, mixed_attention_output, sample_queries
     from quantmla.mla.weights import extract_layer_weights
-    from quantmla.quant.quantize import fake_quantize
+    from quantmla.quant.quantize import dequantize_codes, fake_quantize
+    from quantmla.quant.rounding import ROPE_ROUNDING_ATTR, quantize_codes_feedback
 
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator {estimator!r}; choose one of {ESTIMATORS}")
     w = extract_layer_weights(attn).to(device=device, dtype=torch.float32)
+    plan = getattr(attn, ROPE_ROUNDING_ATTR, None)
+    plan = None if plan is None else plan.to(device)
     gen = torch.Generator().manual_seed(seed)
     cos, sin = cos.to(device), sin.to(device)
     acc = {p: dict.fromkeys(BITS[:-1], 0.0) for p in PATHS}
@@ -180,7 +185,11 @@ def layer_sensitivity(attn, spec, hidden, fisher, cos, sin, sink, local, batch_s
             ref = attention_output(x, w, spec, x.c, x.k_pe)
         for path, clean in (("content", x.c), ("rope", x.k_pe)):
             for bits in BITS[:-1]:
-                q = fake_quantize(clean, path_spec(path, bits, clean.shape[-1])).float()
+                pspec = path_spec(path, bits, clean.shape[-1])
+                if path == "rope" and plan is not None:  # as the cache's writer rounds this layer's RoPE key
+                    q = dequantize_codes(*quantize_codes_feedback(clean, pspec, plan), pspec)
+                else:
+                    q = fake_quantize(clean, pspec).float()
                 if estimator == "predicted":
                     acc[path][bits] += float(((q - clean).pow(2) * (k_c if path == "content" else k_r)).sum())
                     continue
