@@ -32,9 +32,11 @@ from quantmla.quant.formats import CachePolicy, make_format
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _transforms_file(model, path, seed=0):
+def _transforms_file(model, path, seed=0, moments=False):
     """A transforms file for ``model`` with random, far-from-identity factors: a random rotation and new gain of
-    the latent (through its RMSNorm), per-pair RoPE scales over a factor e^+-1.5 and random angles."""
+    the latent (through its RMSNorm), per-pair RoPE scales over a factor e^+-1.5 and random angles; ``moments``:
+    also a random full-rank query moment per layer (folding then attaches query-aware RoPE rounding plans)."""
+    from quantmla.calibrate.query_moments import MOMENT_KEY
     from quantmla.calibrate.fuse import latent_norm_gain
     from quantmla.calibrate.shipped import save_transforms, transforms_tensors
     from quantmla.calibrate.transforms import ContentTransform, RopeTransform, random_orthogonal
@@ -49,6 +51,9 @@ def _transforms_file(model, path, seed=0):
         log_s, phi = torch.rand(dr // 2, generator=g) * 3 - 1.5, torch.rand(dr // 2, generator=g) * 6
         rope = RopeTransform(dr // 2, log_s, phi)
         tensors |= transforms_tensors(i, content, rope)
+        if moments:
+            a = torch.randn(dr, 2 * dr, generator=g)
+            tensors[MOMENT_KEY.format(i)] = (a @ a.T / dr).half()
     save_transforms(path, tensors, {"label": "random test transforms", "cache_format": {"name": "c4r4"}})
     return str(path)
 
@@ -223,6 +228,15 @@ def test_allocate_command_with_transforms(tmp_path, capsys):
     assert got.meta["transforms"]["transforms"] == "t.safetensors"
     assert rtn.meta["transforms"]["transforms"] == "none (RTN)"
     assert got.bytes_per_token <= budget and got.meta["uniform_predicted"] != rtn.meta["uniform_predicted"]
+    assert rtn.meta["rope_rounding"] == got.meta["rope_rounding"] == "nearest"
+    # with query moments in the file, folding attaches rounding plans: the RoPE key is priced as the writer rounds it
+    tfm = _transforms_file(model, tmp_path / "tm.safetensors", seed=1, moments=True)
+    assert main([*args, "--out", str(tmp_path / "tm.json"), "--transforms", tfm]) == 0
+    assert "serve with the same rounding plans" in capsys.readouterr().out
+    rounded = Plan.load(str(tmp_path / "tm.json"))
+    n = spec.num_cache_layers
+    assert rounded.meta["rope_rounding"] == f"query-aware rounding ({n} of {n} layers)"
+    assert rounded.meta["uniform_predicted"]["c4r4"] != got.meta["uniform_predicted"]["c4r4"]
     assert main([*args, "--out", str(tmp_path / "x.json"), "--transforms", "shipped"]) == 2
     assert "--transforms" in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path / "x.json"), "--transforms", "shipped:c4r4"]) == 2  # none for a folder

