@@ -36,8 +36,8 @@ def _transforms_file(model, path, seed=0, moments=False):
     """A transforms file for ``model`` with random, far-from-identity factors: a random rotation and new gain of
     the latent (through its RMSNorm), per-pair RoPE scales over a factor e^+-1.5 and random angles; ``moments``:
     also a random full-rank query moment per layer (folding then attaches query-aware RoPE rounding plans)."""
-    from quantmla.calibrate.query_moments import MOMENT_KEY
     from quantmla.calibrate.fuse import latent_norm_gain
+    from quantmla.calibrate.query_moments import MOMENT_KEY
     from quantmla.calibrate.shipped import save_transforms, transforms_tensors
     from quantmla.calibrate.transforms import ContentTransform, RopeTransform, random_orthogonal
 
