@@ -1,4 +1,4 @@
-"""Per-layer bit allocation vs uniform formats at equal cache bytes on the converted SmolLM2-135M-MLA (CPU).
+"""Per-layer bit allocation vs uniform formats at equal cache bytes on the converted SmolLM2-135M-MLA.
 
 For each budget ``quantmla.analysis.allocate`` chooses content/RoPE bits per layer from the error model
 (sensitivities on the calibration split only), and the plan is evaluated beside what defines the budget and BF16:
@@ -20,6 +20,11 @@ unchanged). Writes ``benchmarks/results/allocate_<tag>.{json,md}`` and one plan 
     python benchmarks/allocate_results.py --transforms shipped --budgets c4r4,hot-r8,c2r4 --tag smollm2_quantmla
     python benchmarks/allocate_results.py --tasks none --ppl-tokens 2048 --tag quick
     python benchmarks/allocate_results.py --render benchmarks/results/allocate_smollm2_quantmla.json  # .md again
+    python benchmarks/allocate_results.py --device cuda --transforms shipped:c4r4 --budgets c4r4 --lengths \
+        512,1024,2048,4096 --samples 4 --tasks niah_single_1,niah_single_2,passkey --tag gpu   # retrieval on a GPU
+
+``--device cuda``: the sensitivities (block by block), the references and every row run on the GPU; the transforms
+are still folded on the CPU, as the shipped loader folds them.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", default="512,1024")
     ap.add_argument("--samples", type=int, default=2, help="needle samples per depth (depths 0.1/0.5/0.9)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where sensitivities and rows run")
     ap.add_argument("--tag", default="smollm2")
     ap.add_argument("--force", action="store_true", help="overwrite benchmarks/results/allocate_<tag>.*")
     args = ap.parse_args(argv)
@@ -113,6 +119,8 @@ def parse_args(argv=None):
     args.budget_list = [x.strip().lower() for x in args.budgets.split(",") if x.strip()]
     if not args.budget_list:
         ap.error("--budgets is empty")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: use cpu, or cuda on a machine with a CUDA GPU")
     if args.ppl_tokens % args.ppl_context or args.sens_len <= 4 + 128:
         ap.error("--ppl-tokens must be a multiple of --ppl-context; --sens-len must exceed sink + local (132)")
     try:
@@ -160,8 +168,8 @@ def main(argv=None) -> None:
             continue
         models[src.label], tmeta[src.label] = fold_source(base, src, "smollm2-mla")
         t0 = time.time()
-        sens[src.label] = model_sensitivities(models[src.label], calib, query_tokens=args.query_tokens, device="cpu",
-                                              estimator=args.estimator, progress=True)  # fmt: skip
+        sens[src.label] = model_sensitivities(models[src.label], calib, query_tokens=args.query_tokens,
+                                              device=args.device, estimator=args.estimator, progress=True)  # fmt: skip
         sens_s[src.label] = time.time() - t0
         print(f"sensitivities with transforms {src.label}: {sens_s[src.label]:.0f} s", flush=True)
     plans, budgets, configs = {}, {}, [("BF16", "bf16", None, None)]
@@ -183,6 +191,8 @@ def main(argv=None) -> None:
         hot = [r["layer"] for r in fixed.layers if r["format"] != fixed.layers[0]["format"]] if b in HAND_PLANS else []
         plot_plan(plan, os.path.join(RESULTS, f"allocate_{args.tag}_{b}.png"),
                   f"SmolLM2-MLA, transforms {src}: plan at {b}'s {budget} B/token", marks=hot)  # fmt: skip
+    for m in (base, *models.values()):  # folded on the CPU above; served where the rows run
+        m.to(args.device)
     corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
     ids = {c: token_stream(tok, c, "test", args.ppl_tokens) for c in corpora}
     refs = {c: reference_logprobs(base, ids[c], context=args.ppl_context) for c in corpora}
@@ -216,7 +226,8 @@ def main(argv=None) -> None:
 def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
     commit = args.commit
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    device = f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)"
+    device = (torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
+              else f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)")  # fmt: skip
     out = {"date": date, "commit": commit, "device": device, "command": args.command,
            "args": {k: v for k, v in vars(args).items() if k not in ("budget_list", "commit")},
            "sensitivity_seconds": sens_s,

@@ -191,9 +191,10 @@ def test_benchmark_resolves_budgets_and_transforms(tmp_path, monkeypatch):
     assert [i for i, f in enumerate(hot) if f == "c4r8"] == [7, 17, 18, 20, 23] and hot.count("c4r4") == 25
     assert b.budget_formats("c2r4", 3) == ["c2r4"] * 3
     a = b.parse_args(["--budgets", "c4r4,hot-r8", "--transforms", "shipped"])
-    assert a.budget_list == ["c4r4", "hot-r8"] and "--transforms shipped" in a.command
+    assert a.budget_list == ["c4r4", "hot-r8"] and "--transforms shipped" in a.command and a.device == "cpu"
     for argv in (["--budgets", "c4r4,nope"], ["--transforms", str(tmp_path / "no.safetensors")],
-                 ["--ppl-tokens", "1000", "--ppl-context", "512"], ["--budgets", ","]):  # fmt: skip
+                 ["--ppl-tokens", "1000", "--ppl-context", "512"], ["--budgets", ","], ["--device", "tpu"],
+                 *([["--device", "cuda"]] if not torch.cuda.is_available() else [])):  # fmt: skip
         with pytest.raises(SystemExit):
             b.parse_args(argv)
     (tmp_path / "allocate_mine.json").write_text("{}")  # an earlier run's results: kept unless --force
