@@ -15,6 +15,12 @@
 #     today's f16 tile with no fold at all and 1.13-1.29x with one, so `pv8` is closed (docs/kernels.md "Session 35").
 #     The serving layer's query-aware rounding passed its GPU tests on the H100 (`pytest -m gpu
 #     tests/serve/test_core.py tests/kernels/test_paged.py`: 6 passed). Nothing kernel-side is queued.
+#     Session 36 timed a heads-on-M, dequantize-once CTA for 64-128 heads as a skeleton (benchmarks/micro/hm_tile.cu,
+#     micro_hm_tile_h100_s36.txt; docs/kernels.md "Many heads on M with a producer warpgroup"): 5,110 cycles per tile
+#     with everything (0.75x FlashMLA at 128 heads, 1.36x at 64 on the H100; ws 0.40-0.43x / 0.72-0.75x), products
+#     alone 2,800. Next: build that kernel (`hm`) offline from the section's four points, then `ws`-style calls
+#     (smoke, its GPU tests, heads 64/128 beside FlashMLA). Re-run the skeleton after a change to it:
+#     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
 #     ~9 MB for a kit part; session 32 untracked them for the calls (`git rm --cached` + .git/info/exclude, restored
