@@ -78,7 +78,7 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
         assert len(re.findall(r"Used (\d+) registers", log)) >= 8  # the eight instantiations were built
 
 
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "ws"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "ws", "hm"])
 def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path, monkeypatch):
     """The shared library (device + host code, the build `impl="cuda"` makes) loads on a machine without a GPU: its
     Params matches the ctypes mirror, and the entry points that need a GPU return a CUDA error code, not a crash."""
@@ -108,8 +108,8 @@ def test_library_builds_and_its_host_side_answers_without_a_gpu(kernel, tmp_path
         err = lib.qmla_decode(ctypes.byref(p), 4, 4, 1, 1, 1, None)
         assert err != 0 and lib.qmla_error_string(err)
     assert lib.qmla_ctas_per_sm(3, 4, 16) == -1  # no 3-bit kernel
-    # CTAs per split and sequence: 16 heads each (mma, wgmma), 32 (ws), for every format
-    per_cta = {"ws": 32}.get(kernel, 16)
+    # CTAs per split and sequence: 16 heads each (mma, wgmma), 32 (ws), 64 (hm), for every format
+    per_cta = {"ws": 32, "hm": 64}.get(kernel, 16)
     for h in (1, 16, 17, 32, 33, 64, 65, 128):
         assert all(lib.qmla_head_ctas(h, bits) == -(-h // per_cta) for bits in (16, 8, 4, 2))
     assert lib.qmla_decode(ctypes.byref(_Params()), 2, 8, 1, 1, 1, None) == 1  # C2R8: not built (invalid value)

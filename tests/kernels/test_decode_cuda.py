@@ -1,7 +1,8 @@
 """The CUDA C++ packed decode kernels (``impl="cuda"``) against the fp32 torch reference of the same bytes.
 
-Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma`` and ``ws`` (sm_90 only), chosen
-through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (``ws``: C4R4 and C2R4 only) skips.
+Every test runs for each kernel the GPU has: ``mma`` (sm_80+), ``wgmma``, ``ws`` and ``hm`` (sm_90 only), chosen
+through ``$QUANTMLA_CUDA_KERNEL``; a test of a format a kernel is not built for (``ws``, ``hm``: C4R4 and C2R4 only)
+skips.
 
 The reference is computed from the query the kernel uses (``bf16(q * softmax_scale * log2 e)``), so the only
 differences left are the bf16 rounding of ``P * s`` for the output product and ``ex2.approx``: relative L2 error
@@ -28,7 +29,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an sm_80+ CUDA GPU")
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 KERNELS = ["mma"] + [
     pytest.param(k, marks=pytest.mark.skipif(not SM90, reason=f"the {k} kernel needs sm_90"))
-    for k in ("wgmma", "ws")
+    for k in ("wgmma", "ws", "hm")
 ]
 SCALE = 192**-0.5
 LOG2E = 1.4426950408889634
@@ -74,7 +75,7 @@ def skip_unbuilt(cache):
     from quantmla.kernels.cuda_decode import KERNEL_ENV, cuda_unsupported_reason
 
     kernel = os.environ.get(KERNEL_ENV, "")
-    if kernel in ("ws", "mma") and cuda_unsupported_reason(cache, kernel):
+    if kernel in ("ws", "hm", "mma") and cuda_unsupported_reason(cache, kernel):
         pytest.skip(cuda_unsupported_reason(cache, kernel))
 
 

@@ -1,11 +1,14 @@
 """Host side of the CUDA C++ packed-page decode kernels: checks, launch, finish.
 
-Three kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
+Kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
 (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA) and ``"ws"``
 (``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only; auto's choice past 16
-heads); the last two are built for sm_90a, so H100 / H200 only. (A fourth, ``wgmma64`` -- 64 heads on M, each page
-unpacked once per CTA -- was removed on 2026-12-02: another kernel beat it at every format and head count measured.)
+heads); the last two are built for sm_90a, so H100 / H200 only. A fourth, ``"hm"`` (``csrc/decode_mla_sm90_hm.cu``,
+64 heads on M, each page dequantized once per CTA by a producer warpgroup into fp16 values, C4R4 / C2R4, sm_90a), is
+asked for by name only until it is measured (session 36; docs/kernels.md "Many heads on M with a producer
+warpgroup"). (``wgmma64`` -- 64 heads on M with exact codes, no producer -- was removed on 2026-12-02: another kernel
+beat it at every format and head count measured.)
 ``$QUANTMLA_CUDA_KERNEL`` (a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is
 the measured choice of :func:`cuda_kernel_choice` (mma off sm_90). The BF16 sink/local buffers run the Triton kernel
 of :mod:`quantmla.kernels.triton_decode` on a side stream and a CUDA kernel merges the splits, so the result has the
@@ -31,10 +34,10 @@ from quantmla.kernels.split_plan import packed_page_counts, split_plan
 
 LOG2E = 1.4426950408889634
 HEADS_PER_CTA = 16
-CTAS_PER_SM = {"mma": 3, "wgmma": 2, "ws": 1}  # fallbacks if the occupancy query fails: mma 168 registers, ~74 KB
-# shared memory per CTA; wgmma 198-230 registers, 52-68 KB; ws 384 threads x 168 registers (setmaxnreg 216 / 144 /
-# 144), ~155 KB
-KERNELS = ("mma", "wgmma", "ws")
+CTAS_PER_SM = {"mma": 3, "wgmma": 2, "ws": 1, "hm": 1}  # fallbacks if the occupancy query fails: mma 168
+# registers, ~74 KB shared memory per CTA; wgmma 198-230 registers, 52-68 KB; ws 384 threads x 168 registers
+# (setmaxnreg 216 / 144 / 144), ~155 KB; hm 384 x 168 (setmaxnreg 72 / 216 / 216), 227 KB
+KERNELS = ("mma", "wgmma", "ws", "hm")
 KERNEL_ENV = "QUANTMLA_CUDA_KERNEL"
 DEFAULT_KERNEL = "auto"
 # Auto on sm_90 at <= 16 heads takes wgmma for C4R4 / C2R4 at every size: measured ahead of the mma kernel from
@@ -56,6 +59,7 @@ _SOURCES = {
     "mma": ("decode_mla", None),
     "wgmma": ("decode_mla_sm90", "90a"),
     "ws": ("decode_mla_sm90_ws", "90a"),
+    "hm": ("decode_mla_sm90_hm", "90a"),
 }  # source, build arch
 
 
@@ -85,6 +89,7 @@ class _Params(ctypes.Structure):
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
+BITS["hm"] = ((4, 4), (2, 4))  # heads on M, pages dequantized once per 64 heads (session 36: asked for by name only)
 
 
 TOKEN_SCALE_KERNELS = ("wgmma",)  # the kernels built for one content scale per token (C4R4T, C2R4T)

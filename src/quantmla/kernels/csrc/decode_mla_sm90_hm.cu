@@ -1,0 +1,394 @@
+// Packed low-bit MLA decode attention for Hopper (sm_90a) with many heads: 64 heads on M, each page dequantized once
+// per CTA by a producer warpgroup (kernel "hm"; layout, products, unpacking: mla_hm.cuh). Work in progress (session
+// 36): not built by the library yet, see docs/kernels.md "Many heads on M with a producer warpgroup".
+//
+// Same contract, page layout, partial outputs and merge as the other kernels (decode_mla_sm90.cu's header); grid
+// (ceil(H / 64), splits, B). Unlike them it dequantizes: the tile holds fp16 values s c + o (one rounding of the fused
+// product, relative 2^-12), q is fp16(bf16(q qk_scale) 2^-e) with the CTA's exponent e (mla_query.cuh's rule), so the
+// score product is one accumulator and the output product one m64n256k16 per 16 tokens: FlashMLA's consumer. (The
+// exact form -- bf16 codes, scales on five group accumulators, the removed wgmma64 v2's math -- needs ~250 registers a
+// consumer beside O's 128, which a producer warpgroup leaves no room for: measured offline, 1.8-3 KB of spills.)
+//   WG 0, producer: per tile (one 64-token page) loads its thread's bytes of the page (all in flight before it waits
+//     for the tile buffer to be free) and its token's scales and offsets, writes the 64 x 576 tile group by group
+//     (zeros for tokens outside [lo, hi), whose bytes may be anything), arriving on full[group][buffer] after each.
+//   WG 1 + c, consumer c: tiles 2k + c are its own (buffer c). Per iteration k: the score product of its own tile as
+//     the groups land, mask, a lazy running maximum of its own, P = 2^(S - m) in fp16; consumer 0 publishes its P and
+//     maxima first, consumer 1 takes them and publishes its own, consumer 0 takes those (one P buffer, two named
+//     barriers). Each consumer then runs the output product of its 256 channels for both tiles, the other's P
+//     rescaled into its own frame by 2^(m_other - m_own) <= 2^4 per row, and arrives on empty[] of both buffers. Row
+//     sums stay per consumer (own tiles) and are joined at the end in each consumer's frame.
+// Formats: C4R4 and C2R4 (asymmetric or symmetric paths). Dequantized values must fit fp16 (|s c + o| < 65504).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "mla_hm.cuh"
+#include "mla_launch.cuh"
+#include "mla_ops.cuh"
+#include "mla_page.cuh"
+#include "mla_query.cuh"
+#include "mla_wgmma.cuh"
+#include "mla_ws_cfg.cuh"
+
+#ifndef QMLA_HM_REG_PRODUCER  // setmaxnreg: producer / consumers (72 + 2 x 216 = 504 = 3 x 168)
+#define QMLA_HM_REG_PRODUCER 72
+#endif
+#ifndef QMLA_HM_REG_CONSUMER
+#define QMLA_HM_REG_CONSUMER 216
+#endif
+
+namespace qmla {
+namespace hm {
+
+using ws::mbar_arrive;
+using ws::mbar_init;
+using ws::mbar_init_fence;
+using ws::mbar_wait;
+using ws::named_sync;
+
+constexpr int kBarPub0 = 1, kBarPub1 = 2, kBarEnd = 3;  // named barriers of the two consumers (256 threads)
+constexpr float kLazyOther = 4.f;  // the other's P is taken into the own frame when its maximum is <= 2^4 above
+
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void keep_regs(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+
+// q of the CTA's heads into Q_SM as fp16(bf16(q qk_scale) 2^-e), e the CTA's exponent (mla_query.cuh: the largest
+// |q| lands in [2^14, 2^15)); returns e. Scratch: tile buffer 1 (bf16 q, row-major) and F_SM's 16 floats. Ends with
+// a CTA barrier.
+__device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, int h0) {
+  const int tid = threadIdx.x;
+  constexpr int kRowPairs = (kDc + kDr) / 2, kPairs = kNH * kRowPairs;
+  __nv_bfloat162* raw = reinterpret_cast<__nv_bfloat162*>(smem + T_SM + kTile);
+  float* red = reinterpret_cast<float*>(smem + F_SM + kNH * 4);
+  float amax = 0.f;
+  for (int f = tid; f < kPairs; f += kThreads) {
+    const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + f / kRowPairs, 2 * (f % kRowPairs));
+    raw[f] = v;
+    amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if ((tid & 31) == 0) red[tid >> 5] = amax;
+  __syncthreads();
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
+  const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
+  const int e = min(max(E - 14, -100), 100);
+  const float down = exp2i(-e);
+  for (int f = tid; f < kPairs; f += kThreads) {
+    const int h = f / kRowPairs, ch = 2 * (f % kRowPairs);
+    const __nv_bfloat162 v = raw[f];
+    *reinterpret_cast<__half2*>(smem + Q_SM + oct_offset(h, ch)) =
+        __floats2half2_rn(__low2float(v) * down, __high2float(v) * down);
+  }
+  __syncthreads();
+  return e;
+}
+
+// ---- producer: the pages of this split, tile it into buffer it & 1
+template <int CB, int RB, bool CSYM, bool RSYM>
+__device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const int* bt, int pg0, int pg1, int lo,
+                                         int hi) {
+  using C = PageCfg<CB, RB>;
+  using M = MetaRows<CSYM, RSYM>;
+  constexpr int CX = C::CBYTES / 16;  // content chunks per token (C4: 16, C2: 8)
+  constexpr int NCH = CX / 2;         // a thread's content chunks (two threads per token)
+  constexpr int CPG = C::CPG;         // chunks per content group (C4: 4, C2: 2)
+  static_assert(C::RCH == 2, "two RoPE chunks per token");
+  const int lt = threadIdx.x, tok = lt & 63, half = lt >> 6;
+  const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
+  for (int it = 0; pg0 + it < pg1; ++it) {
+    const int pg = pg0 + it, b = it & 1;
+    const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
+    const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
+    uint4 w[NCH];
+#pragma unroll
+    for (int i = 0; i < NCH; ++i)  // chunk x = half + 2 i of the token's row
+      w[i] = __ldg(reinterpret_cast<const uint4*>(page + p.c_off + tok * C::CBYTES + 16 * (half + 2 * i)));
+    const uint4 wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
+    __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE
+#pragma unroll
+    for (int g = 0; g < 5; ++g) {
+      const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
+      sv[g] = meta[srow * kPage + tok];
+      ov[g] = orow < 0 ? __float2half(0.f) : meta[orow * kPage + tok];
+    }
+    if (it >= 2) mbar_wait(bar + 80 + 8 * b, ((it >> 1) - 1) & 1);
+    const bool ok = pg * kPage + tok >= lo && pg * kPage + tok < hi;  // else zeros (the bytes may be NaN)
+    const uint32_t tile = s0 + T_SM + b * kTile;
+#pragma unroll
+    for (int g = 0; g < 5; ++g) {
+      const __half2 s2 = __half2half2(ok ? sv[g] : __float2half(0.f)), o2 = __half2half2(ok ? ov[g] : __float2half(0.f));
+      const uint32_t s2u = *reinterpret_cast<const uint32_t*>(&s2), o2u = *reinterpret_cast<const uint32_t*>(&o2);
+      if (g < 4) {  // content group g: chunks x in [g CPG, (g + 1) CPG), this thread's x = half + 2 i
+#pragma unroll
+        for (int i = 0; i < NCH; ++i) {
+          const int x = half + 2 * i;
+          if (x / CPG == g) unpack_chunk<CB, C::PS>(tile, tok, kGroup * g + 16 * (x % CPG), w[i], s2u, o2u);
+        }
+      } else {  // RoPE chunk `half`: channels 16 half (+ plane stride RPS)
+        unpack_chunk<RB, C::RPS>(tile, tok, kDc + 16 * half, wr, s2u, o2u);
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      mbar_arrive(bar + 8 * (2 * g + b));
+    }
+  }
+}
+
+// ---- consumer c
+template <int c>
+__device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, int pg0, int pg1, int lo, int hi,
+                                         long long row0, int h0) {
+  const int lt = threadIdx.x - kWg * (1 + c), warp = lt >> 5, lane = lt & 31, g8 = lane >> 2, t = lane & 3;
+  const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
+  const int ntiles = pg1 - pg0;
+  const float up = exp2i(e);  // scores are carried in 2^-e units
+  float o[128];  // O of channels 256 c .. 256 c + 255 (m64n256 accumulator layout)
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float* frame = reinterpret_cast<float*>(smem + F_SM);
+
+  auto rescale = [&](int v, float m_new) {  // the running maximum of row v moves to m_new
+    const float a = ex2(m_run[v] - m_new);  // 0 from -inf
+    m_run[v] = m_new;
+    l_run[v] *= a;
+#pragma unroll
+    for (int i = 0; i < 128; ++i)
+      if (((i >> 1) & 1) == v) o[i] *= a;
+  };
+  const Desc qd(wgmma_desc(s0 + Q_SM, kOct, 128));
+
+  for (int k = 0; 2 * k < ntiles; ++k) {
+    const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
+    uint32_t pa[4][4];  // the own P (fp16 A fragments, the own frame)
+    if (own) {
+      // ---- score product of the own tile, group by group as they land
+      const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
+      float s[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+#pragma unroll
+      for (int g = 0; g < 5; ++g) {
+        mbar_wait(bar + 8 * (2 * g + c), k & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
+          const int oc = g * 16 + 2 * kk;  // channel octet of this k-step
+          wgmma_ss_n64(s, qd.at(oc * kOct), qd.hi, td.at(oc * kOct), td.hi, g > 0 || kk > 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      keep_regs(s);
+      // ---- mask, lazy running maximum, P
+      const int tok0 = (pg0 + 2 * k + c) * kPage;
+      const bool edge = tok0 < lo || tok0 + kPage > hi;
+      float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int tok = tok0 + 8 * (i >> 2) + 2 * t + (i & 1);
+        s[i] = (edge && (tok < lo || tok >= hi)) ? -INFINITY : s[i] * up;
+        mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
+      }
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 1));
+        mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 2));
+        if (mt[v] > m_run[v] + kLazy) rescale(v, mt[v]);  // (O has no product in flight here)
+      }
+      float pr[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int v = (i >> 1) & 1;
+        pr[i] = ex2(s[i] - (m_run[v] == -INFINITY ? 0.f : m_run[v]));
+        l_run[v] += pr[i];
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // a_r of k-step kk: row g8 + 8 (r & 1), tokens 16 kk + 8 (r >> 1) + 2t, + 1
+          const int i = 4 * (2 * kk + (r >> 1)) + 2 * (r & 1);
+          pa[kk][r] = pack_f16(pr[i], pr[i + 1]);
+        }
+    }
+    // ---- exchange P through the one P buffer: consumer 0 publishes first, consumer 1 takes and publishes
+    uint32_t rp[4][4];  // the other's P (fp16 A fragments, its frame fo[])
+    float fo[2] = {-INFINITY, -INFINITY};
+    auto publish = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = 16 * warp + g8 + 8 * (r & 1), tok = 16 * kk + 8 * (r >> 1) + 2 * t;
+          *reinterpret_cast<uint32_t*>(smem + P_SM + oct_offset(row, tok)) = pa[kk][r];
+        }
+      if (t == 0) frame[16 * warp + g8] = m_run[0], frame[16 * warp + g8 + 8] = m_run[1];
+    };
+    auto take = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int mi = lane >> 3, row = 16 * warp + 8 * (mi & 1) + (lane & 7), tok = 16 * kk + 8 * (mi >> 1);
+        ldsm_x4(rp[kk][0], rp[kk][1], rp[kk][2], rp[kk][3], s0 + P_SM + oct_offset(row, tok));
+      }
+      fo[0] = frame[16 * warp + g8], fo[1] = frame[16 * warp + g8 + 8];
+    };
+    if (c == 0) {
+      publish();
+      named_arrive(kBarPub0, 2 * kWg);
+      if (other) {
+        named_sync(kBarPub1, 2 * kWg);
+        take();
+      }
+    } else {
+      named_sync(kBarPub0, 2 * kWg);
+      take();  // (consumer 1's "other" tile always exists: consumer 0 owns tile 2k)
+      if (own) {  // consumer 0 waits for it only when this consumer has a tile
+        publish();
+        named_arrive(kBarPub1, 2 * kWg);
+      }
+    }
+    if (other) {  // the other's P into the own frame: raise the own maximum first if the other's is far above it
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        if (fo[v] > m_run[v] + kLazyOther) {
+          if (own) {  // the own P, already in the old frame, moves with O
+            const __half2 a2 = __float2half2_rn(ex2(m_run[v] - fo[v]));
+            const uint32_t a2u = *reinterpret_cast<const uint32_t*>(&a2);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+              for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(pa[kk][r]) : "r"(a2u));
+          }
+          rescale(v, fo[v]);
+        }
+        const float fr = fo[v] == -INFINITY ? 0.f : ex2(fo[v] - m_run[v]);  // (m_run >= fo - 4 is finite here)
+        const __half2 f2 = __float2half2_rn(fr);
+        const uint32_t f2u = *reinterpret_cast<const uint32_t*>(&f2);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(rp[kk][r]) : "r"(f2u));
+      }
+    }
+    // ---- output products of this consumer's 256 channels: the own tile, then the other's
+    keep_regs(o);
+    wgmma_fence();
+    if (own) {
+      const Desc vd(wgmma_desc(s0 + T_SM + c * kTile + 32 * c * kOct, 128, kOct));  // the tile MN-major, channels 256c..
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, pa[kk], vd.at(2 * kk * 128), vd.hi);
+    }
+    if (other) {
+      const Desc vd(wgmma_desc(s0 + T_SM + (1 - c) * kTile + 32 * c * kOct, 128, kOct));
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, rp[kk], vd.at(2 * kk * 128), vd.hi);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    keep_regs(o);
+    mbar_arrive(bar + 80);  // both buffers: this consumer is done with them for this iteration
+    mbar_arrive(bar + 88);
+  }
+
+  // ---- epilogue: row sums over the row's four lanes; join the two consumers' sums in each frame
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    l_run[v] += __shfl_xor_sync(0xffffffffu, l_run[v], 1);
+    l_run[v] += __shfl_xor_sync(0xffffffffu, l_run[v], 2);
+  }
+  float* xch = reinterpret_cast<float*>(smem + P_SM);  // [2 consumers][64 rows][m, l]
+  named_sync(kBarEnd, 2 * kWg);                        // every P read is done
+  if (t == 0)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int row = 16 * warp + g8 + 8 * v;
+      xch[(c * kNH + row) * 2] = m_run[v], xch[(c * kNH + row) * 2 + 1] = l_run[v];
+    }
+  named_sync(kBarEnd, 2 * kWg);
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    const int row = 16 * warp + g8 + 8 * v, h = h0 + row;
+    const float mo = xch[((1 - c) * kNH + row) * 2], lo_ = xch[((1 - c) * kNH + row) * 2 + 1];
+    const float mf = m_run[v] == -INFINITY ? mo : m_run[v];  // this consumer's frame (the other's if it saw nothing)
+    float L = l_run[v];
+    if (lo_ > 0.f) L += lo_ * ex2(mo - mf);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    if (h < p.H) {
+      if (c == 0 && t == 0) p.pl[row0 + h] = L > 0.f ? mf + log2f(L) : -INFINITY;
+      float* out = p.po + (row0 + h) * kDc + 256 * c;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(out + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * v] * inv, o[4 * j + 1 + 2 * v] * inv);
+    }
+  }
+}
+
+template <int CB, int RB, bool CSYM, bool RSYM>
+__global__ void __launch_bounds__(kThreads, 1) decode_kernel_hm(const Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  extern __shared__ __align__(1024) uint8_t smem[];
+  pdl_launch_dependents();
+  const int hg = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid / kWg, 0);  // warp-uniform for the compiler (setmaxnreg regions)
+  const int h0 = hg * kNH;
+  const int n = p.lens[b];
+  const int lo = p.sink;
+  const int hi = max(n - p.local, p.sink);
+  const int pg0 = lo / kPage + sp * p.pps;
+  const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
+  if (empty_split_leaves(p, pg0, pg1)) return;
+  const int* bt = p.block_table + (long long)b * p.bt_stride;
+  const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
+  const uint32_t bar = smem_u32(smem + B_SM);
+  if (tid == 0) {
+    for (int i = 0; i < 10; ++i) mbar_init(bar + 8 * i, kWg);  // full[group][buffer]: the producer's threads
+    mbar_init(bar + 80, 2 * kWg);                              // empty[buffer]: both consumers
+    mbar_init(bar + 88, 2 * kWg);
+    mbar_init_fence();
+  }
+  const int e = stage_q64(smem, p, b, h0);  // (its barriers publish the mbarrier inits too)
+  if (wg == 0) {
+    ws::regs_dec<QMLA_HM_REG_PRODUCER>();
+    producer<CB, RB, CSYM, RSYM>(smem, p, bt, pg0, pg1, lo, hi);
+  } else {
+    ws::regs_inc<QMLA_HM_REG_CONSUMER>();
+    if (wg == 1) consumer<0>(smem, p, e, pg0, pg1, lo, hi, row0, h0);
+    else consumer<1>(smem, p, e, pg0, pg1, lo, hi, row0, h0);
+  }
+#endif
+}
+
+// The kernel family for mla_launch.cuh.
+struct HmKernel {
+  static constexpr int kThreads = hm::kThreads;
+  template <int CB, int RB>
+  static constexpr bool has = RB == 4 && (CB == 4 || CB == 2);
+  template <int CB, int RB>
+  static constexpr bool has_token_scale = false;
+  static int heads_per_cta(int, int) { return kNH; }
+  static int head_ctas(int H, int) { return (H + kNH - 1) / kNH; }
+  template <int CB, int RB>
+  static int smem(int) { return SMEM; }
+  template <int CB, int RB, bool CSYM, bool RSYM>
+  static KernelFn fn(int) {
+    if constexpr (has<CB, RB>) return decode_kernel_hm<CB, RB, CSYM, RSYM>;
+    else return nullptr;
+  }
+};
+
+}  // namespace hm
+}  // namespace qmla
+
+// The same C entry points as decode_mla.cu (a separate library); grid (ceil(H / 64), splits, B).
+QMLA_EXPORT_DECODE(qmla::hm::HmKernel)
