@@ -104,39 +104,43 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   constexpr int NCH = CX / 2;         // a thread's content chunks (two threads per token)
   constexpr int CPG = C::CPG;         // chunks per content group (C4: 4, C2: 2)
   static_assert(C::RCH == 2, "two RoPE chunks per token");
+  constexpr int HPG = CPG / 2;        // a thread's chunks per content group
   const int lt = threadIdx.x, tok = lt & 63, half = lt >> 6;
   const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
+  // the token's row in octet 0, plus the half's two octets: chunk i is x = CPG (i / HPG) + 2 (i % HPG) + half of the
+  // token's row, channels 128 (i / HPG) + 16 (x % CPG) of plane 0 = octet 16 (i / HPG) + 4 (i % HPG) + 2 half
+  const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + 2 * half * kOct;
   for (int it = 0; pg0 + it < pg1; ++it) {
     const int pg = pg0 + it, b = it & 1;
     const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
     const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
+    const uint8_t* crow = page + p.c_off + tok * C::CBYTES + 16 * half;
     uint4 w[NCH];
 #pragma unroll
-    for (int i = 0; i < NCH; ++i)  // chunk x = half + 2 i of the token's row
-      w[i] = __ldg(reinterpret_cast<const uint4*>(page + p.c_off + tok * C::CBYTES + 16 * (half + 2 * i)));
+    for (int i = 0; i < NCH; ++i)
+      w[i] = __ldg(reinterpret_cast<const uint4*>(crow + 16 * (CPG * (i / HPG) + 2 * (i % HPG))));
     const uint4 wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
-    __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE
+    __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
 #pragma unroll
     for (int g = 0; g < 5; ++g) {
       const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
       sv[g] = meta[srow * kPage + tok];
-      ov[g] = orow < 0 ? __float2half(0.f) : meta[orow * kPage + tok];
+      const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
+      ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
     }
     if (it >= 2) mbar_wait(bar + 80 + 8 * b, ((it >> 1) - 1) & 1);
     const bool ok = pg * kPage + tok >= lo && pg * kPage + tok < hi;  // else zeros (the bytes may be NaN)
-    const uint32_t tile = s0 + T_SM + b * kTile;
+    const uint32_t row = s0 + T_SM + b * kTile + row_off;
 #pragma unroll
     for (int g = 0; g < 5; ++g) {
-      const __half2 s2 = __half2half2(ok ? sv[g] : __float2half(0.f)), o2 = __half2half2(ok ? ov[g] : __float2half(0.f));
+      const __half2 s2 = __half2half2(ok ? sv[g] : __float2half(0.f));
+      const __half2 o2 = __half2half2(ok ? ov[g] : __float2half(0.f));
       const uint32_t s2u = *reinterpret_cast<const uint32_t*>(&s2), o2u = *reinterpret_cast<const uint32_t*>(&o2);
-      if (g < 4) {  // content group g: chunks x in [g CPG, (g + 1) CPG), this thread's x = half + 2 i
+      if (g < 4) {
 #pragma unroll
-        for (int i = 0; i < NCH; ++i) {
-          const int x = half + 2 * i;
-          if (x / CPG == g) unpack_chunk<CB, C::PS>(tile, tok, kGroup * g + 16 * (x % CPG), w[i], s2u, o2u);
-        }
-      } else {  // RoPE chunk `half`: channels 16 half (+ plane stride RPS)
-        unpack_chunk<RB, C::RPS>(tile, tok, kDc + 16 * half, wr, s2u, o2u);
+        for (int j = 0; j < HPG; ++j) unpack_chunk<CB, C::PS>(row, 16 * g + 4 * j, w[g * HPG + j], s2u, o2u);
+      } else {  // RoPE chunk `half`: channels 16 half (+ plane stride RPS) = octet 64 + 2 half
+        unpack_chunk<RB, C::RPS>(row, kDc / 8, wr, s2u, o2u);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       mbar_arrive(bar + 8 * (2 * g + b));

@@ -83,26 +83,25 @@ __device__ __forceinline__ uint32_t f16_values(uint32_t x, int p, uint32_t s2, u
 }
 
 // Unpack one 16-byte chunk of B-bit codes, planar with plane stride PS channels (byte j holds channel j + p PS of
-// plane p), whose byte 0 is channel `ch0` of plane 0, with the token's scale and offset (fp16 pairs s2, o2), into the
-// rows of token `tok` of the tile at `tile`: per plane two 16-byte rows (channels ch0 + p PS + 0..7 and 8..15).
+// plane p), with the token's scale and offset (fp16 pairs s2, o2), into the token's rows of a tile: `row` is the
+// address of the token's 16-byte row in channel octet 0 plus any run-time octet offset, `oct` the chunk's first channel
+// octet of plane 0 (a constant after unrolling: every store gets an immediate offset). Per plane two rows (octets oct + p PS / 8 and
+// + 1).
 template <int B, int PS>
-__device__ __forceinline__ void unpack_chunk(uint32_t tile, int tok, int ch0, const uint4& w, uint32_t s2,
-                                             uint32_t o2) {
+__device__ __forceinline__ void unpack_chunk(uint32_t row, int oct, const uint4& w, uint32_t s2, uint32_t o2) {
   const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
+  const uint32_t x[4][2] = {{__byte_perm(wd[0], 0, 0x4140), __byte_perm(wd[0], 0, 0x4342)},
+                            {__byte_perm(wd[1], 0, 0x4140), __byte_perm(wd[1], 0, 0x4342)},
+                            {__byte_perm(wd[2], 0, 0x4140), __byte_perm(wd[2], 0, 0x4342)},
+                            {__byte_perm(wd[3], 0, 0x4140), __byte_perm(wd[3], 0, 0x4342)}};
 #pragma unroll
   for (int p = 0; p < 8 / B; ++p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7 of the plane: words 2h, 2h + 1
-      uint32_t o[4];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const uint32_t wq = wd[2 * h + q];
-        o[2 * q] = f16_values<B>(__byte_perm(wq, 0, 0x4140), p, s2, o2);
-        o[2 * q + 1] = f16_values<B>(__byte_perm(wq, 0, 0x4342), p, s2, o2);
-      }
-      const uint32_t at = tile + oct_offset(tok, ch0 + p * PS + 8 * h);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(o[0]), "r"(o[1]), "r"(o[2]),
-                   "r"(o[3])
+      const uint32_t o0 = f16_values<B>(x[2 * h][0], p, s2, o2), o1 = f16_values<B>(x[2 * h][1], p, s2, o2);
+      const uint32_t o2v = f16_values<B>(x[2 * h + 1][0], p, s2, o2), o3 = f16_values<B>(x[2 * h + 1][1], p, s2, o2);
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + (oct + p * PS / 8 + h) * kOct), "r"(o0),
+                   "r"(o1), "r"(o2v), "r"(o3)
                    : "memory");
     }
   }
