@@ -18,8 +18,12 @@
 #     Session 36 timed a heads-on-M, dequantize-once CTA for 64-128 heads as a skeleton (benchmarks/micro/hm_tile.cu,
 #     micro_hm_tile_h100_s36.txt; docs/kernels.md "Many heads on M with a producer warpgroup"): 5,110 cycles per tile
 #     with everything (0.75x FlashMLA at 128 heads, 1.36x at 64 on the H100; ws 0.40-0.43x / 0.72-0.75x), products
-#     alone 2,800. Next: build that kernel (`hm`) offline from the section's four points, then `ws`-style calls
-#     (smoke, its GPU tests, heads 64/128 beside FlashMLA). Re-run the skeleton after a change to it:
+#     alone 2,800. The kernel was then built (`kernel="hm"`, by name only): its GPU tests pass (29, H100; the
+#     large-value LSE limit asserted), 1.21-1.23x ws at 64 / 128 heads (decode_vs_flashmla_h100_s36_hm2.md).
+#     Next: the same on the H200, then auto's routing: `QUANTMLA_CUDA_KERNEL=hm python -m pytest -m gpu
+#     tests/kernels/test_decode_cuda.py -q -k hm` and `python benchmarks/bench_decode.py --flashmla-prebuilt
+#     .fmbuild/flashmla_dense_bench.so --rounds 2 --tag h200_hm --heads 32,64,128 --shapes 32x32768,8x131072,1x131072
+#     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild). Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
