@@ -62,7 +62,8 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_STAGES=3", "-DQMLA_SM90_LATE_COPY=1")),  # stages3_late: two barriers
      ("decode_mla_sm90", "90a", ("-DQMLA_SM90_STAGES=3", "-DQMLA_SM90_LATE_COPY=1", "-DQMLA_SM90_VOTE=1")),  # + vote
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
-     ("decode_mla_sm90_ws", "90a", ())],
+     ("decode_mla_sm90_ws", "90a", ()),
+     ("decode_mla_sm90_hm", "90a", ())],
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -399,6 +400,59 @@ def test_ws_pipeline_protocol_has_no_race_or_deadlock(ws_maps):
     for tiles in [*range(0, 9), 17, 33]:
         for seed in range(40):
             _simulate_ws_pipeline(tiles, stages, par, random.Random(seed))
+
+
+_HM_MAPS = r"""
+#include <cstdio>
+#include "mla_hm.cuh"
+using namespace qmla::hm;
+template <int CB> void maps() {
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 256 * CB / 128; ++i) printf("%d %d %d %d %d\n", CB, half, i, chunk_byte<CB>(i, half),
+                                                     chunk_octet<CB>(i, half));
+}
+int main() { maps<4>(); maps<2>(); }
+"""
+
+
+@pytest.mark.parametrize("cb", [4, 2])
+def test_hm_producer_puts_every_code_where_the_score_and_output_products_read_it(tmp_path, cb):
+    """The hm kernel's producer (decode_mla_sm90_hm.cu) reads a token's content row in 16-byte chunks (chunk_byte) and
+    writes each plane's codes as 8-channel rows at channel octet chunk_octet + 2 CB p (+ 1 for the chunk's second 8
+    bytes); its RoPE chunk `half` goes to octet 64 + 2 half + 4 p. Simulated on a row packed by quant/packing.py: every
+    channel octet of the 576 is written exactly once, with the codes of exactly its 8 channels."""
+    import torch
+
+    from quantmla.quant.packing import pack
+
+    (tmp_path / "maps.cu").write_text(_HM_MAPS)
+    r = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), "-o", str(tmp_path / "maps"), str(tmp_path / "maps.cu")],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(tmp_path / "maps")], capture_output=True, text=True, check=True).stdout
+    rows = [tuple(int(v) for v in ln.split()) for ln in out.splitlines()]
+    g = torch.Generator().manual_seed(cb)
+    codes = torch.randint(0, 1 << cb, (512,), generator=g, dtype=torch.uint8)
+    rope = torch.randint(0, 16, (64,), generator=g, dtype=torch.uint8)
+    crow, rrow = pack(codes, cb, group=128).tolist(), pack(rope, 4).tolist()
+    mask = (1 << cb) - 1
+    written = {}
+    for _cb, _half, _i, byte, octet in (m for m in rows if m[0] == cb):
+        for p in range(8 // cb):
+            for h in (0, 1):
+                o = octet + 2 * cb * p + h
+                assert o not in written, f"octet {o} written twice"
+                written[o] = [(crow[byte + 8 * h + k] >> (p * cb)) & mask for k in range(8)]
+    for half in (0, 1):  # RoPE: plain planar, plane stride 32 channels (4 octets)
+        for p in (0, 1):
+            for h in (0, 1):
+                o = 64 + 2 * half + 4 * p + h
+                assert o not in written, f"octet {o} written twice"
+                written[o] = [(rrow[16 * half + 8 * h + k] >> (4 * p)) & 15 for k in range(8)]
+    assert sorted(written) == list(range(72)), "every channel octet once"
+    full = codes.tolist() + rope.tolist()
+    for o, got in written.items():
+        assert got == full[8 * o : 8 * o + 8], f"octet {o} holds the wrong codes"
 
 
 @pytest.mark.skipif(NVCC is None or _nvcc_major() < 12, reason="needs nvcc >= 12")

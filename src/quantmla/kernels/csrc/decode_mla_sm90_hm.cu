@@ -106,20 +106,19 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   constexpr int CPG = C::CPG;         // chunks per content group (C4: 4, C2: 2)
   static_assert(C::RCH == 2, "two RoPE chunks per token");
   constexpr int HPG = CPG / 2;        // a thread's chunks per content group
+  static_assert(CPG == CB, "mla_hm.cuh's chunk maps");
   const int lt = threadIdx.x, tok = lt & 63, half = lt >> 6;
   const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
-  // the token's row in octet 0, plus the half's two octets: chunk i is x = CPG (i / HPG) + 2 (i % HPG) + half of the
-  // token's row, channels 128 (i / HPG) + 16 (x % CPG) of plane 0 = octet 16 (i / HPG) + 4 (i % HPG) + 2 half
-  const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + 2 * half * kOct;
+  // chunk maps (mla_hm.cuh): the half only adds 16 bytes to the source and two octets to the destination
+  const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + chunk_octet<CB>(0, half) * kOct;
   for (int it = 0; pg0 + it < pg1; ++it) {
     const int pg = pg0 + it, b = it & 1;
     const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
     const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
-    const uint8_t* crow = page + p.c_off + tok * C::CBYTES + 16 * half;
+    const uint8_t* crow = page + p.c_off + tok * C::CBYTES + chunk_byte<CB>(0, half);
     uint4 w[NCH];
 #pragma unroll
-    for (int i = 0; i < NCH; ++i)
-      w[i] = __ldg(reinterpret_cast<const uint4*>(crow + 16 * (CPG * (i / HPG) + 2 * (i % HPG))));
+    for (int i = 0; i < NCH; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(crow + chunk_byte<CB>(i, 0)));
     const uint4 wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
     __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
 #pragma unroll
@@ -139,7 +138,8 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
       const uint32_t s2u = *reinterpret_cast<const uint32_t*>(&s2), o2u = *reinterpret_cast<const uint32_t*>(&o2);
       if (g < 4) {
 #pragma unroll
-        for (int j = 0; j < HPG; ++j) unpack_chunk<CB, C::PS>(row, 16 * g + 4 * j, w[g * HPG + j], s2u, o2u);
+        for (int j = 0; j < HPG; ++j)
+          unpack_chunk<CB, C::PS>(row, chunk_octet<CB>(g * HPG + j, 0), w[g * HPG + j], s2u, o2u);
       } else {  // RoPE chunk `half`: channels 16 half (+ plane stride RPS) = octet 64 + 2 half
         unpack_chunk<RB, C::RPS>(row, kDc / 8, wr, s2u, o2u);
       }
@@ -289,7 +289,8 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     keep_regs(o);
     wgmma_fence();
     if (own) {
-      const Desc vd(wgmma_desc(s0 + T_SM + c * kTile + 32 * c * kOct, 128, kOct));  // the tile MN-major, channels 256c..
+      // the tile MN-major from channel 256 c (octet 32 c)
+      const Desc vd(wgmma_desc(s0 + T_SM + c * kTile + 32 * c * kOct, 128, kOct));
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, pa[kk], vd.at(2 * kk * 128), vd.hi);
     }
@@ -333,7 +334,8 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       float* out = p.po + (row0 + h) * kDc + 256 * c;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(out + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * v] * inv, o[4 * j + 1 + 2 * v] * inv);
+        *reinterpret_cast<float2*>(out + 8 * j + 2 * t) =
+            make_float2(o[4 * j + 2 * v] * inv, o[4 * j + 1 + 2 * v] * inv);
     }
   }
 }

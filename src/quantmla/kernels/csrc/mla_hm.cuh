@@ -7,14 +7,14 @@
 // channels over both tiles of an iteration. Why and how fast: docs/kernels.md "Many heads
 // on M with a producer warpgroup" (the timing skeleton benchmarks/micro/hm_tile.cu).
 //
-// Shared-memory operands without swizzle (CUTLASS's INTERLEAVE canonical layouts), 8 x 8 core matrices of 16-bit elements, 128
-// contiguous bytes each (fp16 here). q and a tile are channel-octet-major: element (row r, channel ch) at (ch / 8) * 1024 + (r /
-// 8) * 128 + (r % 8) * 16 + (ch % 8) * 2 (r = head for q, token for a tile). K-major reads (the score product, A = q,
-// B = the tile): a k-step of 16 channels starts at octet 2 kk, LBO 1024 (the next 8 channels), SBO 128 (the next 8
-// rows). MN-major read of a tile (the output product's B = V: k = tokens, n = channels): LBO 128 (the next 8 tokens),
-// SBO 1024 (the next 8 channels), imm-trans-b 1. The published P (A of nothing: read with ldmatrix) uses the same
-// form with tokens as the channel axis: (head, token) at (token / 8) * 1024 + (head / 8) * 128 + (head % 8) * 16 +
-// (token % 8) * 2.
+// Shared-memory operands without swizzle (CUTLASS's INTERLEAVE canonical layouts), 8 x 8 core matrices of 16-bit
+// elements (fp16 here), 128 contiguous bytes each. q and a tile are channel-octet-major: element (row r, channel ch) at
+// (ch / 8) * 1024 + (r / 8) * 128 + (r % 8) * 16 + (ch % 8) * 2 (r = head for q, token for a tile). K-major reads
+// (the score product, A = q, B = the tile): a k-step of 16 channels starts at octet 2 kk, LBO 1024 (the next 8
+// channels), SBO 128 (the next 8 rows). MN-major read of a tile (the output product's B = V: k = tokens, n =
+// channels): LBO 128 (the next 8 tokens), SBO 1024 (the next 8 channels), imm-trans-b 1. The published P (read with
+// ldmatrix) uses the same form with tokens as the channel axis: (head, token) at (token / 8) * 1024 + (head / 8) * 128
+// + (head % 8) * 16 + (token % 8) * 2.
 #pragma once
 
 #include <stdint.h>
@@ -44,6 +44,20 @@ __host__ __device__ constexpr int oct_offset(int row, int ch) {
   return (ch >> 3) * kOct + (row >> 3) * 128 + (row & 7) * 16 + (ch & 7) * 2;
 }
 
+// The producer's content chunks (two threads per token, `half` 0 / 1; NCH = 256 CB / 128 chunks of 16 bytes each):
+// chunk i of a thread is chunk x = CPG (i / HPG) + 2 (i % HPG) + half of the token's row (CPG = CB chunks per
+// quantization group of 128 channels, HPG = CPG / 2 of them per thread), i.e. group i / HPG at a compile-time index.
+// Its byte offset in the token's content row, and the first channel octet of plane 0 it fills (plane p adds 2 CB p
+// octets: plane stride 16 CB channels): tests/kernels/test_cuda_compile.py checks both against quant/packing.py.
+template <int CB>
+__host__ __device__ constexpr int chunk_byte(int i, int half) {
+  return 16 * (CB * (i / (CB / 2)) + 2 * (i % (CB / 2)) + half);
+}
+template <int CB>
+__host__ __device__ constexpr int chunk_octet(int i, int half) {
+  return 16 * (i / (CB / 2)) + 4 * (i % (CB / 2)) + 2 * half;
+}
+
 #if defined(__CUDACC__)
 #define QMLA_HM_F8(x, o) "+f"(x[o]), "+f"(x[o + 1]), "+f"(x[o + 2]), "+f"(x[o + 3]), "+f"(x[o + 4]), "+f"(x[o + 5]), \
                          "+f"(x[o + 6]), "+f"(x[o + 7])
@@ -65,8 +79,17 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint32_t a_lo, uint
 __device__ __forceinline__ void wgmma_rs_n256_t(float (&d)[128], const uint32_t (&a)[4], uint32_t b_lo, uint32_t b_hi) {
   asm volatile(
       "{\n.reg .b64 db;\nmov.b64 db, {%132, %133};\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128, %129, %130, %131}, db, 1, 1, 1, 1;\n}\n"
-      : QMLA_HM_F8(d, 0), QMLA_HM_F8(d, 8), QMLA_HM_F8(d, 16), QMLA_HM_F8(d, 24), QMLA_HM_F8(d, 32), QMLA_HM_F8(d, 40), QMLA_HM_F8(d, 48), QMLA_HM_F8(d, 56), QMLA_HM_F8(d, 64), QMLA_HM_F8(d, 72), QMLA_HM_F8(d, 80), QMLA_HM_F8(d, 88), QMLA_HM_F8(d, 96), QMLA_HM_F8(d, 104), QMLA_HM_F8(d, 112), QMLA_HM_F8(d, 120)
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
+      "%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,"
+      "%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,"
+      "%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,"
+      "%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128, %129,"
+      " %130, %131}, db, 1, 1, 1, 1;\n}\n"
+      : QMLA_HM_F8(d, 0), QMLA_HM_F8(d, 8), QMLA_HM_F8(d, 16), QMLA_HM_F8(d, 24), QMLA_HM_F8(d, 32),
+        QMLA_HM_F8(d, 40), QMLA_HM_F8(d, 48), QMLA_HM_F8(d, 56), QMLA_HM_F8(d, 64), QMLA_HM_F8(d, 72),
+        QMLA_HM_F8(d, 80), QMLA_HM_F8(d, 88), QMLA_HM_F8(d, 96), QMLA_HM_F8(d, 104), QMLA_HM_F8(d, 112),
+        QMLA_HM_F8(d, 120)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_lo), "r"(b_hi)
       : "memory");
 }
@@ -84,9 +107,9 @@ __device__ __forceinline__ uint32_t f16_values(uint32_t x, int p, uint32_t s2, u
 
 // Unpack one 16-byte chunk of B-bit codes, planar with plane stride PS channels (byte j holds channel j + p PS of
 // plane p), with the token's scale and offset (fp16 pairs s2, o2), into the token's rows of a tile: `row` is the
-// address of the token's 16-byte row in channel octet 0 plus any run-time octet offset, `oct` the chunk's first channel
-// octet of plane 0 (a constant after unrolling: every store gets an immediate offset). Per plane two rows (octets oct + p PS / 8 and
-// + 1).
+// address of the token's 16-byte row in channel octet 0 plus any run-time octet offset, `oct` the chunk's first
+// channel octet of plane 0 (a constant after unrolling: every store gets an immediate offset). Per plane two rows
+// (octets oct + p PS / 8 and + 1).
 template <int B, int PS>
 __device__ __forceinline__ void unpack_chunk(uint32_t row, int oct, const uint4& w, uint32_t s2, uint32_t o2) {
   const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
