@@ -23,7 +23,9 @@
 #     Next: the same on the H200, then auto's routing: `QUANTMLA_CUDA_KERNEL=hm python -m pytest -m gpu
 #     tests/kernels/test_decode_cuda.py -q -k hm` and `python benchmarks/bench_decode.py --flashmla-prebuilt
 #     .fmbuild/flashmla_dense_bench.so --rounds 2 --tag h200_hm --heads 32,64,128 --shapes 32x32768,8x131072,1x131072
-#     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild). Re-run the skeleton after a change to it:
+#     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild), and in a call of its own (~5 min) `PYTHONPATH=src python
+#     benchmarks/mutation_check.py --kernel hm` (6 mutations + control; never run yet). Re-run the skeleton after a
+#     change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave

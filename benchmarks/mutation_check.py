@@ -10,10 +10,10 @@ in unwritten slots must not reach the output) and, for its C4R4T / C2R4T instant
 one content score accumulator), the score's offset term dropped and the RoPE scores put into the content
 accumulator; for ws the scale, the boundaries, the offset term, the magic term, the code bias, each in the file the
 kernel reads it from.
-Prints one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws``: sm_90);
+Prints one line per mutation and exits non-zero if any mutation survives. GPU only (``--kernel wgmma|ws|hm``: sm_90);
 ``--dry-run`` (no GPU) only resolves every pattern to its one file::
 
-    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|ws] [--dry-run]
+    PYTHONPATH=src python benchmarks/mutation_check.py [--kernel mma|wgmma|ws|hm] [--dry-run]
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ SOURCES = {
     "mma": "decode_mla.cu",
     "wgmma": "decode_mla_sm90.cu",
     "ws": "decode_mla_sm90_ws.cu",
+    "hm": "decode_mla_sm90_hm.cu",
 }
 # the test ids carry the kernel: test_x[mma-...] / [wgmma-...] / [ws-...]
-SELECT = {"mma": "not wgmma and not ws", "wgmma": "wgmma", "ws": "ws"}
+SELECT = {"mma": "not wgmma and not ws and not hm", "wgmma": "wgmma", "ws": "ws", "hm": "hm"}
 # one kernel family's own code, not a shared header (the ws headers read the wgmma kernel's softmax line too)
 OTHER_HEADERS = {
     "mla_sm90_bf16.cuh",
     "mla_ws_cfg.cuh",
     "mla_ws_score.cuh",
     "mla_ws_output.cuh",
+    "mla_hm.cuh",
 }
 BIAS = ('"r"(0xC300C300u)', '"r"(0xC2FEC2FEu)')  # mla_ops.cuh, both kernels
 MUTATIONS = {
@@ -119,6 +121,31 @@ MUTATIONS = {
             "(0x8000u | ((25u - B * p) << 10))",
             "(0x8001u | ((25u - B * p) << 10))",
             "mla_ops.cuh",
+        ),
+    },
+    "hm": {  # the producer dequantizes (fp16 s c + o), the consumers run FlashMLA's loop with their own frames
+        "none (control: must pass)": ("", ""),
+        "softmax scale +1%": ("-INFINITY : s[i] * up;", "-INFINITY : s[i] * up * 1.01f;", "decode_mla_sm90_hm.cu"),
+        "sink boundary +1 token": ("const int lo = p.sink;", "const int lo = p.sink + 1;", "decode_mla_sm90_hm.cu"),
+        "local boundary -1 token": (
+            "max(n - p.local, p.sink);",
+            "max(n - p.local + 1, p.sink);",
+            "decode_mla_sm90_hm.cu",
+        ),
+        "offset term dropped": (
+            "ov[g] = orow >= 0 ? meta[orow * kPage + tok] :",
+            "ov[g] = orow >= 0 ? __float2half(0.f) :",
+            "decode_mla_sm90_hm.cu",
+        ),
+        "code magic 1024 -> 1025 (codes one off)": (
+            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(0x64006400u));',
+            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(0x64016401u));',
+            "mla_hm.cuh",
+        ),
+        "the other consumer's P in a frame 1% off": (
+            ": ex2(fo[v] - m_run[v]);",
+            ": ex2(fo[v] - m_run[v] + 0.0144f);",
+            "decode_mla_sm90_hm.cu",
         ),
     },
 }
