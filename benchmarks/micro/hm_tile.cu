@@ -104,6 +104,29 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return r;
 }
 
+// Unpack `rows` 16-byte rows of codes of group g from src[] with the decode kernels' instruction mix (PRMT, SHF,
+// LOP3, sub.bf16x2 per pair of codes) and store them as the token's rows of the tile (channel-octet-major)
+__device__ __forceinline__ void unpack_rows(const uint32_t (&src)[8], int rows, int g, int lt, uint32_t tile) {
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    if (r >= rows) break;
+    uint32_t o[4];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint32_t x = __byte_perm(src[r], 0, q ? 0x4342 : 0x4140);
+      uint32_t lo = (x & 0x000F000Fu) | 0x43004300u, hi = ((x >> 4) & 0x000F000Fu) | 0x43004300u;
+      asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(lo) : "r"(0x43004300u));
+      asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(hi) : "r"(0x43004300u));
+      o[2 * q] = lo, o[2 * q + 1] = hi;
+    }
+    const int oct = g * 16 + (lt >> 6) * rows + r, tok = lt & 63;  // a row of 8 channels of one token
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + oct * 1024 + (tok >> 3) * 128 +
+                                                                          (tok & 7) * 16),
+                 "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
+                 : "memory");
+  }
+}
+
 template <int MODE, int c>
 __device__ __forceinline__ float consumer(uint8_t* smem, uint32_t s0, uint32_t bar, int tiles, int lt) {
     const int warp = lt >> 5, lane = lt & 31, t = lane & 3;
@@ -274,24 +297,7 @@ __global__ void __launch_bounds__(384, 1) hm(const uint8_t* pool, int tiles, flo
         const uint32_t tile = s0 + (b ? kK1 : kK0);
         const int rows = g < 4 ? 8 : 4;
         const uint32_t src[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          if (r >= rows) break;
-          uint32_t o[4];
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const uint32_t x = __byte_perm(src[r], 0, q ? 0x4342 : 0x4140);
-            uint32_t lo = (x & 0x000F000Fu) | 0x43004300u, hi = ((x >> 4) & 0x000F000Fu) | 0x43004300u;
-            asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(lo) : "r"(0x43004300u));
-            asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(hi) : "r"(0x43004300u));
-            o[2 * q] = lo, o[2 * q + 1] = hi;
-          }
-          const int oct = g * 16 + (lt >> 6) * rows + r, tok = lt & 63;
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + oct * 1024 + (tok >> 3) * 128 +
-                                                                                (tok & 7) * 16),
-                       "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
-                       : "memory");
-        }
+        unpack_rows(src, rows, g, lt, tile);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(bar + 8 * (2 * g + b));
       }
@@ -313,24 +319,7 @@ __global__ void __launch_bounds__(384, 1) hm(const uint8_t* pool, int tiles, flo
           const int rows = g < 4 ? 8 : 4;  // 16-byte rows of codes per thread
           const uint4 wa = w[2 * g], wb = w[2 * g + 1];
           const uint32_t src[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-          for (int r = 0; r < 8; ++r) {
-            if (r >= rows) break;
-            uint32_t o[4];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {  // two pairs of codes from each of two bytes pairs: PRMT, SHF, LOP3, HSUB2
-              const uint32_t x = __byte_perm(src[r], 0, q ? 0x4342 : 0x4140);
-              uint32_t lo = (x & 0x000F000Fu) | 0x43004300u, hi = ((x >> 4) & 0x000F000Fu) | 0x43004300u;
-              asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(lo) : "r"(0x43004300u));
-              asm("sub.rn.bf16x2 %0, %0, %1;\n" : "+r"(hi) : "r"(0x43004300u));
-              o[2 * q] = lo, o[2 * q + 1] = hi;
-            }
-            const int oct = g * 16 + (lt >> 6) * rows + r, tok = lt & 63;  // a row of 8 channels of one token
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + oct * 1024 + (tok >> 3) * 128 +
-                                                                                  (tok & 7) * 16),
-                         "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
-                         : "memory");
-          }
+          unpack_rows(src, rows, g, lt, tile);
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
           mbar_arrive(bar + 8 * (2 * g + b));
         }
