@@ -349,8 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_hm(const Params p) 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid / kWg, 0);  // warp-uniform for the compiler (setmaxnreg regions)
   const int h0 = hg * kNH;
-  const SplitPages sr = split_pages(p, p.lens[b], sp);
-  const int lo = sr.lo, hi = sr.hi, pg0 = sr.pg0, pg1 = sr.pg1;
+  const int n = p.lens[b];
+  const int lo = p.sink;
+  const int hi = max(n - p.local, p.sink);
+  const int pg0 = lo / kPage + sp * p.pps;
+  const int pg1 = min(pg0 + p.pps, (hi + kPage - 1) / kPage);
   if (empty_split_leaves(p, pg0, pg1)) return;
   const int* bt = p.block_table + (long long)b * p.bt_stride;
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;

@@ -59,21 +59,6 @@ __host__ __device__ __forceinline__ int used_splits(int n, int sink, int local, 
   return used < ns ? used : ns;
 }
 
-// The tokens a sequence of n tokens reads from its packed pages, [lo, hi), and split sp's pages [pg0, pg1) of them
-// (pps pages per split): the range every packed-page kernel's CTA starts from.
-struct SplitPages {
-  int lo, hi, pg0, pg1;
-};
-__device__ __forceinline__ SplitPages split_pages(const Params& p, int n, int sp) {
-  SplitPages s;
-  s.lo = p.sink;
-  s.hi = n - p.local > p.sink ? n - p.local : p.sink;
-  s.pg0 = s.lo / kPage + sp * p.pps;
-  const int end = (s.hi + kPage - 1) / kPage;
-  s.pg1 = s.pg0 + p.pps < end ? s.pg0 + p.pps : end;
-  return s;
-}
-
 // Whether this CTA's split has no pages, as a warp-uniform value (a plain branch on it let ptxas take the Hopper
 // kernel's wgmma descriptors out of uniform registers: +49 UMOV per tile in its main loop).
 __device__ __forceinline__ bool empty_split(int pg0, int pg1) { return __shfl_sync(0xffffffffu, pg0 >= pg1, 0); }
