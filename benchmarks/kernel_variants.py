@@ -92,6 +92,13 @@ VARIANTS: dict[str, dict[str, int]] = {
     # 28: its output warpgroups' 512 HFMA2 go; the symmetric C2R4 instantiations spill 16 B; H200: GPU tests pass,
     # C4R4 at 32 heads 1.01-1.02x, kernel_variants_h200_s28_wssub.md)
     "wssub": {"QMLA_WS_SUBNORMAL": 1},
+    # the heads-on-M kernel's producer (decode_mla_sm90_hm.cu, written offline in session 36, not yet run on a GPU;
+    # time with --formats c4r4@hm,c2r4@hm --heads 64,128): fields unpacked in place under per-plane magic numbers
+    # (no shift, one LOP3: ~870 -> ~660 SASS instructions per tile), and loads of 16 tokens x 32 bytes per warp
+    # instruction (whole sectors; the stores stay conflict-free)
+    "hm_inplace": {"QMLA_HM_INPLACE": 1},
+    "hm_tokmap": {"QMLA_HM_TOKMAP": 1},
+    "hm_both": {"QMLA_HM_INPLACE": 1, "QMLA_HM_TOKMAP": 1},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
     # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py
@@ -191,6 +198,15 @@ def compile_report(names: list[str], root: Path) -> None:
         )
 
 
+def tested_kernel(formats: str) -> str:
+    """The CUDA kernel whose GPU tests a variant run takes (pytest -k): the one the formats name (``c4r4@hm`` ->
+    ``hm``, ``@ws`` -> ``ws``), else the wgmma kernel, this script's subject."""
+    named = {f.partition("@")[2] for f in formats.split(",") if "@" in f} - {"", "wgmma", "mma"}
+    if len(named) > 1:
+        raise SystemExit(f"--tests: one kernel's variants at a time, the formats name {sorted(named)}")
+    return named.pop() if named else "wgmma"
+
+
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
         tests: bool = False, flashmla_prebuilt: str | None = None) -> None:  # fmt: skip
     """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
@@ -210,10 +226,10 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         descr[label(name)] = defines(name)
         if is_ablation(name):
             descr[label(name)] += "; ablation: timing only, the result is wrong on purpose"
-        elif tests:  # the Hopper kernel's GPU tests against this variant's build, before timing it
+        elif tests:  # the timed kernel's GPU tests against this variant's build, before timing it
             t = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rf", "--tb=line", "-p",
                                 "no:cacheprovider", str(ROOT / "tests" / "kernels" / "test_decode_cuda.py"), "-k",
-                                "wgmma"], env=env, check=False)  # fmt: skip
+                                tested_kernel(formats)], env=env, check=False)  # fmt: skip
             descr[label(name)] += f"; GPU tests {'passed' if t.returncode == 0 else 'FAILED'}"
         proc = subprocess.run(cmd, env=env, check=False)
         if proc.returncode and "--flashmla-prebuilt" in cmd:  # e.g. the extension does not load here: without it
@@ -288,7 +304,8 @@ def main() -> None:
     ap.add_argument("--formats", default="c4r4@wgmma")
     ap.add_argument("--shapes", default="32x32768,8x131072,1x131072,32x4096")
     ap.add_argument("--heads", default="16")
-    ap.add_argument("--tests", action="store_true", help="run: the wgmma GPU tests against each variant first")
+    ap.add_argument("--tests", action="store_true",
+                    help="run: the GPU tests of the timed kernel (wgmma, or the one --formats names) per variant first")
     ap.add_argument("--flashmla-prebuilt", default=None,
                     help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
                          "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip

@@ -57,3 +57,21 @@ def test_ablations_keep_their_timings_and_skip_nothing_else(tmp_path):
     assert (d / f"{kv.KERNEL}.cu").read_text().splitlines()[1] == "#define QMLA_SM90_ABLATE 8"
     masks = {v["QMLA_SM90_ABLATE"] for n, v in kv.VARIANTS.items() if kv.is_ablation(n)}
     assert masks == {1, 2, 3, 4, 8}
+
+
+def test_the_tests_a_variant_run_takes_follow_the_timed_kernel():
+    assert kv.tested_kernel("c4r4@wgmma") == "wgmma"
+    assert kv.tested_kernel("c4r4,c2r4") == "wgmma"
+    assert kv.tested_kernel("c4r4@hm,c2r4@hm") == "hm"
+    assert kv.tested_kernel("c4r4@ws,c4r4") == "ws"
+    with pytest.raises(SystemExit, match="one kernel"):
+        kv.tested_kernel("c4r4@hm,c4r4@ws")
+
+
+def test_every_variant_names_macros_a_kernel_source_reads():
+    """A variant's macro must be read by some kernel source (a typo would build the default and time it as the
+    variant)."""
+    texts = "".join(f.read_text() for f in kv.CSRC.iterdir() if f.suffix in (".cu", ".cuh"))
+    for name, macros in kv.VARIANTS.items():
+        for m in macros:
+            assert f"#ifndef {m}" in texts or f"defined({m})" in texts or f"#if {m}" in texts, (name, m)

@@ -36,6 +36,9 @@
 #ifndef QMLA_HM_REG_PRODUCER  // setmaxnreg: producer / consumers (72 + 2 x 216 = 504 = 3 x 168)
 #define QMLA_HM_REG_PRODUCER 72
 #endif
+#ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (built
+#define QMLA_HM_TOKMAP 0  // offline in session 36, not yet run on a GPU); 0: 32 tokens x 16 bytes (GPU-tested)
+#endif
 #ifndef QMLA_HM_REG_CONSUMER
 #define QMLA_HM_REG_CONSUMER 216
 #endif
@@ -107,7 +110,12 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   static_assert(C::RCH == 2, "two RoPE chunks per token");
   constexpr int HPG = CPG / 2;        // a thread's chunks per content group
   static_assert(CPG == CB, "mla_hm.cuh's chunk maps");
-  const int lt = threadIdx.x, tok = lt & 63, half = lt >> 6;
+  // the thread's token and half row: QMLA_HM_TOKMAP 1 gives a warp 16 tokens x both halves, so one load instruction
+  // reads 16 whole 32-byte sectors (32 half-used ones with 32 tokens x one half) and each quarter-warp still stores
+  // 8 tokens' rows of one octet (no bank conflict); the chunk maps (mla_hm.cuh) are the same
+  const int lt = threadIdx.x;
+  const int tok = QMLA_HM_TOKMAP ? 16 * (lt >> 5) + (lt & 15) : lt & 63;
+  const int half = QMLA_HM_TOKMAP ? (lt >> 4) & 1 : lt >> 6;
   const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
   // chunk maps (mla_hm.cuh): the half only adds 16 bytes to the source and two octets to the destination
   const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + chunk_octet<CB>(0, half) * kOct;

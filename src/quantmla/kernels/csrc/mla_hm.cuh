@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "mla_ops.cuh"
 #include "mla_page.cuh"
 
 namespace qmla {
@@ -95,12 +96,24 @@ __device__ __forceinline__ void wgmma_rs_n256_t(float (&d)[128], const uint32_t 
 }
 #undef QMLA_HM_F8
 
+#ifndef QMLA_HM_INPLACE  // 1: each field unpacked in place under its own magic number (no shift, one LOP3; the
+#define QMLA_HM_INPLACE 0  // producer's loop 870 -> ~660 SASS instructions per tile, C4R4; built offline in session 36,
+#endif                     // not yet run on a GPU); 0: shifted down under 1024 (the form the GPU tests ran)
+
 // Two fp16 values s c + o of field p (bits [p B, (p + 1) B)) of bytes 0 and 1 of x (x = PRMT of a word: [b, 0, b',
-// 0]): 1024 + c exact (magic number), minus 1024 exact, then one rounding of the fused s c + o
+// 0]): 2^k + c exactly under a magic number 2^k whose ulp is 1 at the field's position, minus the magic exact, then
+// one rounding of the fused s c + o. In place (QMLA_HM_INPLACE) the magic is 2^(10 - p B) (ulp 2^-(p B): the field
+// need not move) and the mask and magic are registers (one LOP3); else the field is shifted down under 1024.
 template <int B>
 __device__ __forceinline__ uint32_t f16_values(uint32_t x, int p, uint32_t s2, uint32_t o2) {
-  uint32_t v = ((x >> (p * B)) & (((1u << B) - 1) * 0x00010001u)) | 0x64006400u;
-  asm("sub.rn.f16x2 %0, %0, %1;\n" : "+r"(v) : "r"(0x64006400u));
+#if QMLA_HM_INPLACE
+  const uint32_t magic = ((uint32_t)(25 - B * p) << 10) * 0x00010001u;  // fp16 bits of 2^(10 - p B), both halves
+  uint32_t v = and_or(x, (((1u << B) - 1) << (B * p)) * 0x00010001u, magic);
+#else
+  const uint32_t magic = 0x64006400u;  // 1024
+  uint32_t v = ((x >> (p * B)) & (((1u << B) - 1) * 0x00010001u)) | magic;
+#endif
+  asm("sub.rn.f16x2 %0, %0, %1;\n" : "+r"(v) : "r"(magic));
   asm("fma.rn.f16x2 %0, %0, %1, %2;\n" : "+r"(v) : "r"(s2), "r"(o2));
   return v;
 }
