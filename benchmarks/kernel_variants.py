@@ -99,6 +99,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_inplace": {"QMLA_HM_INPLACE": 1},
     "hm_tokmap": {"QMLA_HM_TOKMAP": 1},
     "hm_both": {"QMLA_HM_INPLACE": 1, "QMLA_HM_TOKMAP": 1},
+    "hm_qvec": {"QMLA_HM_QVEC": 1},  # q staged with 16-byte loads in flight (the pairs cost ~10-20 us per CTA)
+    "hm_all": {"QMLA_HM_INPLACE": 1, "QMLA_HM_TOKMAP": 1, "QMLA_HM_QVEC": 1},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
     # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py

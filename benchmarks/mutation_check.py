@@ -137,9 +137,9 @@ MUTATIONS = {
             "ov[g] = orow >= 0 ? __float2half(0.f) :",
             "decode_mla_sm90_hm.cu",
         ),
-        "code magic 1024 -> 1025 (codes one off)": (
-            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(0x64006400u));',
-            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(0x64016401u));',
+        "code magic subtracted one ulp too far (codes one off)": (
+            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(magic));',
+            'asm("sub.rn.f16x2 %0, %0, %1;\\n" : "+r"(v) : "r"(magic + 0x00010001u));',
             "mla_hm.cuh",
         ),
         "the other consumer's P in a frame 1% off": (

@@ -39,6 +39,9 @@
 #ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (built
 #define QMLA_HM_TOKMAP 0  // offline in session 36, not yet run on a GPU); 0: 32 tokens x 16 bytes (GPU-tested)
 #endif
+#ifndef QMLA_HM_QVEC  // 1: q staged with 16-byte loads, all in flight, when bf16 and aligned (as mla_query.cuh's
+#define QMLA_HM_QVEC 0  // stage_q; built offline in session 36, not yet run on a GPU); 0: two-byte pairs (GPU-tested)
+#endif
 #ifndef QMLA_HM_REG_CONSUMER
 #define QMLA_HM_REG_CONSUMER 216
 #endif
@@ -73,6 +76,41 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
   __nv_bfloat162* raw = reinterpret_cast<__nv_bfloat162*>(smem + T_SM + kTile);
   float* red = reinterpret_cast<float*>(smem + F_SM + kNH * 4);
   float amax = 0.f;
+#if QMLA_HM_QVEC
+  // bf16 q with 16-byte aligned rows: each thread's 12 chunks of 8 channels loaded first, all in flight (the pair
+  // loop below issues 96 two-byte loads, each waiting for the store before it), then scaled as scaled_q_pair does
+  constexpr int kChunks = kNH * (kDc + kDr) / 8, kPer = kChunks / kThreads;
+  static_assert(kChunks % kThreads == 0, "q chunks per thread");
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(p.q_lat) | reinterpret_cast<uintptr_t>(p.q_pe);
+  const long long strides = p.q_lat_sb | p.q_lat_sh | p.q_pe_sb | p.q_pe_sh;
+  if (!p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0) {  // a uniform branch: the whole grid takes one side
+    uint4 w[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
+      const int h = h0 + hh < p.H ? h0 + hh : 0;  // heads >= H: head 0, zeroed below
+      const auto* ql = reinterpret_cast<const __nv_bfloat16*>(p.q_lat);
+      const auto* qp = reinterpret_cast<const __nv_bfloat16*>(p.q_pe);
+      w[k] = *reinterpret_cast<const uint4*>(ch < kDc ? ql + (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
+                                                      : qp + (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh +
+                                                            (ch - kDc));
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
+      const bool ok = h0 + hh < p.H;
+      const uint32_t wd[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x0 = ok ? __uint_as_float(wd[j] << 16) * p.qk_scale : 0.f;
+        const float x1 = ok ? __uint_as_float(wd[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        raw[hh * kRowPairs + ch / 2 + j] = v;
+        amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      }
+    }
+  } else
+#endif
   for (int f = tid; f < kPairs; f += kThreads) {
     const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + f / kRowPairs, 2 * (f % kRowPairs));
     raw[f] = v;
