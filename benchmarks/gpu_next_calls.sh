@@ -25,10 +25,10 @@
 #     .fmbuild/flashmla_dense_bench.so --rounds 2 --tag h200_hm --heads 32,64,128 --shapes 32x32768,8x131072,1x131072
 #     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild), and in a call of its own (~5 min) `PYTHONPATH=src python
 #     benchmarks/mutation_check.py --kernel hm` (6 mutations + control; never run yet). The producer variants built
-#     offline: `VARIANTS=base,hm_inplace,hm_tokmap,hm_both VARIANT_FORMATS=c4r4@hm VARIANT_TESTS=1 bash
+#     offline: `VARIANTS=base,hm_inplace,hm_tokmap,hm_qvec,hm_all VARIANT_FORMATS=c4r4@hm VARIANT_TESTS=1 bash
 #     benchmarks/gpu_next_calls.sh variants` needs `--heads 64,128` (kernel_variants.py run --heads; the call passes
 #     the default 16: run it by hand, `python benchmarks/kernel_variants.py run --out $OUT --tag h200_hm --variants
-#     base,hm_inplace,hm_tokmap,hm_both --formats c4r4@hm --heads 64,128 --shapes 32x32768,8x131072 --tests
+#     base,hm_inplace,hm_tokmap,hm_qvec,hm_all --formats c4r4@hm --heads 64,128 --shapes 32x32768,8x131072 --tests
 #     --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so`). Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
