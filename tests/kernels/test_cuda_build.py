@@ -124,9 +124,16 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
                 assert got == ("wgmma" if cap == (9, 0) else "mma"), (cap, name, heads, got)
         if cap == (9, 0):
             assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs
-    with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):
-        monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
-        cd.cuda_kernel_choice(dev, "wgmma")
+            # hm (64 heads on M, session 36) only by name: auto keeps ws at 64 / 128 heads until the H200 has run it
+            assert cd.cuda_kernel_choice(dev, "hm", cache=tiny, heads=128) == "hm"
+            assert all(cd.cuda_kernel_choice(dev, cache=c, heads=h) == "ws" for c in (tiny, tiny2) for h in (64, 128))
+    monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
+    for kernel in ("wgmma", "ws", "hm"):  # the sm_90a kernels off sm_90
+        with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):
+            cd.cuda_kernel_choice(dev, kernel)
+    # hm is built for C4R4 / C2R4 only: the other formats are refused with the reason (auto never asks it)
+    assert "C4R4, C2R4" in cd.cuda_unsupported_reason(cache("c8r8", [3]), "hm")
+    assert cd.cuda_unsupported_reason(cache("c4r4", [3]), "hm") == ""
 
 
 def test_bf16_pages_take_the_wgmma_kernel_only_for_small_work(monkeypatch):
