@@ -36,14 +36,14 @@
 #ifndef QMLA_HM_REG_PRODUCER  // setmaxnreg: producer / consumers (72 + 2 x 216 = 504 = 3 x 168)
 #define QMLA_HM_REG_PRODUCER 72
 #endif
+#ifndef QMLA_HM_REG_CONSUMER
+#define QMLA_HM_REG_CONSUMER 216
+#endif
 #ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (built
 #define QMLA_HM_TOKMAP 0  // offline in session 36, not yet run on a GPU); 0: 32 tokens x 16 bytes (GPU-tested)
 #endif
 #ifndef QMLA_HM_QVEC  // 1: q staged with 16-byte loads, all in flight, when bf16 and aligned (as mla_query.cuh's
 #define QMLA_HM_QVEC 0  // stage_q; built offline in session 36, not yet run on a GPU); 0: two-byte pairs (GPU-tested)
-#endif
-#ifndef QMLA_HM_REG_CONSUMER
-#define QMLA_HM_REG_CONSUMER 216
 #endif
 
 namespace qmla {
