@@ -20,7 +20,8 @@
 #     with everything (0.75x FlashMLA at 128 heads, 1.36x at 64 on the H100; ws 0.40-0.43x / 0.72-0.75x), products
 #     alone 2,800. The kernel was then built (`kernel="hm"`, by name only): its GPU tests pass (29, H100; the
 #     large-value LSE limit asserted), 1.21-1.23x ws at 64 / 128 heads (decode_vs_flashmla_h100_s36_hm2.md).
-#     Next: the same on the H200, then auto's routing: `QUANTMLA_CUDA_KERNEL=hm python -m pytest -m gpu
+#     Next (one command: `HM_VARIANTS=base,hm_inplace,hm_tokmap,hm_qvec,hm_all bash benchmarks/gpu_next_calls.sh hm`,
+#     then `... hm_mutation`): the same on the H200, then auto's routing: `python -m pytest -m gpu
 #     tests/kernels/test_decode_cuda.py -q -k hm` and `python benchmarks/bench_decode.py --flashmla-prebuilt
 #     .fmbuild/flashmla_dense_bench.so --rounds 2 --tag h200_hm --heads 32,64,128 --shapes 32x32768,8x131072,1x131072
 #     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild), and in a call of its own (~5 min) `PYTHONPATH=src python
@@ -82,6 +83,9 @@
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh mutation    # ~5 min (a call of its own): the wgmma kernel's tests can fail
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh heads       # ~3 min, carry .flashmla, .fmbuild: heads
 #       16/32/64/128, every format on the default kernels, beside FlashMLA
+#   QUANTMLA_COMMIT=<sha> [HM_VARIANTS=base,hm_inplace,hm_tokmap,hm_qvec,hm_all] bash benchmarks/gpu_next_calls.sh hm
+#       # ~3 min (+ ~1.5 min a variant), carry .fmbuild: the heads-on-M kernel's GPU tests, heads 32/64/128 beside
+#       # FlashMLA BF16 and ws, then its producer variants; `hm_mutation` (~5 min, a call of its own): its mutations
 #   QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh ws          # <= 7 min (budget 420 s), carry .fmbuild:
 #       the warp-specialized many-heads kernel (csrc/decode_mla_sm90_ws.cu, kernel="ws", auto's past 16 heads for
 #       C4R4 / C2R4): a smoke test first (a hang -- an mbarrier that never completes -- or a wrong result stops the
@@ -96,7 +100,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|ragged|large}
+CALL=${1:?usage: bash benchmarks/gpu_next_calls.sh check|kernels|speed|bench|mutation|heads|variants|ncu|breakdown|kernels_breakdown|trace|change|ws|hm|hm_mutation|ragged|large}
 R=${RES_ROOT:-/root}/$CALL
 OUTD=${OUT:-/tmp/gpu_next_calls_out}
 mkdir -p "$R" "$OUTD"
@@ -278,9 +282,27 @@ case $CALL in
       --tag "h200_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
       --formats "${FORMATS:-c4r4,c4r4/equal,c4r4t,c4r4t/equal,c8r8,c8r8/equal}"
     ;;
+  hm)  # the heads-on-M kernel (kernel="hm", by name only): its GPU tests, heads 32/64/128 beside FlashMLA BF16 and
+    # auto (ws past 16 heads), then HM_VARIANTS (kernel_variants.py, each variant's hm tests first) if set
+    part tests_hm 180 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=line \
+      -p no:cacheprovider -k hm
+    flashmla_args
+    part bench_hm 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
+      --tag "h200_hm_${TAG:-next}" --heads 32,64,128 --shapes "${HM_SHAPES:-32x32768,8x131072}" \
+      --formats c4r4@hm,c4r4,c2r4@hm,c2r4
+    if [[ -n ${HM_VARIANTS:-} ]]; then
+      FMP=()
+      [[ -f .fmbuild/flashmla_dense_bench.so ]] && FMP=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
+      part variants_hm 300 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_hm_${TAG:-next}" \
+        --variants "$HM_VARIANTS" --formats c4r4@hm --heads 64,128 --shapes 32x32768,8x131072 --tests "${FMP[@]}"
+    fi
+    ;;
+  hm_mutation)  # the hm kernel's tests can fail: six mutations and a control (mutation_check.py --kernel hm)
+    part mutation_hm 560 python benchmarks/mutation_check.py --kernel hm
+    ;;
   *)
     echo "unknown call $CALL: check, kernels, speed, bench, mutation, heads, variants, ncu, breakdown," \
-      "kernels_breakdown, trace, change, ws, ragged or large" >&2
+      "kernels_breakdown, trace, change, ws, hm, hm_mutation, ragged or large" >&2
     exit 2
     ;;
 esac
