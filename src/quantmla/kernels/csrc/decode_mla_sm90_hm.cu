@@ -53,19 +53,12 @@ using ws::mbar_arrive;
 using ws::mbar_init;
 using ws::mbar_init_fence;
 using ws::mbar_wait;
+using ws::named_arrive;
 using ws::named_sync;
 
 constexpr int kBarPub0 = 1, kBarPub1 = 2, kBarEnd = 3;  // named barriers of the two consumers (256 threads)
 constexpr float kLazyOther = 4.f;  // the other's P is taken into the own frame when its maximum is <= 2^4 above
 
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void keep_regs(float (&x)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
-}
 
 // q of the CTA's heads into Q_SM as fp16(bf16(q qk_scale) 2^-e), e the CTA's exponent (mla_query.cuh: the largest
 // |q| lands in [2^14, 2^15)); returns e. Scratch: tile buffer 1 (bf16 q, row-major) and F_SM's 16 floats. Ends with
@@ -237,10 +230,10 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
           const int oc = g * 16 + 2 * kk;  // channel octet of this k-step
           wgmma_ss_n64(s, qd.at(oc * kOct), qd.hi, td.at(oc * kOct), td.hi, g > 0 || kk > 0);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        wgmma_commit();
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      keep_regs(s);
+      wgmma_wait<0>();
+      fence_operands(s);
       // ---- mask, lazy running maximum, P
       const int tok0 = (pg0 + 2 * k + c) * kPage;
       const bool edge = tok0 < lo || tok0 + kPage > hi;
@@ -332,7 +325,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
     }
     // ---- output products of this consumer's 256 channels: the own tile, then the other's
-    keep_regs(o);
+    fence_operands(o);
     wgmma_fence();
     if (own) {
       // the tile MN-major from channel 256 c (octet 32 c)
@@ -345,9 +338,9 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, rp[kk], vd.at(2 * kk * 128), vd.hi);
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    keep_regs(o);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(o);
     mbar_arrive(bar + 80);  // both buffers: this consumer is done with them for this iteration
     mbar_arrive(bar + 88);
   }
