@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "mla_hm.cuh"
+#include "mla_hm_query.cuh"
 #include "mla_launch.cuh"
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
@@ -39,11 +40,14 @@
 #ifndef QMLA_HM_REG_CONSUMER
 #define QMLA_HM_REG_CONSUMER 216
 #endif
-#ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (built
-#define QMLA_HM_TOKMAP 0  // offline in session 36, not yet run on a GPU); 0: 32 tokens x 16 bytes (GPU-tested)
+#ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (the default
+#define QMLA_HM_TOKMAP 1  // since session 37, with QVEC and mla_hm.cuh's INPLACE: 1.12-1.17x, H100); 0: 32 tokens x 16 B
 #endif
-#ifndef QMLA_HM_QVEC  // 1: q staged with 16-byte loads, all in flight, when bf16 and aligned (as mla_query.cuh's
-#define QMLA_HM_QVEC 0  // stage_q; built offline in session 36, not yet run on a GPU); 0: two-byte pairs (GPU-tested)
+#ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
+#define QMLA_HM_EARLY 0  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
+#endif                   // written offline in session 37); 0: both buffers released after both output products
+#ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
+#define QMLA_HM_PREFETCH 0  // more than one page per SM is in flight from DRAM (written offline in session 37)
 #endif
 
 namespace qmla {
@@ -59,75 +63,6 @@ using ws::named_sync;
 constexpr int kBarPub0 = 1, kBarPub1 = 2, kBarEnd = 3;  // named barriers of the two consumers (256 threads)
 constexpr float kLazyOther = 4.f;  // the other's P is taken into the own frame when its maximum is <= 2^4 above
 
-
-// q of the CTA's heads into Q_SM as fp16(bf16(q qk_scale) 2^-e), e the CTA's exponent (mla_query.cuh: the largest
-// |q| lands in [2^14, 2^15)); returns e. Scratch: tile buffer 1 (bf16 q, row-major) and F_SM's 16 floats. Ends with
-// a CTA barrier.
-__device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, int h0) {
-  const int tid = threadIdx.x;
-  constexpr int kRowPairs = (kDc + kDr) / 2, kPairs = kNH * kRowPairs;
-  __nv_bfloat162* raw = reinterpret_cast<__nv_bfloat162*>(smem + T_SM + kTile);
-  float* red = reinterpret_cast<float*>(smem + F_SM + kNH * 4);
-  float amax = 0.f;
-#if QMLA_HM_QVEC
-  // bf16 q with 16-byte aligned rows: each thread's 12 chunks of 8 channels loaded first, all in flight (the pair
-  // loop below issues 96 two-byte loads, each waiting for the store before it), then scaled as scaled_q_pair does
-  constexpr int kChunks = kNH * (kDc + kDr) / 8, kPer = kChunks / kThreads;
-  static_assert(kChunks % kThreads == 0, "q chunks per thread");
-  const uintptr_t bases = reinterpret_cast<uintptr_t>(p.q_lat) | reinterpret_cast<uintptr_t>(p.q_pe);
-  const long long strides = p.q_lat_sb | p.q_lat_sh | p.q_pe_sb | p.q_pe_sh;
-  if (!p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0) {  // a uniform branch: the whole grid takes one side
-    uint4 w[kPer];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
-      const int h = h0 + hh < p.H ? h0 + hh : 0;  // heads >= H: head 0, zeroed below
-      const auto* ql = reinterpret_cast<const __nv_bfloat16*>(p.q_lat);
-      const auto* qp = reinterpret_cast<const __nv_bfloat16*>(p.q_pe);
-      w[k] = *reinterpret_cast<const uint4*>(ch < kDc ? ql + (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh + ch
-                                                      : qp + (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh +
-                                                            (ch - kDc));
-    }
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int f = tid + kThreads * k, hh = f / ((kDc + kDr) / 8), ch = 8 * (f % ((kDc + kDr) / 8));
-      const bool ok = h0 + hh < p.H;
-      const uint32_t wd[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float x0 = ok ? __uint_as_float(wd[j] << 16) * p.qk_scale : 0.f;
-        const float x1 = ok ? __uint_as_float(wd[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
-        raw[hh * kRowPairs + ch / 2 + j] = v;
-        amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-      }
-    }
-  } else
-#endif
-  for (int f = tid; f < kPairs; f += kThreads) {
-    const __nv_bfloat162 v = scaled_q_pair(p, b, h0 + f / kRowPairs, 2 * (f % kRowPairs));
-    raw[f] = v;
-    amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if ((tid & 31) == 0) red[tid >> 5] = amax;
-  __syncthreads();
-  float m = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
-  const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
-  const int e = min(max(E - 14, -100), 100);
-  const float down = exp2i(-e);
-  for (int f = tid; f < kPairs; f += kThreads) {
-    const int h = f / kRowPairs, ch = 2 * (f % kRowPairs);
-    const __nv_bfloat162 v = raw[f];
-    *reinterpret_cast<__half2*>(smem + Q_SM + oct_offset(h, ch)) =
-        __floats2half2_rn(__low2float(v) * down, __high2float(v) * down);
-  }
-  __syncthreads();
-  return e;
-}
 
 // ---- producer: the pages of this split, tile it into buffer it & 1
 template <int CB, int RB, bool CSYM, bool RSYM>
@@ -153,6 +88,13 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   for (int it = 0; pg0 + it < pg1; ++it) {
     const int pg = pg0 + it, b = it & 1;
     const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
+#if QMLA_HM_PREFETCH > 0
+    if (lt == 0 && pg + QMLA_HM_PREFETCH < pg1)  // page_bytes is a multiple of 16 (kernels/layout.py), as bulk needs
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p.pool + (long long)bt[pg + QMLA_HM_PREFETCH] *
+                                                                              p.page_bytes),
+                   "r"((uint32_t)p.page_bytes)
+                   : "memory");
+#endif
     const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
     const uint8_t* crow = page + p.c_off + tok * C::CBYTES + chunk_byte<CB>(0, half);
     uint4 w[NCH];
@@ -212,137 +154,186 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   };
   const Desc qd(wgmma_desc(s0 + Q_SM, kOct, 128));
 
-  for (int k = 0; 2 * k < ntiles; ++k) {
-    const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
-    uint32_t pa[4][4];  // the own P (fp16 A fragments, the own frame)
-    if (own) {
-      // ---- score product of the own tile, group by group as they land
-      const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
-      float s[32];
+  // the score product of tile `tl` (this consumer's own, buffer c) as its groups land; mask, lazy running maximum
+  // (rescales O: callers have no output product in flight), P = 2^(S - m) in fp16 A fragments (the own frame)
+  auto score_own = [&](int k, uint32_t (&pa)[4][4]) {
+    const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
+    float s[32];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
 #pragma unroll
-      for (int g = 0; g < 5; ++g) {
-        mbar_wait(bar + 8 * (2 * g + c), k & 1);
-        wgmma_fence();
+    for (int g = 0; g < 5; ++g) {
+      mbar_wait(bar + 8 * (2 * g + c), k & 1);
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
-          const int oc = g * 16 + 2 * kk;  // channel octet of this k-step
-          wgmma_ss_n64(s, qd.at(oc * kOct), qd.hi, td.at(oc * kOct), td.hi, g > 0 || kk > 0);
+      for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
+        const int oc = g * 16 + 2 * kk;  // channel octet of this k-step
+        wgmma_ss_n64(s, qd.at(oc * kOct), qd.hi, td.at(oc * kOct), td.hi, g > 0 || kk > 0);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_operands(s);
+    const int tok0 = (pg0 + 2 * k + c) * kPage;
+    const bool edge = tok0 < lo || tok0 + kPage > hi;
+    float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int tok = tok0 + 8 * (i >> 2) + 2 * t + (i & 1);
+      s[i] = (edge & ((tok < lo) | (tok >= hi))) ? -INFINITY : s[i] * up;  // (bitwise: selects, no branches)
+      mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
+    }
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 1));
+      mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 2));
+      if (mt[v] > m_run[v] + kLazy) rescale(v, mt[v]);
+    }
+    float pr[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int v = (i >> 1) & 1;
+      pr[i] = ex2(s[i] - (m_run[v] == -INFINITY ? 0.f : m_run[v]));
+      l_run[v] += pr[i];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // a_r of k-step kk: row g8 + 8 (r & 1), tokens 16 kk + 8 (r >> 1) + 2t, + 1
+        const int i = 4 * (2 * kk + (r >> 1)) + 2 * (r & 1);
+        pa[kk][r] = pack_f16(pr[i], pr[i + 1]);
+      }
+  };
+  // the P exchange through the one P buffer (P_SM, F_SM's maxima): publish the own P, take the other's
+  auto publish = [&](const uint32_t (&pa)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = 16 * warp + g8 + 8 * (r & 1), tok = 16 * kk + 8 * (r >> 1) + 2 * t;
+        *reinterpret_cast<uint32_t*>(smem + P_SM + oct_offset(row, tok)) = pa[kk][r];
+      }
+    if (t == 0) frame[16 * warp + g8] = m_run[0], frame[16 * warp + g8 + 8] = m_run[1];
+  };
+  auto take = [&](uint32_t (&rp)[4][4], float (&fo)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int mi = lane >> 3, row = 16 * warp + 8 * (mi & 1) + (lane & 7), tok = 16 * kk + 8 * (mi >> 1);
+      ldsm_x4(rp[kk][0], rp[kk][1], rp[kk][2], rp[kk][3], s0 + P_SM + oct_offset(row, tok));
+    }
+    fo[0] = frame[16 * warp + g8], fo[1] = frame[16 * warp + g8 + 8];
+  };
+  // the other's P (its frame fo) into the own frame: the own maximum is raised first if the other's is far above it
+  // (O rescaled: no output product in flight; the own P too where it is still to be used, own_live)
+  auto frame_other = [&](bool own_live, uint32_t (&pa)[4][4], uint32_t (&rp)[4][4], const float (&fo)[2]) {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      if (fo[v] > m_run[v] + kLazyOther) {
+        if (own_live) {  // the own P, already in the old frame, moves with O
+          const __half2 a2 = __float2half2_rn(ex2(m_run[v] - fo[v]));
+          const uint32_t a2u = *reinterpret_cast<const uint32_t*>(&a2);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(pa[kk][r]) : "r"(a2u));
         }
-        wgmma_commit();
+        rescale(v, fo[v]);
       }
-      wgmma_wait<0>();
-      fence_operands(s);
-      // ---- mask, lazy running maximum, P
-      const int tok0 = (pg0 + 2 * k + c) * kPage;
-      const bool edge = tok0 < lo || tok0 + kPage > hi;
-      float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int tok = tok0 + 8 * (i >> 2) + 2 * t + (i & 1);
-        s[i] = (edge && (tok < lo || tok >= hi)) ? -INFINITY : s[i] * up;
-        mt[(i >> 1) & 1] = fmaxf(mt[(i >> 1) & 1], s[i]);
-      }
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 1));
-        mt[v] = fmaxf(mt[v], __shfl_xor_sync(0xffffffffu, mt[v], 2));
-        if (mt[v] > m_run[v] + kLazy) rescale(v, mt[v]);  // (O has no product in flight here)
-      }
-      float pr[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int v = (i >> 1) & 1;
-        pr[i] = ex2(s[i] - (m_run[v] == -INFINITY ? 0.f : m_run[v]));
-        l_run[v] += pr[i];
-      }
+      const float fr = fo[v] == -INFINITY ? 0.f : ex2(fo[v] - m_run[v]);  // (m_run >= fo - 4 is finite here)
+      const __half2 f2 = __float2half2_rn(fr);
+      const uint32_t f2u = *reinterpret_cast<const uint32_t*>(&f2);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // a_r of k-step kk: row g8 + 8 (r & 1), tokens 16 kk + 8 (r >> 1) + 2t, + 1
-          const int i = 4 * (2 * kk + (r >> 1)) + 2 * (r & 1);
-          pa[kk][r] = pack_f16(pr[i], pr[i + 1]);
-        }
+        for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(rp[kk][r]) : "r"(f2u));
     }
-    // ---- exchange P through the one P buffer: consumer 0 publishes first, consumer 1 takes and publishes
-    uint32_t rp[4][4];  // the other's P (fp16 A fragments, its frame fo[])
-    float fo[2] = {-INFINITY, -INFINITY};
-    auto publish = [&]() {
+  };
+  // O (this consumer's 256 channels) += P V of the tile in buffer `buf`, read MN-major from channel 256 c (octet 32 c)
+  auto out_product = [&](int buf, const uint32_t (&a)[4][4]) {
+    const Desc vd(wgmma_desc(s0 + T_SM + buf * kTile + 32 * c * kOct, 128, kOct));
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = 16 * warp + g8 + 8 * (r & 1), tok = 16 * kk + 8 * (r >> 1) + 2 * t;
-          *reinterpret_cast<uint32_t*>(smem + P_SM + oct_offset(row, tok)) = pa[kk][r];
-        }
-      if (t == 0) frame[16 * warp + g8] = m_run[0], frame[16 * warp + g8 + 8] = m_run[1];
-    };
-    auto take = [&]() {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const int mi = lane >> 3, row = 16 * warp + 8 * (mi & 1) + (lane & 7), tok = 16 * kk + 8 * (mi >> 1);
-        ldsm_x4(rp[kk][0], rp[kk][1], rp[kk][2], rp[kk][3], s0 + P_SM + oct_offset(row, tok));
-      }
-      fo[0] = frame[16 * warp + g8], fo[1] = frame[16 * warp + g8 + 8];
-    };
-    if (c == 0) {
-      publish();
-      named_arrive(kBarPub0, 2 * kWg);
-      if (other) {
-        named_sync(kBarPub1, 2 * kWg);
-        take();
-      }
-    } else {
-      named_sync(kBarPub0, 2 * kWg);
-      take();  // (consumer 1's "other" tile always exists: consumer 0 owns tile 2k)
-      if (own) {  // consumer 0 waits for it only when this consumer has a tile
-        publish();
-        named_arrive(kBarPub1, 2 * kWg);
-      }
-    }
-    if (other) {  // the other's P into the own frame: raise the own maximum first if the other's is far above it
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        if (fo[v] > m_run[v] + kLazyOther) {
-          if (own) {  // the own P, already in the old frame, moves with O
-            const __half2 a2 = __float2half2_rn(ex2(m_run[v] - fo[v]));
-            const uint32_t a2u = *reinterpret_cast<const uint32_t*>(&a2);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-              for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(pa[kk][r]) : "r"(a2u));
-          }
-          rescale(v, fo[v]);
-        }
-        const float fr = fo[v] == -INFINITY ? 0.f : ex2(fo[v] - m_run[v]);  // (m_run >= fo - 4 is finite here)
-        const __half2 f2 = __float2half2_rn(fr);
-        const uint32_t f2u = *reinterpret_cast<const uint32_t*>(&f2);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-          for (int r = v; r < 4; r += 2) asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(rp[kk][r]) : "r"(f2u));
-      }
-    }
-    // ---- output products of this consumer's 256 channels: the own tile, then the other's
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, a[kk], vd.at(2 * kk * 128), vd.hi);
+  };
+  auto out_begin = [&]() {
     fence_operands(o);
     wgmma_fence();
-    if (own) {
-      // the tile MN-major from channel 256 c (octet 32 c)
-      const Desc vd(wgmma_desc(s0 + T_SM + c * kTile + 32 * c * kOct, 128, kOct));
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, pa[kk], vd.at(2 * kk * 128), vd.hi);
-    }
-    if (other) {
-      const Desc vd(wgmma_desc(s0 + T_SM + (1 - c) * kTile + 32 * c * kOct, 128, kOct));
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, rp[kk], vd.at(2 * kk * 128), vd.hi);
-    }
+  };
+  auto out_end = [&]() {
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(o);
-    mbar_arrive(bar + 80);  // both buffers: this consumer is done with them for this iteration
+  };
+
+  for (int k = 0; 2 * k < ntiles; ++k) {
+    const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
+    uint32_t pa[4][4], rp[4][4];  // the own P (own frame), the other's (its frame fo[], then the own)
+    float fo[2] = {-INFINITY, -INFINITY};
+#if QMLA_HM_EARLY
+    // products ordered by tile, each buffer released after its output product: consumer 0 scores tile 2k, publishes,
+    // multiplies, releases buffer 0, then takes P(2k + 1) for buffer 1; consumer 1 takes P(2k) first, multiplies,
+    // releases buffer 0, then scores, publishes and multiplies tile 2k + 1
+    if (c == 0) {
+      score_own(k, pa);  // (consumer 0 owns tile 2k whenever iteration k runs)
+      publish(pa);
+      named_arrive(kBarPub0, 2 * kWg);
+      out_begin();
+      out_product(0, pa);
+      out_end();
+      mbar_arrive(bar + 80);
+      if (other) {
+        named_sync(kBarPub1, 2 * kWg);
+        take(rp, fo);
+        frame_other(false, pa, rp, fo);
+        out_begin();
+        out_product(1, rp);
+        out_end();
+      }
+      mbar_arrive(bar + 88);
+    } else {
+      named_sync(kBarPub0, 2 * kWg);
+      take(rp, fo);
+      frame_other(false, pa, rp, fo);
+      out_begin();
+      out_product(0, rp);
+      out_end();
+      mbar_arrive(bar + 80);
+      if (own) {
+        score_own(k, pa);
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+        out_begin();
+        out_product(1, pa);
+        out_end();
+      }
+      mbar_arrive(bar + 88);
+    }
+#else
+    if (own) score_own(k, pa);  // (O has no product in flight here)
+    // consumer 0 publishes first, consumer 1 takes and publishes
+    if (c == 0) {
+      publish(pa);
+      named_arrive(kBarPub0, 2 * kWg);
+      if (other) {
+        named_sync(kBarPub1, 2 * kWg);
+        take(rp, fo);
+      }
+    } else {
+      named_sync(kBarPub0, 2 * kWg);
+      take(rp, fo);  // (consumer 1's "other" tile always exists: consumer 0 owns tile 2k)
+      if (own) {  // consumer 0 waits for it only when this consumer has a tile
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+      }
+    }
+    if (other) frame_other(own, pa, rp, fo);
+    // output products of this consumer's 256 channels: the own tile, then the other's; both buffers released after
+    out_begin();
+    if (own) out_product(c, pa);
+    if (other) out_product(1 - c, rp);
+    out_end();
+    mbar_arrive(bar + 80);
     mbar_arrive(bar + 88);
+#endif
   }
 
   // ---- epilogue: row sums over the row's four lanes; join the two consumers' sums in each frame

@@ -97,8 +97,8 @@ __device__ __forceinline__ void wgmma_rs_n256_t(float (&d)[128], const uint32_t 
 #undef QMLA_HM_F8
 
 #ifndef QMLA_HM_INPLACE  // 1: each field unpacked in place under its own magic number (no shift, one LOP3; the
-#define QMLA_HM_INPLACE 0  // producer's loop 870 -> ~660 SASS instructions per tile, C4R4; built offline in session 36,
-#endif                     // not yet run on a GPU); 0: shifted down under 1024 (the form the GPU tests ran)
+#define QMLA_HM_INPLACE 1  // producer's loop 870 -> ~660 SASS instructions per tile, C4R4; the default since session
+#endif                     // 37: 1.06-1.08x alone, H100); 0: shifted down under 1024
 
 // Two fp16 values s c + o of field p (bits [p B, (p + 1) B)) of bytes 0 and 1 of x (x = PRMT of a word: [b, 0, b',
 // 0]): 2^k + c exactly under a magic number 2^k whose ulp is 1 at the field's position, minus the magic exact, then
