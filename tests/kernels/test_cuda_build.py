@@ -113,7 +113,7 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
         for c in (tiny, tiny2):
             many = cd.cuda_kernel_choice(dev, cache=c, heads=cd.WGMMA_AUTO_MAX_HEADS + 1)
             assert many == ("ws" if cap == (9, 0) else "mma"), (cap, c.fmt)
-        assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=128) == ("ws" if cap == (9, 0) else "mma")
+        assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=32) == ("ws" if cap == (9, 0) else "mma")
         assert cd.cuda_kernel_choice(dev, cache=tiny2, heads=16) == ("wgmma" if cap == (9, 0) else "mma")
         # C8R8 / C4R8 past 16 heads: the wgmma kernel's 16-head CTAs on sm_90 (measured 2-6x faster than Triton and
         # ahead of the removed wgmma64 kernel, decode_vs_flashmla_h200_s19_8bit_heads.md), mma's refusal (-> Triton)
@@ -124,9 +124,12 @@ def test_auto_kernel_choice_follows_the_measured_rule(monkeypatch):
                 assert got == ("wgmma" if cap == (9, 0) else "mma"), (cap, name, heads, got)
         if cap == (9, 0):
             assert cd.cuda_kernel_choice(dev, "wgmma", cache=tiny, heads=64) == "wgmma"  # asked for: runs
-            # hm (64 heads on M, session 36) only by name: auto keeps ws at 64 / 128 heads until the H200 has run it
-            assert cd.cuda_kernel_choice(dev, "hm", cache=tiny, heads=128) == "hm"
-            assert all(cd.cuda_kernel_choice(dev, cache=c, heads=h) == "ws" for c in (tiny, tiny2) for h in (64, 128))
+            # hm (64 heads on M) from HM_AUTO_MIN_HEADS (33) on for C4R4 / C2R4 (measured 1.25-1.43x ws at 64 / 128
+            # heads, decode_vs_flashmla_h100_hm_s37.md); ws keeps 17-32 heads (ahead of hm at 32); asked for: runs
+            assert cd.cuda_kernel_choice(dev, "hm", cache=tiny, heads=16) == "hm"
+            assert cd.cuda_kernel_choice(dev, "ws", cache=tiny, heads=128) == "ws"
+            assert all(cd.cuda_kernel_choice(dev, cache=c, heads=h) == "hm" for c in (tiny, tiny2) for h in (33, 64, 128))
+            assert all(cd.cuda_kernel_choice(dev, cache=c, heads=h) == "ws" for c in (tiny, tiny2) for h in (17, 32))
     monkeypatch.setattr(cd, "_device_capability", lambda index: (8, 0))
     for kernel in ("wgmma", "ws", "hm"):  # the sm_90a kernels off sm_90
         with pytest.raises(RuntimeError, match="sm_80.*kernel='mma'"):

@@ -3,10 +3,10 @@
 Kernels with one contract and partial-output layout (one CTA per head group x split x sequence; see each
 source's header for its design): ``"mma"`` (``csrc/decode_mla.cu``, mma.sync, 16 heads per CTA, sm_80+), ``"wgmma"``
 (``csrc/decode_mla_sm90.cu``, Hopper warpgroup products with tokens on M, 16 heads per CTA) and ``"ws"``
-(``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only; auto's choice past 16
+(``csrc/decode_mla_sm90_ws.cu``, warp-specialized, 32 heads on N per CTA, C4R4 / C2R4 only; auto's choice at 17-32
 heads); the last two are built for sm_90a, so H100 / H200 only. A fourth, ``"hm"`` (``csrc/decode_mla_sm90_hm.cu``,
 64 heads on M, each page dequantized once per CTA by a producer warpgroup into fp16 values, C4R4 / C2R4, sm_90a), is
-asked for by name only until it is measured (session 36; docs/kernels.md "Many heads on M with a producer
+auto's choice for C4R4 / C2R4 from 33 heads on (session 37; docs/kernels.md "Many heads on M with a producer
 warpgroup"). (``wgmma64`` -- 64 heads on M with exact codes, no producer -- was removed on 2026-12-02: another kernel
 beat it at every format and head count measured.)
 ``$QUANTMLA_CUDA_KERNEL`` (a kernel's name or ``auto``) or the ``kernel`` argument chooses; the default ``auto`` is
@@ -55,6 +55,10 @@ WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 1.12x /
 # 0.57x / 0.41x FlashMLA at 32 / 64 / 128 heads, B32 x 32K, vs mma's 0.91x / 0.46x / 0.32x, ahead or level at
 # B8 x 128K and B1 x 128K too (decode_vs_flashmla_h200_ws2_s18.md, 2026-12-02)
+HM_AUTO_MIN_HEADS = 33  # from 33 heads on auto takes hm for the formats in WS_AUTO_BITS: C4R4 1.34-1.43x ws at 64
+# and 128 heads, B32 x 32K / B8 x 128K, C2R4 1.25-1.28x with session 36's producer (H100, 2026-12-06,
+# decode_vs_flashmla_h100_hm_s37.md and kernel_variants_h100_hm_s37.md); at 32 heads ws stays (1.38-1.46x hm). hm's
+# CTA holds 64 heads, so 33-63 heads cost it what 64 do, while ws runs two or more 32-head CTAs: hm from 33 on
 _SOURCES = {
     "mma": ("decode_mla", None),
     "wgmma": ("decode_mla_sm90", "90a"),
@@ -89,7 +93,7 @@ class _Params(ctypes.Structure):
 BITS = {"mma": ((4, 4), (2, 4)), "wgmma": ((4, 4), (2, 4), (8, 8), (4, 8), (16, 16))}  # (content, RoPE) bits built;
 # 16/16: BF16 pages (both paths unquantized)
 BITS["ws"] = ((4, 4), (2, 4))  # the warp-specialized many-heads kernel: 4/2-bit content, 4-bit RoPE
-BITS["hm"] = ((4, 4), (2, 4))  # heads on M, pages dequantized once per 64 heads (session 36: asked for by name only)
+BITS["hm"] = ((4, 4), (2, 4))  # heads on M, pages dequantized once per 64 heads (auto from 33 heads on)
 
 
 TOKEN_SCALE_KERNELS = ("wgmma",)  # the kernels built for one content scale per token (C4R4T, C2R4T)
@@ -140,11 +144,12 @@ def cuda_unsupported_reason(cache, kernel: str = "mma") -> str:
 
 
 def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: int = HEADS_PER_CTA) -> str:
-    """``"mma"``, ``"wgmma"`` or ``"ws"`` for ``device``: ``kernel`` if given, else
+    """``"mma"``, ``"wgmma"``, ``"ws"`` or ``"hm"`` for ``device``: ``kernel`` if given, else
     ``$QUANTMLA_CUDA_KERNEL``, else the default ``"auto"``. Asking for a Hopper kernel off sm_90 is an error. ``auto``
     is mma off sm_90; on sm_90 it is wgmma up to :data:`WGMMA_AUTO_MAX_HEADS` heads (every format, every size:
-    measured ahead of mma up to B64 x 128K) and past it ws for the formats in :data:`WS_AUTO_BITS` (C4R4 and C2R4)
-    and wgmma for the other quantized ones (C8R8, C4R8). Whether BF16 pages take
+    measured ahead of mma up to B64 x 128K) and past it, for the formats in :data:`WS_AUTO_BITS` (C4R4 and C2R4),
+    ws up to 32 heads and hm from :data:`HM_AUTO_MIN_HEADS` (33) on, and wgmma for the other quantized ones (C8R8,
+    C4R8). Whether BF16 pages take
     the CUDA kernel at all is :func:`bf16_pages_on_cuda`'s answer."""
     choice = (kernel or os.environ.get(KERNEL_ENV, "") or DEFAULT_KERNEL).strip().lower()
     if choice not in ("auto", *KERNELS):
@@ -161,7 +166,9 @@ def cuda_kernel_choice(device, kernel: str | None = None, *, cache=None, heads: 
         if token_scale(cache.fmt):  # C4R4T / C2R4T: the one kernel built for them, at every head count
             return "wgmma"
         if heads > WGMMA_AUTO_MAX_HEADS and cache.fmt.is_quantized:
-            return "ws" if _bits(cache.fmt) in WS_AUTO_BITS else "wgmma"
+            if _bits(cache.fmt) not in WS_AUTO_BITS:
+                return "wgmma"
+            return "hm" if heads >= HM_AUTO_MIN_HEADS else "ws"
         return "wgmma"
     if cap != (9, 0):
         raise RuntimeError(f"the {choice} decode kernel is built for sm_90a (H100/H200); this GPU is "
