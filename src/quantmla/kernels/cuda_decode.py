@@ -44,14 +44,14 @@ DEFAULT_KERNEL = "auto"
 # B1 x 128K to B64 x 128K (2^23 units of work), both kernels in one run (decode_vs_flashmla_h200_s31_large.md,
 # 2026-12-05: C4R4 1.62-1.80x FlashMLA vs mma's 1.55-1.61x, C2R4 1.70-1.90x vs 1.57-1.63x). Until then mma took the
 # grids past 2^21 units (session 11, when mma was 1.49x vs wgmma's 1.41x at B32 x 128K).
-WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws (C4R4, C2R4) or the wgmma kernel's 16-head CTAs (C8R8,
+WGMMA_AUTO_MAX_HEADS = 16  # past 16 heads auto takes ws / hm (C4R4, C2R4) or the wgmma kernel's 16-head CTAs (C8R8,
 # C4R8: 0.71-1.03x FlashMLA at 32 heads, 0.37-0.69x at 64, 0.25-0.39x at 128, where Triton gave 0.05-0.23x and the
 # removed wgmma64 kernel 0.23-0.59x; decode_vs_flashmla_h200_s19_8bit_heads.md and _s19_heads.md, 2026-12-02)
 BF16_WGMMA_MAX_WORK = 1 << 17  # auto on sm_90, BF16 pages: the wgmma kernel up to this many (sequence x 16-head
 # group x token) units of work, Triton above (H200, decode_vs_flashmla_h200_s19_bf16.md, 2026-12-02, one run: wgmma
 # 1.19x / 0.94x FlashMLA at B1 x 128K / B32 x 4K (2^17 units) where Triton gave 0.89x / 0.86x; Triton ahead from
 # B8 x 32K (2^18) on, and at 32 heads and more)
-WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws for these formats: C4R4 measured 1.18-1.28x the mma
+WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws (hm from 33 on) for these: C4R4 1.18-1.28x the mma
 # kernel at 32 / 64 / 128 heads, B32 x 32K and B8 x 128K (decode_vs_flashmla_h200_ws.md, 2026-12-01); C2R4 1.12x /
 # 0.57x / 0.41x FlashMLA at 32 / 64 / 128 heads, B32 x 32K, vs mma's 0.91x / 0.46x / 0.32x, ahead or level at
 # B8 x 128K and B1 x 128K too (decode_vs_flashmla_h200_ws2_s18.md, 2026-12-02)
