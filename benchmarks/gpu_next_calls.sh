@@ -20,17 +20,13 @@
 #     with everything (0.75x FlashMLA at 128 heads, 1.36x at 64 on the H100; ws 0.40-0.43x / 0.72-0.75x), products
 #     alone 2,800. The kernel was then built (`kernel="hm"`, by name only): its GPU tests pass (29, H100; the
 #     large-value LSE limit asserted), 1.21-1.23x ws at 64 / 128 heads (decode_vs_flashmla_h100_s36_hm2.md).
-#     Next (one command: `HM_VARIANTS=base,hm_inplace,hm_tokmap,hm_qvec,hm_all bash benchmarks/gpu_next_calls.sh hm`,
-#     then `... hm_mutation`): the same on the H200, then auto's routing: `python -m pytest -m gpu
-#     tests/kernels/test_decode_cuda.py -q -k hm` and `python benchmarks/bench_decode.py --flashmla-prebuilt
-#     .fmbuild/flashmla_dense_bench.so --rounds 2 --tag h200_hm --heads 32,64,128 --shapes 32x32768,8x131072,1x131072
-#     --formats c4r4@hm,c4r4,c2r4@hm,c2r4` (carry .fmbuild), and in a call of its own (~5 min) `PYTHONPATH=src python
-#     benchmarks/mutation_check.py --kernel hm` (6 mutations + control; never run yet). The producer variants built
-#     offline: `VARIANTS=base,hm_inplace,hm_tokmap,hm_qvec,hm_all VARIANT_FORMATS=c4r4@hm VARIANT_TESTS=1 bash
-#     benchmarks/gpu_next_calls.sh variants` needs `--heads 64,128` (kernel_variants.py run --heads; the call passes
-#     the default 16: run it by hand, `python benchmarks/kernel_variants.py run --out $OUT --tag h200_hm --variants
-#     base,hm_inplace,hm_tokmap,hm_qvec,hm_all --formats c4r4@hm --heads 64,128 --shapes 32x32768,8x131072 --tests
-#     --flashmla-prebuilt .fmbuild/flashmla_dense_bench.so`). Re-run the skeleton after a change to it:
+#     Session 37 (H100): hm's five forms are its defaults (producer forms, per-buffer release QMLA_HM_EARLY, L2
+#     prefetch two pages ahead: C4R4 1.30-1.52x FlashMLA at 64 heads, 0.71-0.79x at 128; kernel_variants_h100_hm_s37b.md),
+#     its GPU tests pass, `mutation_check.py --kernel hm` caught 6/6, and auto takes hm from 33 heads on.
+#     Next: the same on the H200 (`QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm`, carry .flashmla or
+#     .fmbuild: tests, then heads 32/64/128 with c4r4@hm,c4r4@ws,c2r4@hm,c2r4@ws beside FlashMLA); variants to try:
+#     HM_VARIANTS=base,hm_late,hm_nopf,hm_pf4.
+#     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
 #     (full_budget_paper_t.md). The kit needs the tree small enough: the five shipped safetensors (41 MB) leave
@@ -282,14 +278,14 @@ case $CALL in
       --tag "h200_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
       --formats "${FORMATS:-c4r4,c4r4/equal,c4r4t,c4r4t/equal,c8r8,c8r8/equal}"
     ;;
-  hm)  # the heads-on-M kernel (kernel="hm", by name only): its GPU tests, heads 32/64/128 beside FlashMLA BF16 and
-    # auto (ws past 16 heads), then HM_VARIANTS (kernel_variants.py, each variant's hm tests first) if set
+  hm)  # the heads-on-M kernel (kernel="hm", auto's from 33 heads on): its GPU tests, heads 32/64/128 beside FlashMLA
+    # BF16 and ws, then HM_VARIANTS (kernel_variants.py, each variant's hm tests first) if set
     part tests_hm 180 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -q -rf --tb=line \
       -p no:cacheprovider -k hm
     flashmla_args
     part bench_hm 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
       --tag "h200_hm_${TAG:-next}" --heads 32,64,128 --shapes "${HM_SHAPES:-32x32768,8x131072}" \
-      --formats c4r4@hm,c4r4,c2r4@hm,c2r4
+      --formats c4r4@hm,c4r4@ws,c2r4@hm,c2r4@ws
     if [[ -n ${HM_VARIANTS:-} ]]; then
       FMP=()
       [[ -f .fmbuild/flashmla_dense_bench.so ]] && FMP=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)

@@ -92,17 +92,17 @@ VARIANTS: dict[str, dict[str, int]] = {
     # 28: its output warpgroups' 512 HFMA2 go; the symmetric C2R4 instantiations spill 16 B; H200: GPU tests pass,
     # C4R4 at 32 heads 1.01-1.02x, kernel_variants_h200_s28_wssub.md)
     "wssub": {"QMLA_WS_SUBNORMAL": 1},
-    # the heads-on-M kernel (decode_mla_sm90_hm.cu; time with --formats c4r4@hm,c2r4@hm --heads 64,128). Its producer
-    # forms of session 36 -- fields unpacked in place under per-plane magic numbers (QMLA_HM_INPLACE), loads of 16
-    # tokens x 32 bytes per warp instruction (TOKMAP), q staged with 16-byte loads (QVEC) -- are the defaults since
-    # session 37 (1.12-1.17x together on the H100, kernel_variants_h100_hm_s37.md); "hm_s36" is the form before them
-    "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0},
-    # session 37, offline: each tile buffer released after its own output product (products ordered by tile, so the
-    # producer refills buffer 0 while buffer 1 is read; C2R4 spills 8-12 B), and an L2 bulk prefetch of page it + D
-    "hm_early": {"QMLA_HM_EARLY": 1},
-    "hm_pf2": {"QMLA_HM_PREFETCH": 2},
+    # the heads-on-M kernel (decode_mla_sm90_hm.cu; time with --formats c4r4@hm,c2r4@hm --heads 64,128). Session 37
+    # made five forms its defaults, measured on the H100: session 36's producer forms -- fields unpacked in place under
+    # per-plane magic numbers (QMLA_HM_INPLACE), loads of 16 tokens x 32 bytes per warp instruction (TOKMAP), q staged
+    # with 16-byte loads (QVEC): 1.12-1.17x together, kernel_variants_h100_hm_s37.md -- then each tile buffer released
+    # after its own output product (EARLY: 1.13-1.20x) and an L2 bulk prefetch two pages ahead (PREFETCH: 1.03-1.05x
+    # alone, 1.22-1.28x with EARLY; kernel_variants_h100_hm_s37b.md). These variants turn them off again
+    "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0, "QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},
+    "hm_s37a": {"QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},  # the producer forms only
+    "hm_late": {"QMLA_HM_EARLY": 0},  # both buffers released after both output products
+    "hm_nopf": {"QMLA_HM_PREFETCH": 0},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
-    "hm_early_pf2": {"QMLA_HM_EARLY": 1, "QMLA_HM_PREFETCH": 2},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
     # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py

@@ -64,7 +64,9 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ()),
      ("decode_mla_sm90_hm", "90a", ()),
-     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_INPLACE=0", "-DQMLA_HM_TOKMAP=0", "-DQMLA_HM_QVEC=0"))],
+     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0")),  # kernel_variants.py's hm_s37a
+     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_INPLACE=0", "-DQMLA_HM_TOKMAP=0", "-DQMLA_HM_QVEC=0",
+                                    "-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0"))],  # hm_s36
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -72,8 +74,20 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
-    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills and not any(spills), f"register spills: {spills}"
+    spills, fn = {}, None  # spill stores per entry function (ptxas: "Compiling entry function 'F'", then its lines)
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            fn = m.group(1)
+        elif m := re.search(r"(\d+) bytes spill stores", line):
+            spills[fn] = max(spills.get(fn, 0), int(m.group(1)))
+    assert spills, log[-2000:]
+    allowed = {}
+    if name == "decode_mla_sm90_hm" and not defines:
+        # the one exception, measured: hm's fully symmetric C2R4 build (<2, 4, true, true>) spills one producer value
+        # (8 B, stored once per tile) with QMLA_HM_EARLY + PREFETCH; GPU-tested and timed (docs/kernels.md, session 37)
+        allowed = {"_ZN4qmla2hm16decode_kernel_hmILi2ELi4ELb1ELb1EEEvNS_6ParamsE": 8}
+    over = {f: b for f, b in spills.items() if b > allowed.get(f, 0)}
+    assert not over, f"register spills: {over}"
     serialized = [ln for ln in log.splitlines() if any(c in ln for c in ("C7512", "C7514", "C7515"))]
     assert not serialized, "ptxas serialized the wgmma pipeline:\n" + "\n".join(serialized)
     if name.startswith("decode_mla_sm90"):

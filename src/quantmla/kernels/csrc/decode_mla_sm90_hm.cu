@@ -1,7 +1,7 @@
 // Packed low-bit MLA decode attention for Hopper (sm_90a) with many heads: 64 heads on M, each page dequantized once
-// per CTA by a producer warpgroup (kernel "hm"; layout, products, unpacking: mla_hm.cuh). Asked for by name only
-// (session 36: measured 1.2x the ws kernel at 64 / 128 heads on the H100, not yet on the H200; docs/kernels.md "Many
-// heads on M with a producer warpgroup").
+// per CTA by a producer warpgroup (kernel "hm"; layout, products, unpacking: mla_hm.cuh). auto's choice for C4R4 /
+// C2R4 from 33 heads on (session 37, H100, C4R4: 1.30-1.52x FlashMLA BF16 at 64 heads and 0.71-0.79x at 128, where
+// ws gave 0.71-0.75x / 0.40-0.43x; docs/kernels.md "Many heads on M with a producer warpgroup").
 //
 // Same contract, page layout, partial outputs and merge as the other kernels (decode_mla_sm90.cu's header); grid
 // (ceil(H / 64), splits, B). Unlike them it dequantizes: the tile holds fp16 values s c + o (one rounding of the fused
@@ -13,11 +13,14 @@
 //     for the tile buffer to be free) and its token's scales and offsets, writes the 64 x 576 tile group by group
 //     (zeros for tokens outside [lo, hi), whose bytes may be anything), arriving on full[group][buffer] after each.
 //   WG 1 + c, consumer c: tiles 2k + c are its own (buffer c). Per iteration k: the score product of its own tile as
-//     the groups land, mask, a lazy running maximum of its own, P = 2^(S - m) in fp16; consumer 0 publishes its P and
-//     maxima first, consumer 1 takes them and publishes its own, consumer 0 takes those (one P buffer, two named
-//     barriers). Each consumer then runs the output product of its 256 channels for both tiles, the other's P
-//     rescaled into its own frame by 2^(m_other - m_own) <= 2^4 per row, and arrives on empty[] of both buffers. Row
-//     sums stay per consumer (own tiles) and are joined at the end in each consumer's frame.
+//     the groups land, mask, a lazy running maximum of its own, P = 2^(S - m) in fp16; the P of tile 2k goes from
+//     consumer 0 to consumer 1 and that of 2k + 1 back through one P buffer (two named barriers); each consumer runs
+//     the output product of its 256 channels over both tiles, the other's P rescaled into its own frame by
+//     2^(m_other - m_own) <= 2^4 per row. QMLA_HM_EARLY (the default) orders the products by tile and releases each
+//     buffer (empty[]) after its own output product: consumer 0 scores 2k, publishes, multiplies, releases buffer 0,
+//     then takes P(2k + 1); consumer 1 takes P(2k), multiplies, releases buffer 0, then scores, publishes and
+//     multiplies 2k + 1 -- so the producer refills buffer 0 while buffer 1 is still read. Row sums stay per consumer
+//     (own tiles) and are joined at the end in each consumer's frame. The protocol: tests/kernels/test_hm_protocol.py.
 // Formats: C4R4 and C2R4 (asymmetric or symmetric paths). Dequantized values must fit fp16 (|s c + o| < 65504).
 
 #include <cuda_bf16.h>
@@ -44,11 +47,11 @@
 #define QMLA_HM_TOKMAP 1  // since session 37, with QVEC and mla_hm.cuh's INPLACE: 1.12-1.17x, H100); 0: 32 tokens x 16 B
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
-#define QMLA_HM_EARLY 0  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // written offline in session 37); 0: both buffers released after both output products
+#define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
-#define QMLA_HM_PREFETCH 0  // more than one page per SM is in flight from DRAM (written offline in session 37)
-#endif
+#define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
+#endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
 
 namespace qmla {
 namespace hm {
