@@ -27,6 +27,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -319,6 +320,14 @@ def summarize_rounds(rows: list[dict]) -> None:
             row["ratio_rounds"] = [f / u for f, u in zip(fm_row["us_rounds"], row["us_rounds"], strict=True)]
 
 
+def tag_device_mismatch(tag: str, device: str) -> str:
+    """Empty when ``tag`` names no GPU model or the one that ran (``device``: torch's device name), else a line saying
+    which (a tag is a file name: ``h200_x`` written by an H100 would pass for an H200 result)."""
+    named = re.findall(r"(?<![a-z0-9])([ahb]\d{3})(?![0-9])", tag.lower())
+    wrong = [m for m in named if m not in device.lower().replace(" ", "")]
+    return f"the tag names {', '.join(w.upper() for w in wrong)} but this ran on {device}" if wrong else ""
+
+
 def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"decode_vs_flashmla_{tag}")
@@ -331,7 +340,8 @@ def write_outputs(out_dir: str, tag: str, meta: dict, rows: list[dict], plot: bo
                 "the per-round ratios)" if meta.get("rounds", 1) > 1 else "")
              + (", ragged batches (lengths spread evenly from context / 8 to context)" if meta.get("ragged") else "")
              + ". Cells: us (speed-up over FlashMLA BF16); [kernel]: the CUDA kernel auto chose, where a format's "
-             "differs between shapes. All results checked first.", "",
+             "differs between shapes. All results checked first."
+             + (f" **Note: {meta['tag_note']}.**" if meta.get("tag_note") else ""), "",
              "| heads | batch | context | FlashMLA BF16 us | " + " | ".join(fmts) + " |",
              "|---|---|---|---|" + "---|" * len(fmts)]  # fmt: skip
     marks = kernel_marks(rows)
@@ -406,7 +416,7 @@ def main() -> None:
                     help="time every implementation of a shape this many times, round-robin; report the median "
                          "and the spread of the speed-ups (default 1)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="names the files (default: the GPU model, e.g. h100 or h200)")
     args = ap.parse_args()
     if args.rounds < 1 or args.reps < 1:
         raise SystemExit(f"--rounds and --reps must be >= 1 (got {args.rounds}, {args.reps})")
@@ -442,6 +452,12 @@ def main() -> None:
             "command": " ".join(sys.argv), "reps": args.reps, "rounds": args.rounds, "ragged": args.ragged,
             "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
+    if args.tag is None:  # the GPU model: "NVIDIA H100 80GB HBM3" -> h100
+        m = re.search(r"\b([ahb]\d{3})\b", meta["device"].lower())
+        args.tag = m.group(1) if m else "gpu"
+    if note := tag_device_mismatch(args.tag, meta["device"]):
+        log(f"WARNING: {note}: the report says so")
+        meta["tag_note"] = note
     timer, rows, ok = Timer(), [], True
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for H in [int(h) for h in args.heads.split(",")]:

@@ -104,3 +104,19 @@ def test_triton_rows_record_the_split_plan_the_kernel_launches():
     assert bd.cuda_plan("triton", q, q, cache, None) == {"plan": f"{ns} x {-(-44 // ns)}"} == {"plan": "11 x 4"}
     assert bd.cuda_plan("triton", q, q, cache, 2) == {"plan": "2 x 22"}
     assert bd.cuda_plan("torch", q, q, cache, None) == {}
+
+
+def test_a_tag_naming_another_gpu_is_said_in_the_report(tmp_path):
+    """A tag is a file name: "h200_x" written on an H100 would pass for an H200 result, so the report says so."""
+    assert bd.tag_device_mismatch("h200_hm_next", "NVIDIA H100 80GB HBM3") == (
+        "the tag names H200 but this ran on NVIDIA H100 80GB HBM3")
+    assert bd.tag_device_mismatch("h100_hm_s37", "NVIDIA H100 80GB HBM3") == ""
+    assert bd.tag_device_mismatch("variant_s37b_base", "NVIDIA H200") == ""  # no GPU model named
+    assert bd.tag_device_mismatch("h200", "NVIDIA H200") == ""
+    assert bd.tag_device_mismatch("x_h1000", "NVIDIA H200") == ""  # not a model name
+    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-06", "commit": "abc", "command": "x", "reps": 3,
+            "copy_gbps": 3000.0, "tag_note": bd.tag_device_mismatch("h200_t", "NVIDIA H100 80GB HBM3")}
+    rows = [{"batch": 8, "context": 4096, "heads": 64, "impl": "flashmla-bf16", "us": 60.0, "ok": True}]
+    bd.write_outputs(str(tmp_path), "h200_t", meta, rows, plot=False)
+    md = (tmp_path / "decode_vs_flashmla_h200_t.md").read_text()
+    assert "Note: the tag names H200 but this ran on NVIDIA H100" in md
