@@ -8,8 +8,19 @@ it checks that the order written in the kernel cannot race or deadlock, and (the
 from __future__ import annotations
 
 import random
+import subprocess
 
 import pytest
+
+from quantmla.kernels.cuda_build import CSRC, find_nvcc
+
+
+def _full_parity(k):  # consumer c's wait for tile 2k + c on full[group][c] (mla_hm.cuh's full_parity)
+    return k & 1
+
+
+def _empty_parity(it):  # the producer's wait for buffer it & 1 before tile it >= 2 (mla_hm.cuh's empty_parity)
+    return ((it >> 1) - 1) & 1
 
 
 class _Mbarrier:
@@ -58,7 +69,7 @@ class _Pipeline:
         for it in range(self.ntiles):
             b = it & 1
             if it >= 2:
-                while not self.empty[b].passes(((it >> 1) - 1) & 1):
+                while not self.empty[b].passes(_empty_parity(it)):
                     yield
             assert not self.readers[b], f"tile {it} written into buffer {b} while {self.readers[b]} read it"
             self.writing[b], self.tile[b] = True, None
@@ -78,7 +89,7 @@ class _Pipeline:
 
     def _score(self, c, k):
         for g in range(5):
-            while not self.full[g][c].passes(k & 1):
+            while not self.full[g][c].passes(_full_parity(k)):
                 yield
         yield from self._read(c, c, 2 * k + c)
 
@@ -189,3 +200,37 @@ def test_hm_protocol_model_notices_a_broken_order(early, mutation, error):
     with pytest.raises(AssertionError, match=error):
         for seed in range(200):
             _Pipeline(8, early, mutation).run(random.Random(seed))
+
+
+_HM_BARRIERS = r"""
+#include <cstdio>
+#include "mla_hm.cuh"
+using namespace qmla::hm;
+int main() {
+  for (int g = 0; g < 5; ++g)
+    for (int b = 0; b < 2; ++b) printf("full %d %d %d\n", g, b, full_bar(g, b));
+  for (int b = 0; b < 2; ++b) printf("empty %d %d\n", b, empty_bar(b));
+  for (int k = 0; k < 64; ++k) printf("parity %d %d %d\n", k, full_parity(k), k >= 2 ? empty_parity(k) : -1);
+  printf("smem %d %d\n", B_SM, SMEM);
+}
+"""
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (a host program built from mla_hm.cuh; no GPU)")
+def test_the_kernel_waits_with_the_parities_the_model_runs(tmp_path):
+    """mla_hm.cuh's barrier offsets and wait parities, compiled into a host program: the twelve mbarriers are distinct
+    8-byte slots inside the kernel's shared memory, and the parities are the ones the model above was run with."""
+    (tmp_path / "b.cu").write_text(_HM_BARRIERS)
+    r = subprocess.run([find_nvcc(), "-std=c++17", "-I", str(CSRC), "-o", str(tmp_path / "b"), str(tmp_path / "b.cu")],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(tmp_path / "b")], capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = [line.split() for line in out if line]
+    slots = [int(r[-1]) for r in rows if r[0] in ("full", "empty")]
+    b_sm, smem = next((int(r[1]), int(r[2])) for r in rows if r[0] == "smem")
+    assert len(slots) == 12 and len(set(slots)) == 12 and all(s % 8 == 0 and b_sm + s + 8 <= smem for s in slots)
+    for _, k, full, empty in (r for r in rows if r[0] == "parity"):
+        k = int(k)
+        assert int(full) == _full_parity(k)
+        if k >= 2:
+            assert int(empty) == _empty_parity(k)

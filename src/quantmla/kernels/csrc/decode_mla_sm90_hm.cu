@@ -112,7 +112,7 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
       const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
       ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
     }
-    if (it >= 2) mbar_wait(bar + 80 + 8 * b, ((it >> 1) - 1) & 1);
+    if (it >= 2) mbar_wait(bar + empty_bar(b), empty_parity(it));
     const bool ok = pg * kPage + tok >= lo && pg * kPage + tok < hi;  // else zeros (the bytes may be NaN)
     const uint32_t row = s0 + T_SM + b * kTile + row_off;
 #pragma unroll
@@ -128,7 +128,7 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
         unpack_chunk<RB, C::RPS>(row, kDc / 8, wr, s2u, o2u);
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      mbar_arrive(bar + 8 * (2 * g + b));
+      mbar_arrive(bar + full_bar(g, b));
     }
   }
 }
@@ -166,7 +166,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     for (int i = 0; i < 32; ++i) s[i] = 0.f;
 #pragma unroll
     for (int g = 0; g < 5; ++g) {
-      mbar_wait(bar + 8 * (2 * g + c), k & 1);
+      mbar_wait(bar + full_bar(g, c), full_parity(k));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
@@ -282,7 +282,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       out_begin();
       out_product(0, pa);
       out_end();
-      mbar_arrive(bar + 80);
+      mbar_arrive(bar + empty_bar(0));
       if (other) {
         named_sync(kBarPub1, 2 * kWg);
         take(rp, fo);
@@ -291,7 +291,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         out_product(1, rp);
         out_end();
       }
-      mbar_arrive(bar + 88);
+      mbar_arrive(bar + empty_bar(1));
     } else {
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
@@ -299,7 +299,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       out_begin();
       out_product(0, rp);
       out_end();
-      mbar_arrive(bar + 80);
+      mbar_arrive(bar + empty_bar(0));
       if (own) {
         score_own(k, pa);
         publish(pa);
@@ -308,7 +308,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         out_product(1, pa);
         out_end();
       }
-      mbar_arrive(bar + 88);
+      mbar_arrive(bar + empty_bar(1));
     }
 #else
     if (own) score_own(k, pa);  // (O has no product in flight here)
@@ -334,8 +334,8 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     if (own) out_product(c, pa);
     if (other) out_product(1 - c, rp);
     out_end();
-    mbar_arrive(bar + 80);
-    mbar_arrive(bar + 88);
+    mbar_arrive(bar + empty_bar(0));
+    mbar_arrive(bar + empty_bar(1));
 #endif
   }
 
@@ -392,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_hm(const Params p) 
   const long long row0 = ((long long)b * p.ns_total + sp) * p.H;
   const uint32_t bar = smem_u32(smem + B_SM);
   if (tid == 0) {
-    for (int i = 0; i < 10; ++i) mbar_init(bar + 8 * i, kWg);  // full[group][buffer]: the producer's threads
-    mbar_init(bar + 80, 2 * kWg);                              // empty[buffer]: both consumers
-    mbar_init(bar + 88, 2 * kWg);
+    for (int g = 0; g < 5; ++g)
+      for (int bf = 0; bf < 2; ++bf) mbar_init(bar + full_bar(g, bf), kWg);  // full[group][buffer]: the producer
+    mbar_init(bar + empty_bar(0), 2 * kWg);                                 // empty[buffer]: both consumers
+    mbar_init(bar + empty_bar(1), 2 * kWg);
     mbar_init_fence();
   }
   const int e = stage_q64(smem, p, b, h0);  // (its barriers publish the mbarrier inits too)

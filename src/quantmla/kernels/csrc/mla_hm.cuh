@@ -40,6 +40,15 @@ constexpr int SMEM = B_SM + 12 * 8;
 static_assert(SMEM <= 227 * 1024, "shared memory");
 static_assert(T_SM % 1024 == 0 && P_SM % 1024 == 0 && B_SM % 8 == 0, "alignment");
 
+// The pipeline's mbarriers (offsets from B_SM) and the phase parities waited on: full[group][buffer] (the producer's
+// 128 threads) completes once per fill of the buffer, so consumer c waits for its tile 2k + c with parity k & 1;
+// empty[buffer] (both consumers' 256 threads) once per release, so the producer's tile `it` >= 2 (buffer it & 1) waits
+// for release (it >> 1) - 1. tests/kernels/test_hm_protocol.py runs the protocol with these functions' values.
+__host__ __device__ constexpr int full_bar(int g, int b) { return 8 * (2 * g + b); }
+__host__ __device__ constexpr int empty_bar(int b) { return 80 + 8 * b; }
+__host__ __device__ constexpr int full_parity(int k) { return k & 1; }
+__host__ __device__ constexpr int empty_parity(int it) { return ((it >> 1) - 1) & 1; }
+
 // byte offset of (row, channel) in a channel-octet-major 64-row operand
 __host__ __device__ constexpr int oct_offset(int row, int ch) {
   return (ch >> 3) * kOct + (row >> 3) * 128 + (row & 7) * 16 + (ch & 7) * 2;
