@@ -320,11 +320,15 @@ def summarize_rounds(rows: list[dict]) -> None:
             row["ratio_rounds"] = [f / u for f, u in zip(fm_row["us_rounds"], row["us_rounds"], strict=True)]
 
 
+def gpu_models(text: str) -> list[str]:
+    """The GPU model names (a100, h100, h200, b200, ...) in a tag or a device name, lower case."""
+    return re.findall(r"(?<![a-z0-9])([ahb]\d{3})(?![0-9])", text.lower())
+
+
 def tag_device_mismatch(tag: str, device: str) -> str:
     """Empty when ``tag`` names no GPU model or the one that ran (``device``: torch's device name), else a line saying
     which (a tag is a file name: ``h200_x`` written by an H100 would pass for an H200 result)."""
-    named = re.findall(r"(?<![a-z0-9])([ahb]\d{3})(?![0-9])", tag.lower())
-    wrong = [m for m in named if m not in device.lower().replace(" ", "")]
+    wrong = [m for m in gpu_models(tag) if m not in gpu_models(device)]
     return f"the tag names {', '.join(w.upper() for w in wrong)} but this ran on {device}" if wrong else ""
 
 
@@ -453,8 +457,7 @@ def main() -> None:
             "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     if args.tag is None:  # the GPU model: "NVIDIA H100 80GB HBM3" -> h100
-        m = re.search(r"\b([ahb]\d{3})\b", meta["device"].lower())
-        args.tag = m.group(1) if m else "gpu"
+        args.tag = next(iter(gpu_models(meta["device"])), "gpu")
     if note := tag_device_mismatch(args.tag, meta["device"]):
         log(f"WARNING: {note}: the report says so")
         meta["tag_note"] = note

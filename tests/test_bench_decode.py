@@ -114,6 +114,7 @@ def test_a_tag_naming_another_gpu_is_said_in_the_report(tmp_path):
     assert bd.tag_device_mismatch("variant_s37b_base", "NVIDIA H200") == ""  # no GPU model named
     assert bd.tag_device_mismatch("h200", "NVIDIA H200") == ""
     assert bd.tag_device_mismatch("x_h1000", "NVIDIA H200") == ""  # not a model name
+    assert bd.gpu_models("NVIDIA H100 80GB HBM3") == ["h100"]  # (the default tag; "hbm3" is not a model)
     meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-06", "commit": "abc", "command": "x", "reps": 3,
             "copy_gbps": 3000.0, "tag_note": bd.tag_device_mismatch("h200_t", "NVIDIA H100 80GB HBM3")}
     rows = [{"batch": 8, "context": 4096, "heads": 64, "impl": "flashmla-bf16", "us": 60.0, "ok": True}]

@@ -1,4 +1,5 @@
-"""Shared helpers for the kernel tests: cache builders and the per-output comparison."""
+"""Shared helpers for the kernel tests: cache builders, the per-output comparison, and an mbarrier model for the
+pipeline-protocol tests."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: flo
     if r.norm() > 0:
         cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()
         assert cos >= min_cos, f"{name}: cosine {cos:.6f} < {min_cos}"
+
+
+class Mbarrier:
+    """An mbarrier as the pipeline-protocol tests model it: `count` arrivals complete a phase; try_wait.parity(P)
+    passes while the current phase's parity is not P (so a wrong parity passes early, as on the GPU)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity

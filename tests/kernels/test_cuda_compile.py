@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernels_testutil import Mbarrier
 
 from quantmla.kernels.cuda_build import CSRC, find_nvcc
 
@@ -327,27 +328,11 @@ def test_ws_probability_stores_fill_the_output_products_b_operand(ws_maps):
     assert len(placed) == 4 * 64 * 32
 
 
-class _Mbarrier:
-    """An mbarrier: `count` arrivals complete a phase; try_wait.parity(P) passes while the current phase's parity is
-    not P (so a wrong parity passes early, as on the GPU)."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.phase = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.phase, self.pending = self.phase + 1, self.count
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
-
-
 def _simulate_ws_pipeline(tiles, stages, par, rng):
     """The three roles of the ws kernel as generators (a yield = another role may run), interleaved at random; each
     output warpgroup's 128 arrivals are one arrival here. Raises AssertionError on a race or a deadlock."""
-    full = [_Mbarrier(2) for _ in range(stages)]
-    pfull, pempty = [_Mbarrier(1) for _ in range(2)], [_Mbarrier(2) for _ in range(2)]
+    full = [Mbarrier(2) for _ in range(stages)]
+    pfull, pempty = [Mbarrier(1) for _ in range(2)], [Mbarrier(2) for _ in range(2)]
     stage_tile = [None] * stages  # which tile's bytes a stage holds (after both parts of the copy landed)
     stage_busy = [False] * stages  # the score warpgroup is reading it
     pbuf_tile, pbuf_readers = [None, None], [set(), set()]

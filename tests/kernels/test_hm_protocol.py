@@ -11,6 +11,7 @@ import random
 import subprocess
 
 import pytest
+from kernels_testutil import Mbarrier
 
 from quantmla.kernels.cuda_build import CSRC, find_nvcc
 
@@ -21,21 +22,6 @@ def _full_parity(k):  # consumer c's wait for tile 2k + c on full[group][c] (mla
 
 def _empty_parity(it):  # the producer's wait for buffer it & 1 before tile it >= 2 (mla_hm.cuh's empty_parity)
     return ((it >> 1) - 1) & 1
-
-
-class _Mbarrier:
-    """`count` arrivals complete a phase; try_wait.parity(P) passes while the phase's parity is not P."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.phase = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.phase, self.pending = self.phase + 1, self.count
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
 
 
 class _NamedBarrier:
@@ -56,8 +42,8 @@ class _NamedBarrier:
 class _Pipeline:
     def __init__(self, ntiles, early, mutation=None):
         self.ntiles, self.early, self.mutation = ntiles, early, mutation
-        self.full = [[_Mbarrier(1) for _ in range(2)] for _ in range(5)]  # [group][buffer]; the producer = one
-        self.empty = [_Mbarrier(2) for _ in range(2)]  # both consumers
+        self.full = [[Mbarrier(1) for _ in range(2)] for _ in range(5)]  # [group][buffer]; the producer = one
+        self.empty = [Mbarrier(2) for _ in range(2)]  # both consumers
         self.pub = [_NamedBarrier(), _NamedBarrier()]
         self.tile = [None, None]  # the tile a buffer holds once its five groups landed
         self.writing = [False, False]

@@ -157,7 +157,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   };
   const Desc qd(wgmma_desc(s0 + Q_SM, kOct, 128));
 
-  // the score product of tile `tl` (this consumer's own, buffer c) as its groups land; mask, lazy running maximum
+  // the score product of tile 2k + c (this consumer's own, buffer c) as its groups land; mask, lazy running maximum
   // (rescales O: callers have no output product in flight), P = 2^(S - m) in fp16 A fragments (the own frame)
   auto score_own = [&](int k, uint32_t (&pa)[4][4]) {
     const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
@@ -266,6 +266,11 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     wgmma_wait<0>();
     fence_operands(o);
   };
+  auto out_tile = [&](int buf, const uint32_t (&a)[4][4]) {  // one tile's output product, waited for
+    out_begin();
+    out_product(buf, a);
+    out_end();
+  };
 
   for (int k = 0; 2 * k < ntiles; ++k) {
     const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
@@ -279,34 +284,26 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       score_own(k, pa);  // (consumer 0 owns tile 2k whenever iteration k runs)
       publish(pa);
       named_arrive(kBarPub0, 2 * kWg);
-      out_begin();
-      out_product(0, pa);
-      out_end();
+      out_tile(0, pa);
       mbar_arrive(bar + empty_bar(0));
       if (other) {
         named_sync(kBarPub1, 2 * kWg);
         take(rp, fo);
         frame_other(false, pa, rp, fo);
-        out_begin();
-        out_product(1, rp);
-        out_end();
+        out_tile(1, rp);
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
-      out_begin();
-      out_product(0, rp);
-      out_end();
+      out_tile(0, rp);
       mbar_arrive(bar + empty_bar(0));
       if (own) {
         score_own(k, pa);
         publish(pa);
         named_arrive(kBarPub1, 2 * kWg);
-        out_begin();
-        out_product(1, pa);
-        out_end();
+        out_tile(1, pa);
       }
       mbar_arrive(bar + empty_bar(1));
     }
