@@ -101,6 +101,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0, "QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},
     "hm_s37a": {"QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},  # the producer forms only
     "hm_late": {"QMLA_HM_EARLY": 0},  # both buffers released after both output products
+    "hm_s2": {"QMLA_HM_EARLY": 2},  # consumer 1 scores its tile first, beside consumer 0's score (session 38)
     "hm_nopf": {"QMLA_HM_PREFETCH": 0},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):

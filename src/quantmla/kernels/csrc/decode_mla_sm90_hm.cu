@@ -48,7 +48,8 @@
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
 #define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products; 2: as 1, but
+                         // consumer 1 scores its tile before it takes P(2k), beside consumer 0's score (session 38)
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
 #define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
 #endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
@@ -294,6 +295,22 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
+#if QMLA_HM_EARLY == 2
+      // consumer 1 scores its own tile first, beside consumer 0's score product, then takes P(2k) and publishes its
+      // own in the P buffer it has just read (each warp reads and writes only its own 16 rows of it)
+      if (own) score_own(k, pa);
+      named_sync(kBarPub0, 2 * kWg);
+      take(rp, fo);
+      frame_other(own, pa, rp, fo);  // (the own P, already computed, moves with O if the frame is raised)
+      if (own) {
+        __syncwarp();
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+      }
+      out_tile(0, rp);
+      mbar_arrive(bar + empty_bar(0));
+      if (own) out_tile(1, pa);
+#else
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
@@ -305,6 +322,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         named_arrive(kBarPub1, 2 * kWg);
         out_tile(1, pa);
       }
+#endif
       mbar_arrive(bar + empty_bar(1));
     }
 #else
