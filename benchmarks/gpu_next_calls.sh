@@ -127,6 +127,10 @@ part() {  # part NAME CAP_SECONDS COMMAND...
   bundle
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader >>"$S" 2>&1
+# the tags name the card that ran (h100, h200), not the one asked for
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -o -i 'h[0-9]\{3\}' | head -n 1 |
+  tr '[:upper:]' '[:lower:]')
+GPU=${GPU:-gpu}
 tests_wgmma() {
   part tests_wgmma 120 python -m pytest -m gpu tests/kernels/test_decode_cuda.py -k wgmma -q \
     -rf --tb=short -p no:cacheprovider
@@ -172,9 +176,9 @@ case $CALL in
     tests_mma
     flashmla_args
     part bench 260 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" \
-      --tag "h200_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
+      --tag "${GPU}_${TAG:-next}" --formats "${FORMATS:-c8r8,c4r8,c4r4,c2r4,c4r4@wgmma,c4r4@mma}"
     if [[ -n ${PREV_SRC:-} ]]; then
-      part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
+      part variants 150 python benchmarks/kernel_variants.py run --out "$R" --tag "${GPU}_${TAG:-next}_vs_prev" \
         --variants "prev=$PREV_SRC,base" --formats c4r4@wgmma,c4r4@mma
     fi
     ncu_part wgmma 60
@@ -189,7 +193,7 @@ case $CALL in
     fi
     FM=()
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
-    part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}" \
+    part variants 540 python benchmarks/kernel_variants.py run --out "$R" --tag "${GPU}_${TAG:-next}" \
       --variants "${VARIANTS:-base,sync,qk2,pv2}" --formats "${VARIANT_FORMATS:-c4r4@wgmma}" ${VARIANT_TESTS:+--tests} \
       "${FM[@]}"
     ;;
@@ -203,14 +207,14 @@ case $CALL in
     part mutation 560 env MUTATE_KERNEL=wgmma bash benchmarks/gpu_session_issue9.sh "$R/r9" mutation
     ;;
   breakdown)  # where a decode call's time goes: each launch apart, the fixed cost per CTA (decode_breakdown.py)
-    part breakdown 300 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
+    part breakdown 300 python benchmarks/decode_breakdown.py --out "$R" --tag "${GPU}_${TAG:-next}" --force
     ;;
   kernels_breakdown)  # the first call of a session after a host-side or kernel change: tests, then the breakdown
     part micro 60 bash -c "nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc \
       -o /tmp/wgmma_check benchmarks/micro/wgmma_layout_check.cu && /tmp/wgmma_check"
     tests_wgmma
     tests_mma
-    part breakdown 240 python benchmarks/decode_breakdown.py --out "$R" --tag "h200_${TAG:-next}" --force
+    part breakdown 240 python benchmarks/decode_breakdown.py --out "$R" --tag "${GPU}_${TAG:-next}" --force
     ;;
   change)  # after a kernel change: its GPU tests, then PREV_SRC's sources (e.g. `git archive` of the last commit's
     # csrc, carried) side by side with today's beside FlashMLA (carry .fmbuild), then the new call's timeline
@@ -218,17 +222,17 @@ case $CALL in
     tests_mma
     FM=()
     [[ -f .fmbuild/flashmla_dense_bench.so ]] && FM=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
-    part variants 240 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_${TAG:-next}_vs_prev" \
+    part variants 240 python benchmarks/kernel_variants.py run --out "$R" --tag "${GPU}_${TAG:-next}_vs_prev" \
       --variants "prev=${PREV_SRC:?PREV_SRC=dir of the previous sources},base" "${FM[@]}"
-    part trace 100 python benchmarks/decode_trace.py --out "$R" --tag "h200_${TAG:-next}" --force
+    part trace 100 python benchmarks/decode_trace.py --out "$R" --tag "${GPU}_${TAG:-next}" --force
     ;;
   trace)  # the device timeline of a decode call (decode_trace.py) on the default sources (programmatic launches on)
-    part trace 120 python benchmarks/decode_trace.py --out "$R" --tag "h200_${TAG:-next}" --force
+    part trace 120 python benchmarks/decode_trace.py --out "$R" --tag "${GPU}_${TAG:-next}" --force
     ;;
   heads)
     flashmla_args
     part heads 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" \
-      --tag h200_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
+      --tag ${GPU}_heads_${TAG:-next} --heads 16,32,64,128 --shapes 1x131072,8x32768,32x4096,32x32768 \
       --formats bf16,c8r8,c4r8,c4r4,c2r4
     ;;
   ws)  # the warp-specialized kernel: smoke, tests, WS_FORMATS beside FlashMLA BF16 (and auto's choice)
@@ -243,7 +247,7 @@ case $CALL in
           -p no:cacheprovider -k "ws and not wgmma"
       fi
       flashmla_args
-      part bench_ws 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "h200_ws_${TAG:-next}" \
+      part bench_ws 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --tag "${GPU}_ws_${TAG:-next}" \
         --heads "${WS_HEADS:-32,64,128,16}" --shapes "${WS_SHAPES:-32x32768,8x131072}" \
         --formats "${WS_FORMATS:-c4r4@ws,c4r4}"  # c4r4, c2r4 = auto: ws past 16 heads
       if [[ -n ${NCU:-} ]]; then
@@ -259,15 +263,15 @@ case $CALL in
       benchmarks/micro/wgmma_overlap.cu && /tmp/wgo"
     flashmla_args
     part bench_large 330 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
-      --tag "h200_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \
+      --tag "${GPU}_large_${TAG:-next}" --shapes "${LARGE_SHAPES:-32x131072,64x65536,16x131072,64x131072}" \
       --formats "${FORMATS:-c4r4@wgmma,c4r4@mma,c2r4@wgmma,c2r4@mma,c4r4t}"
     # one CTA per SM against two: half the splits (each CTA twice the pages) on the wgmma kernel. Session 13's
     # breakdown (decode_breakdown_h200_s13.md) timed 32 x 4K at 4 splits (128 CTAs, one per SM) 57.1 us and at 8 (two
     # per SM) 57.5 us: a second CTA per SM bought no throughput -- if that still holds, occupancy is not the lever
     part occupancy_b32 80 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds 2 \
-      --tag "h200_occupancy_b32_${TAG:-next}" --shapes 32x32768 --formats c4r4@wgmma,c4r4@wgmma/s4,c4r4t,c4r4t/s4
+      --tag "${GPU}_occupancy_b32_${TAG:-next}" --shapes 32x32768 --formats c4r4@wgmma,c4r4@wgmma/s4,c4r4t,c4r4t/s4
     part occupancy_b1 60 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds 2 \
-      --tag "h200_occupancy_b1_${TAG:-next}" --shapes 1x131072 --formats c4r4@wgmma,c4r4@wgmma/s128,c4r4t,c4r4t/s128
+      --tag "${GPU}_occupancy_b1_${TAG:-next}" --shapes 1x131072 --formats c4r4@wgmma,c4r4@wgmma/s128,c4r4t,c4r4t/s128
     ;;
   ragged)  # splits planned for the lengths themselves (split_plan.py): the merge's tests on every kernel, then ragged
     # batches (lengths N/8 .. N) beside FlashMLA with the same lengths, each format also planned as equal lengths
@@ -275,7 +279,7 @@ case $CALL in
       -p no:cacheprovider -k "merge_reads or merge_in or planned_for_capacity or splits_and_ragged or one_stream or edges"
     flashmla_args
     part bench_ragged 300 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-3}" --ragged \
-      --tag "h200_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
+      --tag "${GPU}_ragged_${TAG:-next}" --shapes "${RAGGED_SHAPES:-32x32768,32x4096,8x131072,64x16384}" \
       --formats "${FORMATS:-c4r4,c4r4/equal,c4r4t,c4r4t/equal,c8r8,c8r8/equal}"
     ;;
   hm)  # the heads-on-M kernel (kernel="hm", auto's from 33 heads on): its GPU tests, heads 32/64/128 beside FlashMLA
@@ -284,12 +288,12 @@ case $CALL in
       -p no:cacheprovider -k hm
     flashmla_args
     part bench_hm 240 python benchmarks/bench_decode.py "${FM[@]}" --out "$R" --rounds "${ROUNDS:-2}" \
-      --tag "h200_hm_${TAG:-next}" --heads 32,64,128 --shapes "${HM_SHAPES:-32x32768,8x131072}" \
+      --tag "${GPU}_hm_${TAG:-next}" --heads 32,64,128 --shapes "${HM_SHAPES:-32x32768,8x131072}" \
       --formats c4r4@hm,c4r4@ws,c2r4@hm,c2r4@ws
     if [[ -n ${HM_VARIANTS:-} ]]; then
       FMP=()
       [[ -f .fmbuild/flashmla_dense_bench.so ]] && FMP=(--flashmla-prebuilt .fmbuild/flashmla_dense_bench.so)
-      part variants_hm 300 python benchmarks/kernel_variants.py run --out "$R" --tag "h200_hm_${TAG:-next}" \
+      part variants_hm 300 python benchmarks/kernel_variants.py run --out "$R" --tag "${GPU}_hm_${TAG:-next}" \
         --variants "$HM_VARIANTS" --formats c4r4@hm --heads 64,128 --shapes 32x32768,8x131072 --tests "${FMP[@]}"
     fi
     ;;

@@ -101,8 +101,13 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0, "QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},
     "hm_s37a": {"QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},  # the producer forms only
     "hm_late": {"QMLA_HM_EARLY": 0},  # both buffers released after both output products
-    "hm_s2": {"QMLA_HM_EARLY": 2},  # consumer 1 scores its tile first, beside consumer 0's score (session 38)
     "hm_nopf": {"QMLA_HM_PREFETCH": 0},
+    # session 38: the producer loads page it + 1 while it unpacks page it (LDNEXT; 80 producer registers, 208 a
+    # consumer: no spills), q kept in registers until its exponent is known and stored without bank conflicts (QREG)
+    "hm_r80": {"QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
+    "hm_ldnext": {"QMLA_HM_LDNEXT": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
+    "hm_qreg": {"QMLA_HM_QREG": 1},
+    "hm_ldq": {"QMLA_HM_LDNEXT": 1, "QMLA_HM_QREG": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);

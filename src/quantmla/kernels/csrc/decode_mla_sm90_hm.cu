@@ -48,8 +48,10 @@
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
 #define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products; 2: as 1, but
-                         // consumer 1 scores its tile before it takes P(2k), beside consumer 0's score (session 38)
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products
+#ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 group by group while it unpacks page it, into the registers
+#define QMLA_HM_LDNEXT 0  // each group has just been unpacked from (session 38); 0: a page's loads at its own start
+#endif
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
 #define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
 #endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
@@ -89,30 +91,60 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
   // chunk maps (mla_hm.cuh): the half only adds 16 bytes to the source and two octets to the destination
   const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + chunk_octet<CB>(0, half) * kOct;
+  uint4 w[NCH], wr;  // the thread's content chunks and RoPE chunk of a page
+  __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
+  // group g's bytes, scale and offset of `page` (g < 4: chunks g HPG .. g HPG + HPG - 1 of the thread; 4: RoPE)
+  auto load_group = [&](const uint8_t* page, int g) {
+    if (g < 4) {
+      const uint8_t* crow = page + p.c_off + tok * C::CBYTES + chunk_byte<CB>(0, half);
+#pragma unroll
+      for (int j = 0; j < HPG; ++j)
+        w[g * HPG + j] = __ldg(reinterpret_cast<const uint4*>(crow + chunk_byte<CB>(g * HPG + j, 0)));
+    } else {
+      wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
+    }
+    const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
+    const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
+    sv[g] = meta[srow * kPage + tok];
+    const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
+    ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
+  };
+  auto page_at = [&](int pg) { return p.pool + (long long)bt[pg] * p.page_bytes; };
+#if QMLA_HM_LDNEXT
+  if (pg0 < pg1)
+#pragma unroll
+    for (int g = 0; g < 5; ++g) load_group(page_at(pg0), g);
+#endif
   for (int it = 0; pg0 + it < pg1; ++it) {
     const int pg = pg0 + it, b = it & 1;
-    const uint8_t* page = p.pool + (long long)bt[pg] * p.page_bytes;
 #if QMLA_HM_PREFETCH > 0
     if (lt == 0 && pg + QMLA_HM_PREFETCH < pg1)  // page_bytes is a multiple of 16 (kernels/layout.py), as bulk needs
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p.pool + (long long)bt[pg + QMLA_HM_PREFETCH] *
-                                                                              p.page_bytes),
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(page_at(pg + QMLA_HM_PREFETCH)),
                    "r"((uint32_t)p.page_bytes)
                    : "memory");
 #endif
-    const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
-    const uint8_t* crow = page + p.c_off + tok * C::CBYTES + chunk_byte<CB>(0, half);
-    uint4 w[NCH];
+#if QMLA_HM_LDNEXT
+    // this page's bytes were loaded during the page before; the next page's are loaded group by group below, into
+    // the registers each group has just been unpacked from (no more registers, a whole tile's unpacking of cover)
+    const bool more = pg + 1 < pg1;
+    const uint8_t* next = page_at(more ? pg + 1 : pg);
+#else
+    {  // all in flight before the buffer wait
+      const uint8_t* page = page_at(pg);
+      const uint8_t* crow = page + p.c_off + tok * C::CBYTES + chunk_byte<CB>(0, half);
 #pragma unroll
-    for (int i = 0; i < NCH; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(crow + chunk_byte<CB>(i, 0)));
-    const uint4 wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
-    __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
+      for (int i = 0; i < NCH; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(crow + chunk_byte<CB>(i, 0)));
+      wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
+      const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
 #pragma unroll
-    for (int g = 0; g < 5; ++g) {
-      const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
-      sv[g] = meta[srow * kPage + tok];
-      const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
-      ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
+      for (int g = 0; g < 5; ++g) {
+        const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
+        sv[g] = meta[srow * kPage + tok];
+        const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
+        ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
+      }
     }
+#endif
     if (it >= 2) mbar_wait(bar + empty_bar(b), empty_parity(it));
     const bool ok = pg * kPage + tok >= lo && pg * kPage + tok < hi;  // else zeros (the bytes may be NaN)
     const uint32_t row = s0 + T_SM + b * kTile + row_off;
@@ -130,6 +162,9 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       mbar_arrive(bar + full_bar(g, b));
+#if QMLA_HM_LDNEXT
+      if (more) load_group(next, g);
+#endif
     }
   }
 }
@@ -295,22 +330,6 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
-#if QMLA_HM_EARLY == 2
-      // consumer 1 scores its own tile first, beside consumer 0's score product, then takes P(2k) and publishes its
-      // own in the P buffer it has just read (each warp reads and writes only its own 16 rows of it)
-      if (own) score_own(k, pa);
-      named_sync(kBarPub0, 2 * kWg);
-      take(rp, fo);
-      frame_other(own, pa, rp, fo);  // (the own P, already computed, moves with O if the frame is raised)
-      if (own) {
-        __syncwarp();
-        publish(pa);
-        named_arrive(kBarPub1, 2 * kWg);
-      }
-      out_tile(0, rp);
-      mbar_arrive(bar + empty_bar(0));
-      if (own) out_tile(1, pa);
-#else
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
@@ -322,7 +341,6 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         named_arrive(kBarPub1, 2 * kWg);
         out_tile(1, pa);
       }
-#endif
       mbar_arrive(bar + empty_bar(1));
     }
 #else

@@ -16,6 +16,10 @@
 #define QMLA_HM_QVEC 1  // stage_q; the default since session 37); 0: two-byte pairs
 #endif
 
+#ifndef QMLA_HM_QREG  // 1: with QVEC's 16-byte loads, q stays in registers until the exponent is known and is then
+#define QMLA_HM_QREG 0  // stored as 16-byte octets, heads fastest (a quarter-warp fills one core matrix: no bank
+#endif              // conflict; session 38); 0: staged through a bf16 copy in tile buffer 1, pairs stored 8-way
+
 #if defined(__CUDACC__)
 namespace qmla {
 namespace hm {
@@ -36,6 +40,63 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
   static_assert(kChunks % kThreads == 0, "q chunks per thread");
   const uintptr_t bases = reinterpret_cast<uintptr_t>(p.q_lat) | reinterpret_cast<uintptr_t>(p.q_pe);
   const long long strides = p.q_lat_sb | p.q_lat_sh | p.q_pe_sb | p.q_pe_sh;
+#if QMLA_HM_QREG
+  if (!p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0) {  // a uniform branch: the whole grid takes one side
+    static_assert(kThreads % kNH == 0, "a thread keeps one head");
+    const int hh = tid % kNH;  // f = tid + kThreads k: head f % 64 (the thread's own), octet f / 64
+    const bool ok = h0 + hh < p.H;
+    const int h = ok ? h0 + hh : 0;  // heads >= H: head 0, zeroed below
+    const auto* ql =
+        reinterpret_cast<const __nv_bfloat16*>(p.q_lat) + (long long)b * p.q_lat_sb + (long long)h * p.q_lat_sh;
+    const auto* qp =
+        reinterpret_cast<const __nv_bfloat16*>(p.q_pe) + (long long)b * p.q_pe_sb + (long long)h * p.q_pe_sh;
+    uint4 w[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int ch = 8 * ((tid + kThreads * k) / kNH);
+      w[k] = *reinterpret_cast<const uint4*>(ch < kDc ? ql + ch : qp + (ch - kDc));
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      uint32_t* wd = reinterpret_cast<uint32_t*>(&w[k]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // bf16 pair -> floats (exact) -> * qk_scale -> bf16 pair, as scaled_q_pair
+        const float x0 = ok ? __uint_as_float(wd[j] << 16) * p.qk_scale : 0.f;
+        const float x1 = ok ? __uint_as_float(wd[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        wd[j] = *reinterpret_cast<const uint32_t*>(&v);
+        amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((tid & 31) == 0) red[tid >> 5] = amax;
+    __syncthreads();
+    float m = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kThreads / 32; ++wi) m = fmaxf(m, red[wi]);
+    const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
+    const int e = min(max(E - 14, -100), 100);
+    const float down = exp2i(-e);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const uint32_t* wd = reinterpret_cast<const uint32_t*>(&w[k]);
+      uint32_t o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __half2 v = __floats2half2_rn(__uint_as_float(wd[j] << 16) * down,
+                                            __uint_as_float(wd[j] & 0xFFFF0000u) * down);
+        o[j] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      const uint32_t dst = smem_u32(smem + Q_SM + oct_offset(hh, 8 * ((tid + kThreads * k) / kNH)));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                   "r"(o[3])
+                   : "memory");
+    }
+    __syncthreads();
+    return e;
+  }
+#endif
   if (!p.q_fp32 && (bases & 15) == 0 && (strides & 7) == 0) {  // a uniform branch: the whole grid takes one side
     uint4 w[kPer];
 #pragma unroll
