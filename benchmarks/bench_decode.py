@@ -27,7 +27,6 @@ import datetime as dt
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from quantmla.kernels.reference import decode_attention_torch
 from quantmla.quant.formats import CachePolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: results_io, flashmla_ext
-from results_io import write_results  # noqa: E402 - the one temp-file-and-rename
+from results_io import gpu_models, write_results  # noqa: E402 - the one temp-file-and-rename; GPU model names
 
 DC, DR = 512, 64
 SCALE = 192**-0.5
@@ -318,11 +317,6 @@ def summarize_rounds(rows: list[dict]) -> None:
         row["us"] = statistics.median(row["us_rounds"])
         if fm_row is not None and row is not fm_row and len(row["us_rounds"]) > 1:
             row["ratio_rounds"] = [f / u for f, u in zip(fm_row["us_rounds"], row["us_rounds"], strict=True)]
-
-
-def gpu_models(text: str) -> list[str]:
-    """The GPU model names (a100, h100, h200, b200, ...) in a tag or a device name, lower case."""
-    return re.findall(r"(?<![a-z0-9])([ahb]\d{3})(?![0-9])", text.lower())
 
 
 def tag_device_mismatch(tag: str, device: str) -> str:

@@ -49,6 +49,7 @@ from quantmla.quant.formats import CachePolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generate_report import write_outputs  # noqa: E402 - the JSON, markdown tables and plot
+from results_io import gpu_tag  # noqa: E402
 
 # DeepSeek-V2-Lite's config.json (public), the fields transformers' DeepseekV2Config reads.
 V2_LITE = dict(
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     args.formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     args.batches, args.contexts = _ints(args.batches), _ints(args.contexts)
     args.prefill_contexts = _ints(args.prefill_contexts)
-    tag = args.tag or ("tiny" if args.tiny else ("h200" if args.device == "cuda" else "cpu"))
+    tag = args.tag or ("tiny" if args.tiny else (gpu_tag() if args.device == "cuda" else "cpu"))
     target = os.path.join(args.out, f"generate_{tag}.json")
     if os.path.exists(target) and not args.force:
         raise SystemExit(f"error: {target} exists; pass --force to replace it or --tag to write another")

@@ -42,6 +42,9 @@ from quantmla.kernels.dispatch import prefill_attention, prefill_attention_heads
 from quantmla.kernels.paged import PagedMLACache
 from quantmla.quant.formats import CachePolicy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import gpu_tag  # noqa: E402 - the default tag: the GPU model
+
 REL_TOL = 1e-2  # BF16 workspace and queries: ~3e-3 expected
 LAYERS = 27  # DeepSeek-V2-Lite, for the per-chunk whole-model estimate
 FULL = dict(dc=512, dr=64, dn=128, dv=128, heads=16, policy=CachePolicy(sink=4, local=128, page_size=64),
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_prefill.py needs a CUDA GPU (or --tiny for the CPU smoke run)")
     shape = TINY if args.tiny else FULL
-    tag = args.tag or ("tiny" if args.tiny else "h200")
+    tag = args.tag or ("tiny" if args.tiny else gpu_tag())
     stem = os.path.join(args.out, f"prefill_{tag}")
     if not args.force and any(os.path.exists(stem + x) for x in (".json", ".md")):
         raise SystemExit(f"{stem}.json/.md exist; pass --force to overwrite or choose another --tag")

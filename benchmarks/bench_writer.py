@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402
-from results_io import add_output_args, result_stem, write_results  # noqa: E402
+from results_io import add_output_args, gpu_tag, result_stem, write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -30,11 +30,11 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="c4r4,c2r4")
     ap.add_argument("--shapes", default="32x1,128x1,1x8192,1x32768", help="B x T tokens written per call")
     ap.add_argument("--feedback-warps", default="4,2,1", help="triton_writer.FEEDBACK_WARPS values to time")
-    add_output_args(ap, tag="h200")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the fused Triton writer is timed)")
-    stem = result_stem(args.out, "writer_rounding", args.tag, args.force)
+    stem = result_stem(args.out, "writer_rounding", args.tag or gpu_tag(), args.force)
     from quantmla.kernels import triton_writer
     from quantmla.kernels.paged import PagedMLACache
     from quantmla.quant.rounding import fit_rope_rounding

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import write_results  # noqa: E402
+from results_io import gpu_tag, write_results  # noqa: E402
 
 SHAPES = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=9, kv_lora_rank=256, qk_rope_head_dim=128,
               qk_nope_head_dim=64, v_head_dim=64, intermediate_size=1536, vocab_size=1024,
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="paper", help="calibration preset of the banks (smoke: a CPU check)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="default: the GPU model that runs (h100, h200)")
     ap.add_argument("--precisions", default="fp32,tf32", help="matmul_precision settings to time, comma-separated")
     args = ap.parse_args(argv)
     precisions = [p for p in args.precisions.split(",") if p]
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"## {title}", "", "| op | calls | host ms | device ms |", "|---|---|---|---|"]
         lines += [f"| `{r['op'][:60]}` | {r['calls']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} |" for r in sel]
         lines.append("")
-    write_results(os.path.join(args.out, f"calib_profile_{args.tag}"),
+    write_results(os.path.join(args.out, f"calib_profile_{args.tag or gpu_tag()}"),
                   {".json": json.dumps({"meta": meta, "ops": rows}, indent=1), ".md": "\n".join(lines)})  # fmt: skip
     print("\n".join(lines))
     return 0

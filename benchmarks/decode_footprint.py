@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402 - the same shapes, caches, checks and timer
-from results_io import write_results  # noqa: E402
+from results_io import gpu_tag, write_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds per phase")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="default: the GPU model that runs (h100, h200)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("decode_footprint.py needs a CUDA GPU")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in phases:
         cells = ["/".join(f"{u:.1f}" for u in p["us"][k]) for k in names]
         lines.append(f"| {p['ballast_gb']:.0f} | {p['allocated_gb']:.1f} | " + " | ".join(cells) + " |")
-    stem = os.path.join(args.out, f"decode_footprint_{args.tag}")
+    stem = os.path.join(args.out, f"decode_footprint_{args.tag or gpu_tag()}")
     os.makedirs(args.out, exist_ok=True)
     write_results(stem, {".json": json.dumps({"meta": meta, "phases": phases}, indent=1),
                          ".md": "\n".join(lines) + "\n"})  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402 - the benchmarks' one commit lookup ($QUANTMLA_COMMIT, else git)
-from results_io import result_stem, write_results  # noqa: E402
+from results_io import gpu_tag, result_stem, write_results  # noqa: E402
 
 
 def log(*a) -> None:
@@ -73,7 +73,7 @@ def main() -> int:
     if args.smoke:
         args.device, args.formats, args.lengths, args.samples = "cpu", "bf16,c4r4", "256", 1
         args.ppl_tokens, args.ppl_context, args.tasks = 256, 128, "ppl,passkey"
-    tag = args.tag or ("smoke" if args.smoke else "h200")
+    tag = args.tag or ("smoke" if args.smoke else gpu_tag())
     stem = result_stem(args.out, "eval_speed", tag, args.force)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA GPU is available")

@@ -31,6 +31,9 @@ from quantmla.compat import with_cache
 from quantmla.mla.attention import enable_absorbed_attention
 from quantmla.quant.formats import CachePolicy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import gpu_tag  # noqa: E402 - the default tag: the GPU model
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Then the fox",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     devices = [d.strip() for d in args.devices.split(",")]
-    tag = args.tag or ("tiny" if args.tiny else "h200")
+    tag = args.tag or ("tiny" if args.tiny else gpu_tag())
     base = os.path.join(args.out, f"generate_devices_{tag}")
     if os.path.exists(base + ".json") and not args.force:
         raise SystemExit(f"error: {base}.json exists; pass --force or another --tag")

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from results_io import write_results  # benchmarks/: the one temp-file-and-rename
+from results_io import gpu_tag, write_results  # benchmarks/: the one temp-file-and-rename; the GPU model
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "src" / "quantmla" / "kernels" / "csrc"
@@ -310,7 +310,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base,sync,qk2,pv2", help="comma-separated of: " + ", ".join(VARIANTS))
     ap.add_argument("--work", default="/tmp/quantmla_variants", help="folder for the variant sources and builds")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="default: the GPU model that runs (h100, h200)")
     ap.add_argument("--formats", default="c4r4@wgmma")
     ap.add_argument("--shapes", default="32x32768,8x131072,1x131072,32x4096")
     ap.add_argument("--heads", default="16")
@@ -326,7 +326,7 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag, a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
+        run(names, root, Path(a.out), a.tag or gpu_tag(), a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
 
 
 if __name__ == "__main__":

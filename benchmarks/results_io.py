@@ -6,10 +6,27 @@ benchmarks."""
 from __future__ import annotations
 
 import os
+import re
 
 
-def add_output_args(ap, tag: str | None = "h200") -> None:
-    """``--out``, ``--tag`` and ``--force`` on an argument parser."""
+def gpu_models(text: str) -> list[str]:
+    """The GPU model names (a100, h100, h200, b200, ...) in a tag or a device name, lower case."""
+    return re.findall(r"(?<![a-z0-9])([ahb]\d{3})(?![0-9])", text.lower())
+
+
+def gpu_tag() -> str:
+    """The default tag of a GPU result: the model of the GPU this runs on (``h100``, ``h200``; ``gpu`` for a model
+    without such a name), ``cpu`` without CUDA -- so a file's name says the card that made it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return next(iter(gpu_models(torch.cuda.get_device_name())), "gpu")
+
+
+def add_output_args(ap, tag: str | None = None) -> None:
+    """``--out``, ``--tag`` and ``--force`` on an argument parser (``--tag`` left out: None, which the GPU
+    benchmarks read as ``gpu_tag()``)."""
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=tag)
     ap.add_argument("--force", action="store_true")
@@ -23,6 +40,7 @@ def parse_gpu_args(ap, name: str, what: str):
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"{what}: it needs a CUDA GPU")
+    args.tag = args.tag or gpu_tag()
     return args, result_stem(args.out, name, args.tag, args.force)
 
 

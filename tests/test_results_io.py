@@ -31,3 +31,18 @@ def test_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         results_io.write_results(stem, {".md": "new\n"})
     assert (tmp_path / "y_t.md").read_text() == "old\n"
+
+
+@pytest.mark.parametrize(("available", "name", "tag"), [
+    (True, "NVIDIA H100 80GB HBM3", "h100"),
+    (True, "NVIDIA H200", "h200"),
+    (True, "NVIDIA RTX 6000 Ada Generation", "gpu"),  # no model name of that form: a tag that claims none
+    (False, None, "cpu"),
+])  # fmt: skip
+def test_the_default_tag_names_the_card_that_ran(monkeypatch, available, name, tag):
+    """A result file written without --tag is named for the GPU that made it (an H100's file was once named h200)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert results_io.gpu_tag() == tag
