@@ -48,7 +48,9 @@
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
 #define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products; 2: as 1, but
+                         // consumer 1 scores its tile before it takes P(2k), beside consumer 0's score (session 38:
+                         // 0.89-0.93x alone, the producer's refill exposed; variant hm_s2ld tries it with LDNEXT)
 #ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 group by group while it unpacks page it, into the registers
 #define QMLA_HM_LDNEXT 0  // each group has just been unpacked from (session 38); 0: a page's loads at its own start
 #endif
@@ -330,6 +332,22 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
+#if QMLA_HM_EARLY == 2
+      // consumer 1 scores its own tile first, beside consumer 0's score product, then takes P(2k) and publishes its
+      // own in the P buffer it has just read (each warp reads and writes only its own 16 rows of it)
+      if (own) score_own(k, pa);
+      named_sync(kBarPub0, 2 * kWg);
+      take(rp, fo);
+      frame_other(own, pa, rp, fo);  // (the own P, already computed, moves with O if the frame is raised)
+      if (own) {
+        __syncwarp();
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+      }
+      out_tile(0, rp);
+      mbar_arrive(bar + empty_bar(0));
+      if (own) out_tile(1, pa);
+#else
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
@@ -341,6 +359,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         named_arrive(kBarPub1, 2 * kWg);
         out_tile(1, pa);
       }
+#endif
       mbar_arrive(bar + empty_bar(1));
     }
 #else
