@@ -109,6 +109,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_qreg": {"QMLA_HM_QREG": 1},
     "hm_s2": {"QMLA_HM_EARLY": 2},  # both score products at once (0.89-0.93x alone, kernel_variants_h200_hm_s38_s2)
     "hm_s2ld": {"QMLA_HM_EARLY": 2, "QMLA_HM_LDNEXT": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
+    "hm_l1": {"QMLA_HM_L1NEXT": 1},  # the next page asked of L1 (ptxas sinks hm_ldnext's loads to the tile's end)
+    "hm_l1q": {"QMLA_HM_L1NEXT": 1, "QMLA_HM_QREG": 1},
     "hm_ldq": {"QMLA_HM_LDNEXT": 1, "QMLA_HM_QREG": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):

@@ -54,6 +54,9 @@
 #ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 group by group while it unpacks page it, into the registers
 #define QMLA_HM_LDNEXT 0  // each group has just been unpacked from (session 38); 0: a page's loads at its own start
 #endif
+#ifndef QMLA_HM_L1NEXT  // 1: as it starts page it, the producer asks L1 for page it + 1 (one 128-byte line a thread), so
+#define QMLA_HM_L1NEXT 0  // that page's loads hit L1 (~22 KB beside the 227 KB of shared memory; a C4R4 page is 18.4 KB)
+#endif                    // instead of L2 (session 38: ptxas sinks LDNEXT's register loads to the end of the tile)
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
 #define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
 #endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
@@ -124,6 +127,13 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(page_at(pg + QMLA_HM_PREFETCH)),
                    "r"((uint32_t)p.page_bytes)
                    : "memory");
+#endif
+#if QMLA_HM_L1NEXT
+    if (pg + 1 < pg1) {
+      const uint8_t* np = page_at(pg + 1);
+      for (int off = 128 * lt; off < p.page_bytes; off += 128 * kWg)
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(np + off) : "memory");
+    }
 #endif
 #if QMLA_HM_LDNEXT
     // this page's bytes were loaded during the page before; the next page's are loaded group by group below, into
