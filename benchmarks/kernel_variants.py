@@ -98,20 +98,18 @@ VARIANTS: dict[str, dict[str, int]] = {
     # with 16-byte loads (QVEC): 1.12-1.17x together, kernel_variants_h100_hm_s37.md -- then each tile buffer released
     # after its own output product (EARLY: 1.13-1.20x) and an L2 bulk prefetch two pages ahead (PREFETCH: 1.03-1.05x
     # alone, 1.22-1.28x with EARLY; kernel_variants_h100_hm_s37b.md). These variants turn them off again
-    "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0, "QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},
-    "hm_s37a": {"QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0},  # the producer forms only
+    "hm_s36": {"QMLA_HM_INPLACE": 0, "QMLA_HM_TOKMAP": 0, "QMLA_HM_QVEC": 0, "QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0,
+               "QMLA_HM_LDNEXT": 0, "QMLA_HM_QREG": 0, "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},
+    "hm_s37a": {"QMLA_HM_EARLY": 0, "QMLA_HM_PREFETCH": 0, "QMLA_HM_LDNEXT": 0, "QMLA_HM_QREG": 0,
+                "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},  # the producer forms only
     "hm_late": {"QMLA_HM_EARLY": 0},  # both buffers released after both output products
     "hm_nopf": {"QMLA_HM_PREFETCH": 0},
-    # session 38: the producer loads page it + 1 while it unpacks page it (LDNEXT; 80 producer registers, 208 a
-    # consumer: no spills), q kept in registers until its exponent is known and stored without bank conflicts (QREG)
-    "hm_r80": {"QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
-    "hm_ldnext": {"QMLA_HM_LDNEXT": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
-    "hm_qreg": {"QMLA_HM_QREG": 1},
-    "hm_s2": {"QMLA_HM_EARLY": 2},  # both score products at once (0.89-0.93x alone, kernel_variants_h200_hm_s38_s2)
-    "hm_s2ld": {"QMLA_HM_EARLY": 2, "QMLA_HM_LDNEXT": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
-    "hm_l1": {"QMLA_HM_L1NEXT": 1},  # the next page asked of L1 (ptxas sinks hm_ldnext's loads to the tile's end)
-    "hm_l1q": {"QMLA_HM_L1NEXT": 1, "QMLA_HM_QREG": 1},
-    "hm_ldq": {"QMLA_HM_LDNEXT": 1, "QMLA_HM_QREG": 1, "QMLA_HM_REG_PRODUCER": 80, "QMLA_HM_REG_CONSUMER": 208},
+    # session 38 (H100, kernel_variants_h100_hm_s38_ld.md / _ldq.md): the producer loads page it + 1 while it unpacks
+    # page it (LDNEXT, with 80 producer / 208 consumer registers: no spills) and q kept in registers until its exponent
+    # is known, stored without bank conflicts (QREG): 1.01-1.05x together, the defaults since. These turn them off.
+    "hm_s37": {"QMLA_HM_LDNEXT": 0, "QMLA_HM_QREG": 0, "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},
+    "hm_nold": {"QMLA_HM_LDNEXT": 0, "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},
+    "hm_noqreg": {"QMLA_HM_QREG": 0},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);

@@ -42,6 +42,9 @@ def _cuobjdump() -> str:
     return found
 
 
+# kernel_variants.py's hm_s37: session 37's hm defaults, before the producer's loads one page ahead and q in registers
+_HM_S37 = ("-DQMLA_HM_LDNEXT=0", "-DQMLA_HM_QREG=0", "-DQMLA_HM_REG_PRODUCER=72", "-DQMLA_HM_REG_CONSUMER=216")
+
 pytestmark = pytest.mark.skipif(
     _nvcc_major() < 12, reason="needs nvcc >= 12 (sm_90a, wgmma): pip install nvidia-cuda-nvcc-cu12"
 )
@@ -65,9 +68,10 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla", "80", ("-DQMLA_COMBINE_V4=1",)),
      ("decode_mla_sm90_ws", "90a", ()),
      ("decode_mla_sm90_hm", "90a", ()),
-     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0")),  # kernel_variants.py's hm_s37a
+     ("decode_mla_sm90_hm", "90a", _HM_S37),  # kernel_variants.py's hm_s37
+     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0", *_HM_S37)),  # hm_s37a
      ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_INPLACE=0", "-DQMLA_HM_TOKMAP=0", "-DQMLA_HM_QVEC=0",
-                                    "-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0"))],  # hm_s36
+                                    "-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0", *_HM_S37))],  # hm_s36
 )  # fmt: skip
 def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines, tmp_path):
     cmd = [NVCC, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *defines, "-cubin",
@@ -83,9 +87,10 @@ def test_kernel_compiles_without_spills_or_serialized_wgmma(name, arch, defines,
             spills[fn] = max(spills.get(fn, 0), int(m.group(1)))
     assert spills, log[-2000:]
     allowed = {}
-    if name == "decode_mla_sm90_hm" and not defines:
-        # the one exception, measured: hm's fully symmetric C2R4 build (<2, 4, true, true>) spills one producer value
-        # (8 B, stored once per tile) with QMLA_HM_EARLY + PREFETCH; GPU-tested and timed (docs/kernels.md, session 37)
+    if name == "decode_mla_sm90_hm" and set(_HM_S37) <= set(defines):
+        # the one exception, measured: hm's builds with session 37's 72 producer registers (its defaults and the older
+        # variants) may spill one producer value of the fully symmetric C2R4 build (<2, 4, true, true>; 8 B, stored
+        # once per tile; GPU-tested and timed in session 37). The defaults since session 38 (80 / 208) spill nothing.
         allowed = {"_ZN4qmla2hm16decode_kernel_hmILi2ELi4ELb1ELb1EEEvNS_6ParamsE": 8}
     over = {f: b for f, b in spills.items() if b > allowed.get(f, 0)}
     assert not over, f"register spills: {over}"

@@ -1,8 +1,7 @@
 """The hm kernel's pipeline protocol (csrc/decode_mla_sm90_hm.cu): one producer and two consumers over two tile
-buffers, ten full[group][buffer] mbarriers, two empty[buffer] ones, one P buffer and two named barriers, in the
-three consumer orders of ``QMLA_HM_EARLY`` (0: both output products, then both buffers released; 1, the default:
-products ordered by tile, each buffer released after its own; 2: as 1, but consumer 1 scores its tile before it takes
-consumer 0's P). The roles are the kernel's steps as generators (a yield = another role
+buffers, ten full[group][buffer] mbarriers, two empty[buffer] ones, one P buffer and two named barriers, in both
+consumer orders (the default: both output products, then both buffers released; ``QMLA_HM_EARLY``: products ordered
+by tile, each buffer released after its own). The roles are the kernel's steps as generators (a yield = another role
 may run), interleaved at random, with the parities the kernel waits on. A model of the protocol, not of the SASS:
 it checks that the order written in the kernel cannot race or deadlock, and (the mutations) that it would notice."""
 
@@ -117,22 +116,6 @@ class _Pipeline:
                         self._take(theirs)
                         yield from self._out(c, 1, theirs)
                     self.empty[1].arrive()
-                elif self.early == 2:  # consumer 1 scores first, then takes P(2k) and publishes its own
-                    if own:
-                        yield from self._score(c, k)
-                    if m == "publish_before_take" and own:
-                        self._publish(mine)
-                        self.pub[1].arrive()
-                    yield from self._sync(0)
-                    self._take(theirs)
-                    if own and m != "publish_before_take":
-                        self._publish(mine)
-                        self.pub[1].arrive()
-                    yield from self._out(c, 0, theirs)
-                    self.empty[0].arrive()
-                    if own:
-                        yield from self._out(c, 1, mine)
-                    self.empty[1].arrive()
                 else:
                     yield from self._sync(0)
                     self._take(theirs)
@@ -183,7 +166,7 @@ class _Pipeline:
         return self.outputs
 
 
-@pytest.mark.parametrize("early", [0, 1, 2], ids=["late", "early", "early_score_first"])
+@pytest.mark.parametrize("early", [False, True], ids=["default", "early"])
 def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile(early):
     """Every schedule completes; nobody reads a buffer that is being written or refilled, nor takes a P that is not
     the one it waits for; each consumer's output product covers every tile of the split exactly once."""
@@ -195,10 +178,8 @@ def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile
 
 
 @pytest.mark.parametrize(("early", "mutation", "error"), [
-    (1, "release_first", "written into buffer|refilled while"),  # buffer 0 released before its output product
-    (2, "release_first", "written into buffer|refilled while"),
-    (0, "publish_before_take", "overwrote P|took P of"),  # consumer 1 publishes before taking consumer 0's P
-    (2, "publish_before_take", "overwrote P|took P of"),
+    (True, "release_first", "written into buffer|refilled while"),  # buffer 0 released before its output product
+    (False, "publish_before_take", "overwrote P|took P of"),  # consumer 1 publishes before taking consumer 0's P
 ])  # fmt: skip
 def test_hm_protocol_model_notices_a_broken_order(early, mutation, error):
     """The model is not vacuous: an order that frees a buffer or the P buffer too early is caught in some schedule."""

@@ -37,26 +37,21 @@
 #include "mla_wgmma.cuh"
 #include "mla_ws_cfg.cuh"
 
-#ifndef QMLA_HM_REG_PRODUCER  // setmaxnreg: producer / consumers (72 + 2 x 216 = 504 = 3 x 168)
-#define QMLA_HM_REG_PRODUCER 72
-#endif
+#ifndef QMLA_HM_REG_PRODUCER  // setmaxnreg: producer / consumers (80 + 2 x 208 = 496 <= 504 = 3 x 168; session 38,
+#define QMLA_HM_REG_PRODUCER 80  // for LDNEXT: no spills at any instantiation; session 37's 72 / 216 spilled LDNEXT's
+#endif                           // producer 20-40 B)
 #ifndef QMLA_HM_REG_CONSUMER
-#define QMLA_HM_REG_CONSUMER 216
+#define QMLA_HM_REG_CONSUMER 208
 #endif
 #ifndef QMLA_HM_TOKMAP  // 1: the producer's loads as 16 tokens x 32 contiguous bytes per warp instruction (the default
 #define QMLA_HM_TOKMAP 1  // since session 37, with QVEC and mla_hm.cuh's INPLACE: 1.12-1.17x, H100); 0: 32 tokens x 16 B
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
 #define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products; 2: as 1, but
-                         // consumer 1 scores its tile before it takes P(2k), beside consumer 0's score (session 38:
-                         // 0.89-0.93x alone, the producer's refill exposed; variant hm_s2ld tries it with LDNEXT)
-#ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 group by group while it unpacks page it, into the registers
-#define QMLA_HM_LDNEXT 0  // each group has just been unpacked from (session 38); 0: a page's loads at its own start
-#endif
-#ifndef QMLA_HM_L1NEXT  // 1: as it starts page it, the producer asks L1 for page it + 1 (one 128-byte line a thread), so
-#define QMLA_HM_L1NEXT 0  // that page's loads hit L1 (~22 KB beside the 227 KB of shared memory; a C4R4 page is 18.4 KB)
-#endif                    // instead of L2 (session 38: ptxas sinks LDNEXT's register loads to the end of the tile)
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products
+#ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 while it unpacks page it, into the registers each group has
+#define QMLA_HM_LDNEXT 1  // just been unpacked from (ptxas sinks the content loads to the tile's end, the scales stay
+#endif                    // spread; the default since session 38, with QREG 1.01-1.05x, H100); 0: at the page's start
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
 #define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
 #endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
@@ -98,6 +93,13 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + chunk_octet<CB>(0, half) * kOct;
   uint4 w[NCH], wr;  // the thread's content chunks and RoPE chunk of a page
   __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
+  auto load_meta = [&](const uint8_t* page, int g) {  // the token's scale and offset of group g
+    const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
+    const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
+    sv[g] = meta[srow * kPage + tok];
+    const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
+    ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
+  };
   // group g's bytes, scale and offset of `page` (g < 4: chunks g HPG .. g HPG + HPG - 1 of the thread; 4: RoPE)
   auto load_group = [&](const uint8_t* page, int g) {
     if (g < 4) {
@@ -108,11 +110,7 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
     } else {
       wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
     }
-    const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
-    const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
-    sv[g] = meta[srow * kPage + tok];
-    const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
-    ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
+    load_meta(page, g);
   };
   auto page_at = [&](int pg) { return p.pool + (long long)bt[pg] * p.page_bytes; };
 #if QMLA_HM_LDNEXT
@@ -128,13 +126,6 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
                    "r"((uint32_t)p.page_bytes)
                    : "memory");
 #endif
-#if QMLA_HM_L1NEXT
-    if (pg + 1 < pg1) {
-      const uint8_t* np = page_at(pg + 1);
-      for (int off = 128 * lt; off < p.page_bytes; off += 128 * kWg)
-        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(np + off) : "memory");
-    }
-#endif
 #if QMLA_HM_LDNEXT
     // this page's bytes were loaded during the page before; the next page's are loaded group by group below, into
     // the registers each group has just been unpacked from (no more registers, a whole tile's unpacking of cover)
@@ -147,14 +138,8 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
 #pragma unroll
       for (int i = 0; i < NCH; ++i) w[i] = __ldg(reinterpret_cast<const uint4*>(crow + chunk_byte<CB>(i, 0)));
       wr = __ldg(reinterpret_cast<const uint4*>(page + p.r_off + tok * C::RBYTES + 16 * half));
-      const __half* meta = reinterpret_cast<const __half*>(page + p.m_off);
 #pragma unroll
-      for (int g = 0; g < 5; ++g) {
-        const int srow = g < 4 ? M::CS + g : M::RS, orow = g < 4 ? (CSYM ? -1 : M::CO + g) : (RSYM ? -1 : M::RO);
-        sv[g] = meta[srow * kPage + tok];
-        const __half zero_code = __float2half(-(float)(1 << ((g < 4 ? CB : RB) - 1)));
-        ov[g] = orow >= 0 ? meta[orow * kPage + tok] : __hmul(sv[g], zero_code);
-      }
+      for (int g = 0; g < 5; ++g) load_meta(page, g);
     }
 #endif
     if (it >= 2) mbar_wait(bar + empty_bar(b), empty_parity(it));
@@ -342,22 +327,6 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
-#if QMLA_HM_EARLY == 2
-      // consumer 1 scores its own tile first, beside consumer 0's score product, then takes P(2k) and publishes its
-      // own in the P buffer it has just read (each warp reads and writes only its own 16 rows of it)
-      if (own) score_own(k, pa);
-      named_sync(kBarPub0, 2 * kWg);
-      take(rp, fo);
-      frame_other(own, pa, rp, fo);  // (the own P, already computed, moves with O if the frame is raised)
-      if (own) {
-        __syncwarp();
-        publish(pa);
-        named_arrive(kBarPub1, 2 * kWg);
-      }
-      out_tile(0, rp);
-      mbar_arrive(bar + empty_bar(0));
-      if (own) out_tile(1, pa);
-#else
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
@@ -369,7 +338,6 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         named_arrive(kBarPub1, 2 * kWg);
         out_tile(1, pa);
       }
-#endif
       mbar_arrive(bar + empty_bar(1));
     }
 #else

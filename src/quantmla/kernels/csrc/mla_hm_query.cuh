@@ -17,8 +17,8 @@
 #endif
 
 #ifndef QMLA_HM_QREG  // 1: with QVEC's 16-byte loads, q stays in registers until the exponent is known and is then
-#define QMLA_HM_QREG 0  // stored as 16-byte octets, heads fastest (a quarter-warp fills one core matrix: no bank
-#endif              // conflict; session 38); 0: staged through a bf16 copy in tile buffer 1, pairs stored 8-way
+#define QMLA_HM_QREG 1  // stored as 16-byte octets, heads fastest (a quarter-warp fills one core matrix: no bank
+#endif              // conflict; the default since session 38); 0: through a bf16 copy in tile buffer 1, 8-way stores
 
 #if defined(__CUDACC__)
 namespace qmla {
