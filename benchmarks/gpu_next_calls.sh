@@ -23,9 +23,12 @@
 #     Session 37 (H100): hm's five forms are its defaults (producer forms, per-buffer release QMLA_HM_EARLY, L2
 #     prefetch two pages ahead: C4R4 1.30-1.52x FlashMLA at 64 heads, 0.71-0.79x at 128; kernel_variants_h100_hm_s37b.md),
 #     its GPU tests pass, `mutation_check.py --kernel hm` caught 6/6, and auto takes hm from 33 heads on.
-#     Next: the same on the H200 (`QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm`, carry .flashmla or
-#     .fmbuild: tests, then heads 32/64/128 with c4r4@hm,c4r4@ws,c2r4@hm,c2r4@ws beside FlashMLA); variants to try:
-#     HM_VARIANTS=base,hm_late,hm_nopf,hm_pf4.
+#     Session 38: hm on the H200 (session 37's build: C4R4 0.91-0.94x FlashMLA at 64 heads, 0.63-0.70x at 128 -- the
+#     kernel is SM-bound, FlashMLA faster there), ncu (tensor pipe 48% busy; each consumer ~43% waiting for the
+#     other's P), both score products at once 0.89-0.95x (removed), L1 prefetch 0.95-1.00x (removed), the producer's
+#     loads one page ahead + q from registers 1.02-1.05x (the defaults; H100; docs/kernels.md "Session 38").
+#     Next: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm` on an H200 (the new defaults have only run
+#     on H100s: is hm ahead of ws at 32 heads there too? 2-7% on the H100), then `hm_mutation` on the new defaults.
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped

@@ -1,7 +1,8 @@
 // Packed low-bit MLA decode attention for Hopper (sm_90a) with many heads: 64 heads on M, each page dequantized once
 // per CTA by a producer warpgroup (kernel "hm"; layout, products, unpacking: mla_hm.cuh). auto's choice for C4R4 /
-// C2R4 from 33 heads on (session 37, H100, C4R4: 1.30-1.52x FlashMLA BF16 at 64 heads and 0.71-0.79x at 128, where
-// ws gave 0.71-0.75x / 0.40-0.43x; docs/kernels.md "Many heads on M with a producer warpgroup").
+// C2R4 from 33 heads on (session 38, H100, C4R4: 1.33-1.40x FlashMLA BF16 at 64 heads and 0.73-0.81x at 128, where
+// ws gives 0.74-0.77x / 0.41-0.44x; on the H200, session 37's build: 0.91-0.94x / 0.63-0.70x, the kernel being
+// SM-bound and FlashMLA faster there; docs/kernels.md "Many heads on M with a producer warpgroup").
 //
 // Same contract, page layout, partial outputs and merge as the other kernels (decode_mla_sm90.cu's header); grid
 // (ceil(H / 64), splits, B). Unlike them it dequantizes: the tile holds fp16 values s c + o (one rounding of the fused
