@@ -28,7 +28,9 @@
 #     other's P), both score products at once 0.89-0.95x (removed), L1 prefetch 0.95-1.00x (removed), the producer's
 #     loads one page ahead + q from registers 1.02-1.05x (the defaults; H100; docs/kernels.md "Session 38").
 #     Next: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm` on an H200 (the new defaults have only run
-#     on H100s: is hm ahead of ws at 32 heads there too? 2-7% on the H100), then `hm_mutation` on the new defaults.
+#     on H100s: is hm ahead of ws at 32 heads there too? 2-7% on the H100) with HM_VARIANTS=base,hm_pre (each
+#     consumer's next score group issued before it waits for the other's P; built offline, not yet run), then
+#     `hm_mutation` on the new defaults.
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped

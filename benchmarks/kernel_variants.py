@@ -110,6 +110,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_s37": {"QMLA_HM_LDNEXT": 0, "QMLA_HM_QREG": 0, "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},
     "hm_nold": {"QMLA_HM_LDNEXT": 0, "QMLA_HM_REG_PRODUCER": 72, "QMLA_HM_REG_CONSUMER": 216},
     "hm_noqreg": {"QMLA_HM_QREG": 0},
+    # written offline at the end of session 38, not yet timed: each consumer issues its next own tile's first score
+    # group before it waits for the other's P (ncu: ~43% of a consumer's time at that wait), frame rescale branch-free
+    "hm_pre": {"QMLA_HM_PRE": 1},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);

@@ -1,9 +1,11 @@
 """The hm kernel's pipeline protocol (csrc/decode_mla_sm90_hm.cu): one producer and two consumers over two tile
-buffers, ten full[group][buffer] mbarriers, two empty[buffer] ones, one P buffer and two named barriers, in both
+buffers, ten full[group][buffer] mbarriers, two empty[buffer] ones, one P buffer and two named barriers, in its
 consumer orders (the default: both output products, then both buffers released; ``QMLA_HM_EARLY``: products ordered
-by tile, each buffer released after its own). The roles are the kernel's steps as generators (a yield = another role
-may run), interleaved at random, with the parities the kernel waits on. A model of the protocol, not of the SASS:
-it checks that the order written in the kernel cannot race or deadlock, and (the mutations) that it would notice."""
+by tile, each buffer released after its own; with ``QMLA_HM_PRE``, each consumer's next own tile's first score group
+issued before it waits for the other's P, and held until its next wgmma wait). The roles are the kernel's steps as
+generators (a yield = another role may run), interleaved at random, with the parities the kernel waits on. A model
+of the protocol, not of the SASS: it checks that the order written in the kernel cannot race or deadlock, and (the
+mutations) that it would notice."""
 
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class _Pipeline:
         self.tile = [None, None]  # the tile a buffer holds once its five groups landed
         self.writing = [False, False]
         self.readers = [set(), set()]
+        self.landed = [[None] * 5 for _ in range(2)]  # [buffer][group]: the tile whose group g landed there
+        self.next_it = 0  # the producer's next tile
+        self.pre = [None, None]  # consumer c's score group issued ahead (QMLA_HM_PRE): (buffer, tile), until a wait
         self.p_tile, self.p_taken = None, True  # the P buffer's tile and whether the other consumer took it
         self.outputs = [[], []]  # the tiles each consumer's output product covered, in order
 
@@ -58,11 +63,12 @@ class _Pipeline:
                 while not self.empty[b].passes(_empty_parity(it)):
                     yield
             assert not self.readers[b], f"tile {it} written into buffer {b} while {self.readers[b]} read it"
-            self.writing[b], self.tile[b] = True, None
+            self.writing[b], self.tile[b], self.landed[b] = True, None, [None] * 5
             yield
             for g in range(5):
                 if g == 4:
-                    self.writing[b], self.tile[b] = False, it
+                    self.writing[b], self.tile[b], self.next_it = False, it, it + 1
+                self.landed[b][g] = it
                 self.full[g][b].arrive()
                 yield
 
@@ -73,11 +79,32 @@ class _Pipeline:
         assert self.tile[b] == tile, f"buffer {b} refilled while consumer {c} read tile {tile}"
         self.readers[b].discard(c)
 
+    def _pre(self, c, k, tile, exists=True):
+        """QMLA_HM_PRE: the first score group of `tile` (buffer tile & 1) issued ahead; a tile past the end reads a
+        buffer the producer will not write again (its products are never used)."""
+        b = tile & 1
+        if exists:
+            while not self.full[0][b].passes(_full_parity(k)):
+                yield
+            assert self.landed[b][0] == tile, f"consumer {c} issued tile {tile}'s first group before it landed"
+        else:
+            assert tile >= self.ntiles and all(it & 1 != b for it in range(self.next_it, self.ntiles)), (c, tile)
+        self.readers[b].add(c)
+        self.pre[c] = (b, tile)
+
+    def _wait_all(self, c):  # wgmma_wait<0>: the group issued ahead is done with its buffer
+        if self.pre[c] is not None:
+            b, tile = self.pre[c]
+            assert tile >= self.ntiles or self.landed[b][0] == tile, f"buffer {b} refilled under tile {tile}'s group"
+            self.readers[b].discard(c)
+            self.pre[c] = None
+
     def _score(self, c, k):
         for g in range(5):
             while not self.full[g][c].passes(_full_parity(k)):
                 yield
         yield from self._read(c, c, 2 * k + c)
+        self._wait_all(c)
 
     def _publish(self, tile):
         assert self.p_taken, f"P of tile {tile} overwrote P of tile {self.p_tile} before it was taken"
@@ -94,14 +121,50 @@ class _Pipeline:
 
     def _out(self, c, b, tile):
         yield from self._read(c, b, tile)
+        self._wait_all(c)
         self.outputs[c].append(tile)
 
     def consumer(self, c):
         m = self.mutation
+        if self.early == "pre" and c == 0 and self.ntiles > 0:
+            yield from self._pre(0, 0, 0)  # tile 0's first group
         for k in range((self.ntiles + 1) // 2):
             own, other = 2 * k + c < self.ntiles, 2 * k + 1 - c < self.ntiles
             mine, theirs = 2 * k + c, 2 * k + 1 - c
-            if self.early:
+            if self.early == "pre" and c == 0:
+                yield from self._score(c, k)
+                self._publish(mine)
+                self.pub[0].arrive()
+                yield from self._out(c, 0, mine)
+                self.empty[0].arrive()
+                if other:
+                    yield from self._pre(c, k + 1, 2 * k + 2, 2 * k + 2 < self.ntiles)
+                    yield from self._sync(1)
+                    self._take(theirs)
+                    yield from self._out(c, 1, theirs)
+                self.empty[1].arrive()
+            elif self.early == "pre":
+                if own:
+                    yield from self._pre(c, k, mine)
+                    if m == "pre_release_early":  # (a broken order: buffer 1 released with the group in flight)
+                        self.empty[1].arrive()
+                    yield from self._sync(0)
+                    self._take(theirs)
+                    yield from self._out(c, 0, theirs)
+                    self.empty[0].arrive()
+                    yield from self._score(c, k)
+                    self._publish(mine)
+                    self.pub[1].arrive()
+                    yield from self._out(c, 1, mine)
+                    if m != "pre_release_early":
+                        self.empty[1].arrive()
+                else:
+                    yield from self._sync(0)
+                    self._take(theirs)
+                    yield from self._out(c, 0, theirs)
+                    self.empty[0].arrive()
+                    self.empty[1].arrive()
+            elif self.early:
                 if c == 0:
                     yield from self._score(c, k)
                     self._publish(mine)
@@ -166,7 +229,7 @@ class _Pipeline:
         return self.outputs
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["default", "early"])
+@pytest.mark.parametrize("early", [False, True, "pre"], ids=["default", "early", "early_pre"])
 def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile(early):
     """Every schedule completes; nobody reads a buffer that is being written or refilled, nor takes a P that is not
     the one it waits for; each consumer's output product covers every tile of the split exactly once."""
@@ -180,6 +243,7 @@ def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile
 @pytest.mark.parametrize(("early", "mutation", "error"), [
     (True, "release_first", "written into buffer|refilled while"),  # buffer 0 released before its output product
     (False, "publish_before_take", "overwrote P|took P of"),  # consumer 1 publishes before taking consumer 0's P
+    ("pre", "pre_release_early", "written into buffer|refilled"),  # buffer 1 freed with a score group in flight
 ])  # fmt: skip
 def test_hm_protocol_model_notices_a_broken_order(early, mutation, error):
     """The model is not vacuous: an order that frees a buffer or the P buffer too early is caught in some schedule."""

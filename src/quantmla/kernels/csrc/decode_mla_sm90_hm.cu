@@ -53,6 +53,9 @@
 #ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 while it unpacks page it, into the registers each group has
 #define QMLA_HM_LDNEXT 1  // just been unpacked from (ptxas sinks the content loads to the tile's end, the scales stay
 #endif                    // spread; the default since session 38, with QREG 1.01-1.05x, H100); 0: at the page's start
+#ifndef QMLA_HM_PRE  // 1 (with EARLY): a consumer issues the first score group of its next own tile before it waits for
+#define QMLA_HM_PRE 0  // the other's P, so products run through that wait (session 38 ncu: each consumer ~43% of its
+#endif                 // time there); the frame's O rescale is then branch-free (ptxas serializes wgmma otherwise)
 #ifndef QMLA_HM_PREFETCH  // D > 0: the producer asks L2 for page it + D (one bulk prefetch) as it starts page it, so
 #define QMLA_HM_PREFETCH 2  // more than one page per SM is in flight from DRAM (session 37: 1.03-1.05x alone, with
 #endif                      // EARLY 1.22-1.28x over neither, H100); 0: none
@@ -193,14 +196,17 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
 
   // the score product of tile 2k + c (this consumer's own, buffer c) as its groups land; mask, lazy running maximum
   // (rescales O: callers have no output product in flight), P = 2^(S - m) in fp16 A fragments (the own frame)
-  auto score_own = [&](int k, uint32_t (&pa)[4][4]) {
+  // groups [g0, g1) of the score product of tile 2k + c (buffer c) into s, each after it lands (g0 = 0 starts s;
+  // wait_full false: the tile does not exist, the products read what the buffer holds and s is never used)
+  auto score_issue = [&](float (&s)[32], int k, int g0, int g1, bool wait_full = true) {
     const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
-    float s[32];
+    if (g0 == 0)
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
 #pragma unroll
     for (int g = 0; g < 5; ++g) {
-      mbar_wait(bar + full_bar(g, c), full_parity(k));
+      if (g < g0 || g >= g1) continue;  // (constants after inlining)
+      if (wait_full) mbar_wait(bar + full_bar(g, c), full_parity(k));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
@@ -209,6 +215,18 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       wgmma_commit();
     }
+  };
+#if QMLA_HM_PRE
+  float s_pre[32];  // the score accumulators of the next own tile, its first group issued ahead
+#endif
+  // the score product of tile 2k + c from group g0 on (QMLA_HM_PRE: the groups before g0 are in s_pre), softmax, P
+  auto score_own = [&](int k, uint32_t (&pa)[4][4], int g0 = 0) {
+#if QMLA_HM_PRE
+    float (&s)[32] = s_pre;
+#else
+    float s[32];
+#endif
+    score_issue(s, k, g0, 5);
     wgmma_wait<0>();
     fence_operands(s);
     const int tok0 = (pg0 + 2 * k + c) * kPage;
@@ -265,7 +283,20 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   auto frame_other = [&](bool own_live, uint32_t (&pa)[4][4], uint32_t (&rp)[4][4], const float (&fo)[2]) {
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
+#if QMLA_HM_PRE
+      {  // branch-free: score products may be in flight here (O times 1 when nothing moves; own_live is false)
+        const bool up = fo[v] > m_run[v] + kLazyOther;
+        const float a = up ? ex2(m_run[v] - fo[v]) : 1.f;  // (0 from m_run = -inf)
+        m_run[v] = up ? fo[v] : m_run[v];
+        l_run[v] *= a;
+#pragma unroll
+        for (int i = 0; i < 128; ++i)
+          if (((i >> 1) & 1) == v) o[i] *= a;
+      }
+      if (false) {
+#else
       if (fo[v] > m_run[v] + kLazyOther) {
+#endif
         if (own_live) {  // the own P, already in the old frame, moves with O
           const __half2 a2 = __float2half2_rn(ex2(m_run[v] - fo[v]));
           const uint32_t a2u = *reinterpret_cast<const uint32_t*>(&a2);
@@ -306,6 +337,10 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     out_end();
   };
 
+#if QMLA_HM_PRE
+  static_assert(QMLA_HM_EARLY, "QMLA_HM_PRE runs in the EARLY order");
+  if (c == 0 && ntiles > 0) score_issue(s_pre, 0, 0, QMLA_HM_PRE);  // tile 0's first group
+#endif
   for (int k = 0; 2 * k < ntiles; ++k) {
     const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
     uint32_t pa[4][4], rp[4][4];  // the own P (own frame), the other's (its frame fo[], then the own)
@@ -315,12 +350,15 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     // multiplies, releases buffer 0, then takes P(2k + 1) for buffer 1; consumer 1 takes P(2k) first, multiplies,
     // releases buffer 0, then scores, publishes and multiplies tile 2k + 1
     if (c == 0) {
-      score_own(k, pa);  // (consumer 0 owns tile 2k whenever iteration k runs)
+      score_own(k, pa, QMLA_HM_PRE);  // (consumer 0 owns tile 2k whenever iteration k runs)
       publish(pa);
       named_arrive(kBarPub0, 2 * kWg);
       out_tile(0, pa);
       mbar_arrive(bar + empty_bar(0));
       if (other) {
+#if QMLA_HM_PRE  // tile 2k + 2's first group (buffer 0), through the wait below; out_tile waits for it
+        score_issue(s_pre, k + 1, 0, QMLA_HM_PRE, 2 * k + 2 < ntiles);
+#endif
         named_sync(kBarPub1, 2 * kWg);
         take(rp, fo);
         frame_other(false, pa, rp, fo);
@@ -328,6 +366,22 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
+#if QMLA_HM_PRE
+      if (own) {  // tile 2k + 1's first group through the wait for P(2k) (out_tile waits for it)
+        score_issue(s_pre, k, 0, QMLA_HM_PRE);
+        named_sync(kBarPub0, 2 * kWg);
+        take(rp, fo);
+        frame_other(false, pa, rp, fo);
+        out_tile(0, rp);
+        mbar_arrive(bar + empty_bar(0));
+        score_own(k, pa, QMLA_HM_PRE);
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+        out_tile(1, pa);
+        mbar_arrive(bar + empty_bar(1));
+        continue;
+      }
+#endif
       named_sync(kBarPub0, 2 * kWg);
       take(rp, fo);
       frame_other(false, pa, rp, fo);
