@@ -40,7 +40,7 @@ from quantmla.kernels.reference import decode_attention_torch
 from quantmla.quant.formats import CachePolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: results_io, flashmla_ext
-from results_io import gpu_models, write_results  # noqa: E402 - the one temp-file-and-rename; GPU model names
+from results_io import gpu_models, gpu_tag, write_results  # noqa: E402 - the one temp-file-and-rename; GPU models
 
 DC, DR = 512, 64
 SCALE = 192**-0.5
@@ -451,7 +451,7 @@ def main() -> None:
             "copy_gbps": copy_bandwidth(), "torch": torch.__version__}  # fmt: skip
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     if args.tag is None:  # the GPU model: "NVIDIA H100 80GB HBM3" -> h100
-        args.tag = next(iter(gpu_models(meta["device"])), "gpu")
+        args.tag = gpu_tag()
     if note := tag_device_mismatch(args.tag, meta["device"]):
         log(f"WARNING: {note}: the report says so")
         meta["tag_note"] = note

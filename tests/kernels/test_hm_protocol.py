@@ -125,46 +125,13 @@ class _Pipeline:
         self.outputs[c].append(tile)
 
     def consumer(self, c):
-        m = self.mutation
-        if self.early == "pre" and c == 0 and self.ntiles > 0:
+        m, pre = self.mutation, self.early == "pre"
+        if pre and c == 0 and self.ntiles > 0:
             yield from self._pre(0, 0, 0)  # tile 0's first group
         for k in range((self.ntiles + 1) // 2):
             own, other = 2 * k + c < self.ntiles, 2 * k + 1 - c < self.ntiles
             mine, theirs = 2 * k + c, 2 * k + 1 - c
-            if self.early == "pre" and c == 0:
-                yield from self._score(c, k)
-                self._publish(mine)
-                self.pub[0].arrive()
-                yield from self._out(c, 0, mine)
-                self.empty[0].arrive()
-                if other:
-                    yield from self._pre(c, k + 1, 2 * k + 2, 2 * k + 2 < self.ntiles)
-                    yield from self._sync(1)
-                    self._take(theirs)
-                    yield from self._out(c, 1, theirs)
-                self.empty[1].arrive()
-            elif self.early == "pre":
-                if own:
-                    yield from self._pre(c, k, mine)
-                    if m == "pre_release_early":  # (a broken order: buffer 1 released with the group in flight)
-                        self.empty[1].arrive()
-                    yield from self._sync(0)
-                    self._take(theirs)
-                    yield from self._out(c, 0, theirs)
-                    self.empty[0].arrive()
-                    yield from self._score(c, k)
-                    self._publish(mine)
-                    self.pub[1].arrive()
-                    yield from self._out(c, 1, mine)
-                    if m != "pre_release_early":
-                        self.empty[1].arrive()
-                else:
-                    yield from self._sync(0)
-                    self._take(theirs)
-                    yield from self._out(c, 0, theirs)
-                    self.empty[0].arrive()
-                    self.empty[1].arrive()
-            elif self.early:
+            if self.early:
                 if c == 0:
                     yield from self._score(c, k)
                     self._publish(mine)
@@ -175,11 +142,17 @@ class _Pipeline:
                     if m != "release_first":
                         self.empty[0].arrive()
                     if other:
+                        if pre:  # tile 2k + 2's first group, through the wait for P(2k + 1)
+                            yield from self._pre(c, k + 1, 2 * k + 2, 2 * k + 2 < self.ntiles)
                         yield from self._sync(1)
                         self._take(theirs)
                         yield from self._out(c, 1, theirs)
                     self.empty[1].arrive()
                 else:
+                    if pre and own:  # tile 2k + 1's first group, through the wait for P(2k)
+                        yield from self._pre(c, k, mine)
+                        if m == "pre_release_early":  # (a broken order: buffer 1 released with the group in flight)
+                            self.empty[1].arrive()
                     yield from self._sync(0)
                     self._take(theirs)
                     yield from self._out(c, 0, theirs)
@@ -189,7 +162,8 @@ class _Pipeline:
                         self._publish(mine)
                         self.pub[1].arrive()
                         yield from self._out(c, 1, mine)
-                    self.empty[1].arrive()
+                    if m != "pre_release_early" or not own:
+                        self.empty[1].arrive()
             else:
                 if own:
                     yield from self._score(c, k)

@@ -194,8 +194,6 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   };
   const Desc qd(wgmma_desc(s0 + Q_SM, kOct, 128));
 
-  // the score product of tile 2k + c (this consumer's own, buffer c) as its groups land; mask, lazy running maximum
-  // (rescales O: callers have no output product in flight), P = 2^(S - m) in fp16 A fragments (the own frame)
   // groups [g0, g1) of the score product of tile 2k + c (buffer c) into s, each after it lands (g0 = 0 starts s;
   // wait_full false: the tile does not exist, the products read what the buffer holds and s is never used)
   auto score_issue = [&](float (&s)[32], int k, int g0, int g1, bool wait_full = true) {
@@ -219,7 +217,9 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
 #if QMLA_HM_PRE
   float s_pre[32];  // the score accumulators of the next own tile, its first group issued ahead
 #endif
-  // the score product of tile 2k + c from group g0 on (QMLA_HM_PRE: the groups before g0 are in s_pre), softmax, P
+  // the score product of tile 2k + c (this consumer's own, buffer c) from group g0 on (QMLA_HM_PRE: the groups before
+  // g0 are already in s_pre) as its groups land; mask, lazy running maximum (rescales O: callers have no output
+  // product in flight), P = 2^(S - m) in fp16 A fragments (the own frame)
   auto score_own = [&](int k, uint32_t (&pa)[4][4], int g0 = 0) {
 #if QMLA_HM_PRE
     float (&s)[32] = s_pre;
@@ -283,20 +283,18 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   auto frame_other = [&](bool own_live, uint32_t (&pa)[4][4], uint32_t (&rp)[4][4], const float (&fo)[2]) {
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
+      const bool up = fo[v] > m_run[v] + kLazyOther;
 #if QMLA_HM_PRE
-      {  // branch-free: score products may be in flight here (O times 1 when nothing moves; own_live is false)
-        const bool up = fo[v] > m_run[v] + kLazyOther;
-        const float a = up ? ex2(m_run[v] - fo[v]) : 1.f;  // (0 from m_run = -inf)
-        m_run[v] = up ? fo[v] : m_run[v];
-        l_run[v] *= a;
+      // branch-free (score products may be in flight here: ptxas serializes wgmma across a branch); O times 1 when
+      // nothing moves. own_live is false at every call of the EARLY order, which QMLA_HM_PRE requires
+      const float a = up ? ex2(m_run[v] - fo[v]) : 1.f;  // (0 from m_run = -inf)
+      m_run[v] = up ? fo[v] : m_run[v];
+      l_run[v] *= a;
 #pragma unroll
-        for (int i = 0; i < 128; ++i)
-          if (((i >> 1) & 1) == v) o[i] *= a;
-      }
-      if (false) {
+      for (int i = 0; i < 128; ++i)
+        if (((i >> 1) & 1) == v) o[i] *= a;
 #else
-      if (fo[v] > m_run[v] + kLazyOther) {
-#endif
+      if (up) {
         if (own_live) {  // the own P, already in the old frame, moves with O
           const __half2 a2 = __float2half2_rn(ex2(m_run[v] - fo[v]));
           const uint32_t a2u = *reinterpret_cast<const uint32_t*>(&a2);
@@ -307,6 +305,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         }
         rescale(v, fo[v]);
       }
+#endif
       const float fr = fo[v] == -INFINITY ? 0.f : ex2(fo[v] - m_run[v]);  // (m_run >= fo - 4 is finite here)
       const __half2 f2 = __float2half2_rn(fr);
       const uint32_t f2u = *reinterpret_cast<const uint32_t*>(&f2);
@@ -367,7 +366,8 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       mbar_arrive(bar + empty_bar(1));
     } else {
 #if QMLA_HM_PRE
-      if (own) {  // tile 2k + 1's first group through the wait for P(2k) (out_tile waits for it)
+      if (own) {  // tile 2k + 1's first group through the wait for P(2k) (out_tile waits for it). The whole iteration
+                  // sits in this branch: products in flight past a branch's end make ptxas serialize wgmma (C7518)
         score_issue(s_pre, k, 0, QMLA_HM_PRE);
         named_sync(kBarPub0, 2 * kWg);
         take(rp, fo);

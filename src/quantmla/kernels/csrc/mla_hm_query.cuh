@@ -24,6 +24,28 @@
 namespace qmla {
 namespace hm {
 
+// a bf16 pair (one 32-bit word of q) -> floats (exact) -> * qk_scale -> bf16 pair, as scaled_q_pair; zeros unless ok
+__device__ __forceinline__ __nv_bfloat162 scaled_bf16_pair(uint32_t word, bool ok, float qk_scale) {
+  const float x0 = ok ? __uint_as_float(word << 16) * qk_scale : 0.f;
+  const float x1 = ok ? __uint_as_float(word & 0xFFFF0000u) * qk_scale : 0.f;
+  return __floats2bfloat162_rn(x0, x1);
+}
+
+// The CTA's exponent e from each thread's largest |q| (the largest lands in [2^14, 2^15) after 2^-e; mla_query.cuh's
+// rule). `red`: one float per warp. Contains a CTA barrier.
+__device__ __forceinline__ int cta_exponent(float amax, float* red) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const int tid = threadIdx.x;
+  if ((tid & 31) == 0) red[tid >> 5] = amax;
+  __syncthreads();
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
+  const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
+  return min(max(E - 14, -100), 100);
+}
+
 // q of the CTA's heads into Q_SM as fp16(bf16(q qk_scale) 2^-e), e the CTA's exponent (mla_query.cuh: the largest
 // |q| lands in [2^14, 2^15)); returns e. Scratch: tile buffer 1 (bf16 q, row-major) and F_SM's 16 floats. Ends with
 // a CTA barrier.
@@ -60,23 +82,13 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
     for (int k = 0; k < kPer; ++k) {
       uint32_t* wd = reinterpret_cast<uint32_t*>(&w[k]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // bf16 pair -> floats (exact) -> * qk_scale -> bf16 pair, as scaled_q_pair
-        const float x0 = ok ? __uint_as_float(wd[j] << 16) * p.qk_scale : 0.f;
-        const float x1 = ok ? __uint_as_float(wd[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 v = scaled_bf16_pair(wd[j], ok, p.qk_scale);
         wd[j] = *reinterpret_cast<const uint32_t*>(&v);
         amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
       }
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if ((tid & 31) == 0) red[tid >> 5] = amax;
-    __syncthreads();
-    float m = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kThreads / 32; ++wi) m = fmaxf(m, red[wi]);
-    const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
-    const int e = min(max(E - 14, -100), 100);
+    const int e = cta_exponent(amax, red);
     const float down = exp2i(-e);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -116,9 +128,7 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
       const uint32_t wd[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float x0 = ok ? __uint_as_float(wd[j] << 16) * p.qk_scale : 0.f;
-        const float x1 = ok ? __uint_as_float(wd[j] & 0xFFFF0000u) * p.qk_scale : 0.f;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+        const __nv_bfloat162 v = scaled_bf16_pair(wd[j], ok, p.qk_scale);
         raw[hh * kRowPairs + ch / 2 + j] = v;
         amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
       }
@@ -130,15 +140,7 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
     raw[f] = v;
     amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if ((tid & 31) == 0) red[tid >> 5] = amax;
-  __syncthreads();
-  float m = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
-  const int E = m > 0.f ? ((__float_as_int(m) >> 23) & 0xff) - 127 : 14;
-  const int e = min(max(E - 14, -100), 100);
+  const int e = cta_exponent(amax, red);
   const float down = exp2i(-e);
   for (int f = tid; f < kPairs; f += kThreads) {
     const int h = f / kRowPairs, ch = 2 * (f % kRowPairs);
