@@ -107,3 +107,30 @@ def test_per_head_prefill_through_the_model_matches_the_latent_path(fmt, monkeyp
     assert 12 in calls  # the prompt went through the per-head path
     assert torch.equal(latent.sequences, heads.sequences)
     torch.testing.assert_close(torch.stack(heads.logits), torch.stack(latent.logits), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["c4r4", "c2r4"])
+def test_post_rope_rotation_absorbed_matches_compatible_path(fmt):
+    # A rounding plan with a post-RoPE rotation U: the cache stores the rotated key, the absorbed path rotates the
+    # query (kernels.dispatch), the compatible path gets the key back unrotated (PagedCacheLayer.read) for
+    # transformers' own attention. Both ends must agree, and the rotation must be live (other bytes than without).
+    from quantmla.calibrate.query_moments import hadamard_rotation
+    from quantmla.quant.rounding import RopeRounding, fit_rope_rounding
+
+    model = tiny_model("deepseek_v3", first_k_dense_replace=99)
+    dr, n = model.config.qk_rope_head_dim, model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(dr, dr, generator=g, dtype=torch.float64)
+    plan = fit_rope_rounding(a @ a.T, rotation=hadamard_rotation(dr, seed=3))
+    assert plan.rotation is not None
+    pol = CachePolicy(sink=2, local=6)
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
+    rotated = QuantMLACache(model.config, fmt, pol, rope_rounding=[plan] * n)
+    compat = _decode_logits(model, ids, rotated, prefill=8)
+    plain = QuantMLACache(model.config, fmt, pol, rope_rounding=[RopeRounding(plan.order, plan.feedback)] * n)
+    _decode_logits(model, ids, plain, prefill=8)
+    assert not torch.equal(rotated.store.views[0].pool, plain.store.views[0].pool)
+    enable_absorbed_attention(model)
+    absorbed = _decode_logits(model, ids, QuantMLACache(model.config, fmt, pol, rope_rounding=[plan] * n), prefill=8)
+    disable_absorbed_attention(model)
+    torch.testing.assert_close(absorbed, compat, rtol=1e-3, atol=3e-3)

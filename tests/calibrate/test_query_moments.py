@@ -95,3 +95,35 @@ def test_fused_checkpoint_carries_its_rounding(tmp_path):
         assert torch.equal(plan.order, want.order) and torch.equal(plan.feedback, want.feedback)
     plain = save_fused(model, tmp_path / "plain", make_quant_config("c4r4"))
     assert rope_rounding_of(load(plain)) is None
+
+
+def test_post_rope_rotations_travel_in_both_kinds_of_file(tmp_path):
+    """A layer's post-RoPE rotation is stored beside its moment (fp32) in a transforms file and in a fused folder's
+    rounding file; loading either attaches plans that carry the rotation (fitted to ``U^T H U``); a rotation without
+    its moment is refused."""
+    from quantmla.calibrate.query_moments import hadamard_rotation, save_rounding_file, saved_rounding_plans
+    from quantmla.quant.rounding import fit_rope_rounding
+
+    model = prepare_model(tiny_model("deepseek_v2", seed=3))
+    dr = model.config.qk_rope_head_dim
+    moments = query_moments(model, _tokens(), sink=2, local=16)
+    rots = {i: hadamard_rotation(dr, seed=i) for i in moments}
+    tensors = {}
+    for i, h in moments.items():
+        tensors.update(transforms_tensors(i, None, None, h, post_rotation=rots[i]))
+    path = tmp_path / "t.safetensors"
+    save_transforms(path, tensors, {"method": "rtn"})
+    loaded, _ = load_transforms(path)
+    assert loaded["layers.1.rope.post_rotation"].dtype == torch.float32
+    apply_transforms(model, loaded)
+    for i, plan in enumerate(rope_rounding_of(model)):
+        assert torch.equal(plan.rotation, rots[i])
+        want = fit_rope_rounding(moments[i].half().float(), rotation=rots[i])
+        assert torch.equal(plan.order, want.order) and torch.equal(plan.feedback, want.feedback)
+    save_rounding_file(tmp_path, moments, rotations=rots)
+    for i, plan in saved_rounding_plans(tmp_path).items():
+        assert torch.equal(plan.rotation, rots[i])
+    with pytest.raises(ValueError, match="query moment its rounding plan"):
+        transforms_tensors(0, None, None, None, post_rotation=rots[0])
+    with pytest.raises(ValueError, match="without its query moment"):
+        attach_rope_rounding(model, {0: moments[0]}, {1: rots[1]})

@@ -235,3 +235,38 @@ def test_rope_rounding_writers_bit_exact_and_read_back_the_fed_codes(name):
         PagedMLACache(name, 1, 8, kv_lora_rank=dc, rope_dim=16, policy=policy).set_rope_rounding(plan)
     with pytest.raises(ValueError, match="nothing to round"):
         PagedMLACache("bf16", 1, 8, kv_lora_rank=dc, rope_dim=dr, policy=policy).set_rope_rounding(plan)
+
+
+@pytest.mark.parametrize("name", ["c4r4", "c2r4"])
+def test_rotated_plan_writers_store_the_rotated_key_and_read_it_back(name):
+    """A plan with a post-RoPE rotation U: both writers store exactly what a cache with the same plan minus U stores
+    when it is fed ``k U`` (codes, scales and the BF16 sink / local copies); read back and turned with
+    ``rope_key_out`` the BF16 copies are ``k`` to bf16 precision, and ``rope_query`` is ``q U``."""
+    from quantmla.calibrate.query_moments import hadamard_rotation
+    from quantmla.quant.rounding import RopeRounding, fit_rope_rounding
+
+    policy = CachePolicy(sink=2, local=3, page_size=4)
+    g = torch.Generator().manual_seed(21)
+    B, T, dc, dr = 2, 9, 128, 32
+    a = torch.randn(dr, dr, generator=g)
+    plan = fit_rope_rounding(a @ a.T, rotation=hadamard_rotation(dr, seed=1))
+    bare = RopeRounding(plan.order, plan.feedback)
+    c, k = torch.randn(B, T, dc, generator=g), torch.randn(B, T, dr, generator=g) * 3
+    k[:, :, 3] += 20.0  # an outlier channel: what the rotation spreads
+    for impl in ("torch", "triton"):
+        caches = []
+        for p, key in ((plan, k), (bare, plan.rotate(k))):
+            cache = PagedMLACache(name, B, T, kv_lora_rank=dc, rope_dim=dr, policy=policy, device=DEVICE,
+                                  fill_byte=0xFF)  # fmt: skip
+            cache.set_rope_rounding(p)
+            cache.write(c.to(DEVICE), key.to(DEVICE), impl=impl)
+            caches.append(cache)
+        rot, ref = caches
+        assert torch.equal(rot.pool, ref.pool), impl
+        assert torch.equal(rot.sink, ref.sink) and torch.equal(rot.local, ref.local), impl
+    for b in range(B):
+        seen = rot.rope_key_out(rot.read_tokens(b)[:, dc:].cpu())
+        for pos in (0, 1, T - 1):  # sink and local positions: BF16 copies of the rotated key
+            torch.testing.assert_close(seen[pos], k[b, pos], rtol=1e-2, atol=2e-2)
+    q = torch.randn(3, dr, generator=g)
+    torch.testing.assert_close(rot.rope_query(q.to(DEVICE)).cpu(), q @ plan.rotation, rtol=1e-6, atol=1e-5)

@@ -107,3 +107,40 @@ def test_a_permuted_plan_rounds_the_permuted_key_to_the_permuted_codes():
     want, ws, wo = quantize_codes_feedback(x, spec, plan)
     got, gs, go = quantize_codes_feedback(x[:, p], spec, moved)
     assert torch.equal(got, want[:, p]) and torch.equal(gs, ws) and torch.equal(go, wo)
+
+
+def test_a_rotated_plan_is_the_plan_of_the_rotated_moment_and_keeps_logits():
+    """``fit_rope_rounding(H, rotation=U)`` is the plan of ``U^T H U`` carrying ``U``; ``rotate`` / ``unrotate``
+    are ``x U`` / ``x U^T`` (so ``(q U) . (k U) = q . k`` to fp32 rounding); a non-orthogonal or mis-shaped rotation
+    is refused; a permuted rotated plan stores the same codes for the permuted key (its rotation takes the
+    permutation, the channels it rounds are the same; without that the codes would be a different rounding)."""
+    from quantmla.calibrate.query_moments import hadamard_rotation
+
+    d = 16
+    h, u = _moment(d, 3), hadamard_rotation(d, seed=5)
+    plan = fit_rope_rounding(h, rotation=u)
+    want = fit_rope_rounding(u.double().T @ h @ u.double())
+    assert torch.equal(plan.order, want.order)
+    torch.testing.assert_close(plan.feedback, want.feedback, rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(5, d, generator=g, dtype=torch.float64), torch.randn(7, d, generator=g, dtype=torch.float64)
+    ref = q @ k.T
+    got = plan.rotate(q.float()).double() @ plan.rotate(k.float()).double().T
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(plan.unrotate(plan.rotate(k.float())), k.float(), rtol=0, atol=1e-5)
+    assert torch.equal(fit_rope_rounding(h).rotate(k), k)  # no rotation: the identity, the same tensor
+    with pytest.raises(ValueError, match="orthogonal"):
+        fit_rope_rounding(h, rotation=2 * u)
+    with pytest.raises(ValueError, match="rotation of that shape"):
+        fit_rope_rounding(h, rotation=torch.eye(8))
+    spec = get_format("c4r4").adapted(64, d).rope
+    p = torch.randperm(d, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(40, d, generator=g) * 3
+    codes, s, o = quantize_codes_feedback(plan.rotate(x), spec, plan)
+    moved = plan.permuted(p)
+    got_codes, gs, go = quantize_codes_feedback(moved.rotate(x[:, p]), spec, moved)
+    # (x[:, p] U[p] sums the same products in another order: equal up to fp32 rounding, so a code may flip where a
+    # value sits on a rounding boundary)
+    assert (got_codes != codes).float().mean() <= 0.01
+    torch.testing.assert_close(gs, s, rtol=1e-3, atol=0)
+    torch.testing.assert_close(go, o, rtol=1e-3, atol=1e-3)

@@ -187,7 +187,8 @@ def layer_sensitivity(attn, spec, hidden, fisher, cos, sin, sink, local, batch_s
             for bits in BITS[:-1]:
                 pspec = path_spec(path, bits, clean.shape[-1])
                 if path == "rope" and plan is not None:  # as the cache's writer rounds this layer's RoPE key
-                    q = dequantize_codes(*quantize_codes_feedback(clean, pspec, plan), pspec)
+                    rot = plan.rotate(clean)  # (stored after the plan's post-RoPE rotation, read back in these axes)
+                    q = plan.unrotate(dequantize_codes(*quantize_codes_feedback(rot, pspec, plan), pspec).float())
                 else:
                     q = fake_quantize(clean, pspec).float()
                 if estimator == "predicted":

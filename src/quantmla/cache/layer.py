@@ -308,4 +308,5 @@ class PagedCacheLayer:
         out = torch.zeros(st.batch, S, L.kv_lora_rank + L.rope_dim, dtype=torch.float32, device=st.device)
         for b, n in enumerate(view.lengths()):
             out[b, st.pads[b] : st.pads[b] + n] = view.read_tokens(b, n)
-        return out[..., : L.kv_lora_rank].to(st.dtype), out[..., L.kv_lora_rank :].to(st.dtype)
+        k_pe = view.rope_key_out(out[..., L.kv_lora_rank :])  # (a post-RoPE rotation undone: the model's queries)
+        return out[..., : L.kv_lora_rank].to(st.dtype), k_pe.to(st.dtype)

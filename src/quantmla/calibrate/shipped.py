@@ -32,14 +32,19 @@ TRANSFORMS_VERSION = 1
 DATA_DIR = Path(__file__).resolve().parents[1] / "models" / "data"
 
 
-def transforms_tensors(layer: int, content, rope, query_moment: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def transforms_tensors(layer: int, content, rope, query_moment: torch.Tensor | None = None,
+                       post_rotation: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """The file's tensors for one attention layer's transforms (None = identity, not stored) and, optionally, its
-    RoPE queries' second moment (stored fp16, for query-aware rounding)."""
+    RoPE queries' second moment (stored fp16, for query-aware rounding) and a post-RoPE rotation of the key (fp32,
+    :class:`~quantmla.quant.rounding.RopeRounding`; only beside a moment)."""
     out = {}
+    if post_rotation is not None and query_moment is None:
+        raise ValueError("a post-RoPE rotation is stored with the query moment its rounding plan is fitted to")
     if query_moment is not None:
         from quantmla.calibrate.query_moments import rounding_file_tensors
 
-        out.update(rounding_file_tensors({layer: query_moment}))
+        rot = None if post_rotation is None else {layer: post_rotation}
+        out.update(rounding_file_tensors({layer: query_moment}, rot))
     if content is not None:
         u, q, v = (x.detach().to(torch.float32).cpu().contiguous() for x in content.factors(torch.float64))
         out.update({f"layers.{layer}.content.u": u, f"layers.{layer}.content.q": q, f"layers.{layer}.content.v": v})
@@ -105,9 +110,10 @@ def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     spec = MLASpec.from_config(model.config)
     attns = dict(iter_mla_attention(model))
     layers = sorted({int(k.split(".")[1]) for k in tensors})
-    from quantmla.calibrate.query_moments import attach_rope_rounding, moments_in
+    from quantmla.calibrate.query_moments import attach_rope_rounding, moments_in, rotations_in
 
     moments = moments_in(tensors)  # {layer: query moment}: the layers' query-aware RoPE rounding, where stored
+    rotations = rotations_in(tensors)  # {layer: post-RoPE rotation}, where stored
     plan = []
     for i in layers:
         if i not in attns:
@@ -119,7 +125,7 @@ def apply_transforms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     for attn, content, rope in plan:
         fold_transforms(attn, spec, content, rope)
     if moments:
-        attach_rope_rounding(model, moments)
+        attach_rope_rounding(model, moments, rotations)
     return len(plan)
 
 

@@ -165,6 +165,13 @@ def resolve_impl(impl: str, x: torch.Tensor, fmt: CacheFormat, *, kernel: str, l
     return impl
 
 
+def _rope_query(cache, q_pe: torch.Tensor) -> torch.Tensor:
+    """``q_pe`` as it reads ``cache``'s keys (:meth:`PagedMLACache.rope_query`: rotated where the cache's rounding
+    plan has a post-RoPE rotation; a cache-like object without the method stores keys unrotated)."""
+    f = getattr(cache, "rope_query", None)
+    return q_pe if f is None else f(q_pe)
+
+
 def decode_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -179,7 +186,9 @@ def decode_attention(
 
     ``q_lat [B, H, Dc]`` (absorbed query, latent part), ``q_pe [B, H, Dr]`` (rotated RoPE part) ->
     ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]`` natural log when ``return_lse``). ``num_splits``: split-K
-    factor (default: a heuristic that fills the GPU)."""
+    factor (default: a heuristic that fills the GPU). A cache whose rounding plan carries a post-RoPE rotation
+    stores its keys rotated: ``q_pe`` is rotated here, for every kernel alike."""
+    q_pe = _rope_query(cache, q_pe)
     which = resolve_impl(impl, q_lat, cache.fmt, kernel="decode", layout=cache.layout, cache=cache)
     if which == "cuda":
         from quantmla.kernels.cuda_decode import decode_attention_cuda
@@ -222,8 +231,10 @@ def prefill_attention(
     unmasked attention over the keys every query of a block reads packed and masked attention over the window band,
     merged by log-sum-exp; the GPU path), ``"sdpa"`` (:func:`quantmla.kernels.prefill.prefill_attention_sdpa`: the
     previous GPU path, torch's fused attention with the policy as one mask; kept for comparison) or ``"auto"``
-    (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``)."""
+    (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``). ``q_pe`` is rotated as
+    :func:`decode_attention` rotates it."""
     impl = _prefill_impl(impl, q_lat)
+    q_pe = _rope_query(cache, q_pe)
     if impl == "torch":
         from quantmla.kernels.reference import prefill_attention_torch
 
@@ -257,8 +268,10 @@ def prefill_attention_heads(
     :func:`quantmla.kernels.reference.prefill_attention_heads_torch`, ``W_UV`` times the latent output).
     ``impl``: ``"torch"`` (the fp32 reference), ``"split"`` (:func:`quantmla.kernels.prefill.prefill_attention_heads`:
     keys and values up-projected per head, ~3.4x fewer multiply-adds than the latent form; the GPU path) or
-    ``"auto"`` (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``)."""
+    ``"auto"`` (``split`` on CUDA unless :func:`force_impl` or the environment ask for ``torch``). ``q_pe`` is
+    rotated as :func:`decode_attention` rotates it."""
     impl = _prefill_impl(impl, q_nope)
+    q_pe = _rope_query(cache, q_pe)
     if impl == "torch":
         from quantmla.kernels.reference import prefill_attention_heads_torch
 

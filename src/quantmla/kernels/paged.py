@@ -311,6 +311,20 @@ class PagedMLACache:
             raise ValueError(f"k_pe must be [B={B}, T={c_kv.shape[1]}, Dr={Dr}], got {list(k_pe.shape)}")
 
     # -- writing ----------------------------------------------------------------------------------
+    # -- the post-RoPE rotation of the rounding plan (RopeRounding.rotation): keys stored rotated, queries read them
+    # rotated, keys handed back to the model unrotated; the identity without one
+    def rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
+        """``k_pe [..., Dr]`` in the coordinates the cache stores (every writer and BF16 copy takes it so)."""
+        return k_pe if self.rope_rounding is None else self.rope_rounding.rotate(k_pe)
+
+    def rope_query(self, q_pe: torch.Tensor) -> torch.Tensor:
+        """``q_pe [..., Dr]`` as it must read the stored keys (the attention entry points apply it)."""
+        return q_pe if self.rope_rounding is None else self.rope_rounding.rotate(q_pe)
+
+    def rope_key_out(self, k_pe: torch.Tensor) -> torch.Tensor:
+        """A stored (dequantized or BF16) ``k_pe [..., Dr]`` back in the model's coordinates."""
+        return k_pe if self.rope_rounding is None else self.rope_rounding.unrotate(k_pe)
+
     def write(self, c_kv: torch.Tensor, k_pe: torch.Tensor, n_new=None, *, impl: str = "auto") -> None:
         """Append tokens: ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]``; sequence ``b`` takes its first
         ``n_new[b]`` rows (all ``T`` when None). ``impl``: ``"auto"`` (Triton on CUDA), ``"triton"``, ``"torch"``."""
@@ -323,6 +337,7 @@ class PagedMLACache:
             from quantmla.kernels.triton_writer import write_triton
 
             self._check_inputs(c_kv, k_pe)
+            k_pe = self.rope_key(k_pe)
             start, n_new = self._plan_write(c_kv.shape[1], n_new)
             write_triton(self, c_kv, k_pe, start, n_new)
             self._commit(start, n_new)
@@ -330,6 +345,7 @@ class PagedMLACache:
     def write_reference(self, c_kv: torch.Tensor, k_pe: torch.Tensor, n_new=None) -> None:
         """Pure-torch writer: ``quantize_codes`` + ``pack`` per path, BF16 copies into sink/local."""
         self._check_inputs(c_kv, k_pe)
+        k_pe = self.rope_key(k_pe)
         start, n_new = self._plan_write(c_kv.shape[1], n_new)
         L, P = self.layout, self.page_size
         final = [s + k for s, k in zip(start, n_new)]
@@ -439,12 +455,13 @@ class PagedMLACache:
             if lo < n:
                 pos = torch.arange(lo, n, device=self.device)
                 recent[b, W - k - (n - lo) : W - k] = self.local[b, pos % nl].to(c_kv.device)
-            recent[b, W - k :] = torch.cat([c_kv[b, :k], k_pe[b, :k]], dim=-1).to(torch.bfloat16)
+            recent[b, W - k :] = torch.cat([c_kv[b, :k], self.rope_key(k_pe[b, :k])], dim=-1).to(torch.bfloat16)
         return recent
 
     def read_tokens(self, b: int, n: int | None = None) -> torch.Tensor:
         """fp32 ``[n, Dc + Dr]``: what attention sees for sequence ``b`` (BF16 for sink/local positions,
-        dequantized packed copies for the rest). ``n`` defaults to the stored length."""
+        dequantized packed copies for the rest; the RoPE key as stored: :meth:`rope_key_out` turns it back). ``n``
+        defaults to the stored length."""
         n = self._lens[b] if n is None else n
         out = torch.empty(n, self.kv_lora_rank + self.rope_dim, dtype=torch.float32, device=self.device)
         packed = self.packed_range(n)

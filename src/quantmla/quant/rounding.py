@@ -36,10 +36,22 @@ DEFAULT_DAMP = 0.01  # ridge added to H / mean(diag H): keeps the Cholesky facto
 @dataclass(frozen=True, eq=False)
 class RopeRounding:
     """One layer's rounding plan for a ``D``-channel RoPE key: ``order`` int64 [D] (a permutation), ``feedback``
-    fp32 [D, D] (``F`` above: row ``c`` is zero at ``c`` and at every channel rounded before ``c``)."""
+    fp32 [D, D] (``F`` above: row ``c`` is zero at ``c`` and at every channel rounded before ``c``).
+
+    ``rotation`` (optional, fp32 [D, D], orthogonal: the *post-RoPE rotation* ``U``): the cache stores the rounded
+    codes of ``k_pe U`` instead of ``k_pe`` and every query reads it as ``q_pe U`` (``(q U) . (k U) = q . k``), so
+    full-precision logits are unchanged for any orthogonal ``U``. Unlike the RoPE path's learned transforms it need
+    not commute with RoPE (it acts after it, at write and read time: no weight folding), so it can mix frequency
+    pairs and spread the key's energy over all channels, which is what the 4-bit grid needs (a random-sign
+    Hadamard matrix: :func:`quantmla.calibrate.query_moments.hadamard_rotation`). ``order`` and ``feedback`` are
+    then a plan for the rotated key, fitted to ``U^T H U`` (:func:`fit_rope_rounding` with ``rotation``). Where it
+    acts: the cache's writers (:class:`~quantmla.kernels.paged.PagedMLACache` rotates ``k_pe`` before it quantizes
+    or keeps a BF16 copy), the attention entry points (:mod:`quantmla.kernels.dispatch` rotates ``q_pe``), and
+    whatever hands keys back in the model's coordinates (``PagedCacheLayer.read`` multiplies by ``U^T``)."""
 
     order: torch.Tensor
     feedback: torch.Tensor
+    rotation: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         d = self.order.numel()
@@ -48,6 +60,27 @@ class RopeRounding:
                              f"{tuple(self.order.shape)} and {tuple(self.feedback.shape)}")  # fmt: skip
         if not torch.equal(self.order.sort().values.cpu(), torch.arange(d)):
             raise ValueError("a rounding plan's order must be a permutation of the channels 0..D-1")
+        if self.rotation is not None:
+            r = self.rotation.detach().to("cpu", torch.float64)
+            if r.shape != (d, d):
+                raise ValueError(f"a {d}-channel plan needs a [{d}, {d}] rotation, got {tuple(r.shape)}")
+            err = float((r @ r.T - torch.eye(d, dtype=torch.float64)).abs().max())
+            if not err < 1e-4:  # (also catches NaN)
+                raise ValueError(f"the post-RoPE rotation must be orthogonal (|U U^T - I| = {err:.3g}): a "
+                                 "non-orthogonal map would change the logits")  # fmt: skip
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D] U`` in fp32, in ``x``'s dtype (the identity without a rotation): a key before it is
+        stored, a query before it reads the cache."""
+        if self.rotation is None:
+            return x
+        return (x.float() @ self.rotation.to(x.device, torch.float32)).to(x.dtype)
+
+    def unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D] U^T`` in fp32, in ``x``'s dtype: a stored key back in the model's coordinates."""
+        if self.rotation is None:
+            return x
+        return (x.float() @ self.rotation.to(x.device, torch.float32).T).to(x.dtype)
 
     @property
     def width(self) -> int:
@@ -61,6 +94,8 @@ class RopeRounding:
         perm = torch.as_tensor(perm, dtype=torch.int64, device=self.feedback.device)
         if perm.shape != self.order.shape or not torch.equal(perm.sort().values.cpu(), torch.arange(self.width)):
             raise ValueError(f"perm must be a permutation of the plan's {self.width} channels")
+        if self.rotation is not None:  # k[..., perm] U[perm] = k U: the same stored channels, the same plan
+            return RopeRounding(self.order, self.feedback, self.rotation[perm.to(self.rotation.device)].contiguous())
         inv = torch.argsort(perm)  # old channel c is new channel inv[c]
         return RopeRounding(inv[self.order.long()].to(self.order.dtype), self.feedback[perm][:, perm].contiguous())
 
@@ -69,15 +104,26 @@ class RopeRounding:
         device = torch.device(device)
         if self.feedback.device == device and self.order.dtype == torch.int32:
             return self
-        return RopeRounding(self.order.to(device=device, dtype=torch.int32), self.feedback.to(device, torch.float32))
+        rot = None if self.rotation is None else self.rotation.to(device, torch.float32)
+        order = self.order.to(device=device, dtype=torch.int32)
+        return RopeRounding(order, self.feedback.to(device, torch.float32), rot)
 
 
-def fit_rope_rounding(moment: torch.Tensor, damp: float = DEFAULT_DAMP) -> RopeRounding:
+def fit_rope_rounding(moment: torch.Tensor, damp: float = DEFAULT_DAMP, rotation: torch.Tensor | None = None
+                      ) -> RopeRounding:  # fmt: skip
     """The plan for a query second moment ``moment`` [D, D] (symmetric, positive semi-definite; any positive scale):
-    normalized to unit mean diagonal, ``damp`` added on the diagonal, factored in float64 on the CPU."""
+    normalized to unit mean diagonal, ``damp`` added on the diagonal, factored in float64 on the CPU. ``rotation``:
+    a post-RoPE rotation ``U`` [D, D] (see :class:`RopeRounding`): the plan rounds the rotated key, fitted to the
+    rotated queries' moment ``U^T H U``."""
     h = moment.detach().to("cpu", torch.float64)
     if h.dim() != 2 or h.shape[0] != h.shape[1]:
         raise ValueError(f"the query moment must be a square [D, D] matrix, got {tuple(h.shape)}")
+    if rotation is not None:
+        u = rotation.detach().to("cpu", torch.float64)
+        if u.shape != h.shape:
+            raise ValueError(f"a [{h.shape[0]}, {h.shape[0]}] moment needs a rotation of that shape, got "
+                             f"{tuple(u.shape)}")  # fmt: skip
+        h = u.T @ h @ u
     if not torch.isfinite(h).all():
         raise ValueError("the query moment has non-finite entries (NaN / inf in the calibration queries?)")
     mean = h.diagonal().mean()
@@ -92,7 +138,8 @@ def fit_rope_rounding(moment: torch.Tensor, damp: float = DEFAULT_DAMP) -> RopeR
     f = torch.triu(u / u.diagonal()[:, None], diagonal=1)  # [t, u]: U[t, u] / U[t, t] for u > t
     feedback = torch.zeros_like(f)
     feedback[order[:, None], order[None, :]] = f
-    return RopeRounding(order.to(torch.int64), feedback.to(torch.float32))
+    rot = None if rotation is None else rotation.detach().to("cpu", torch.float32).contiguous()
+    return RopeRounding(order.to(torch.int64), feedback.to(torch.float32), rot)
 
 
 def quantize_codes_feedback(
