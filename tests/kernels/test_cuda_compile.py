@@ -462,58 +462,6 @@ def test_hm_producer_puts_every_code_where_the_score_and_output_products_read_it
         assert got == full[8 * o : 8 * o + 8], f"octet {o} holds the wrong codes"
 
 
-_HM_LAYOUT = r"""
-#include <cstdio>
-#include "mla_hm.cuh"
-using namespace qmla::hm;
-int main() {
-  for (int row = 0; row < 64; ++row)
-    for (int ch = 0; ch < 576; ch += 8) printf("o %d %d %d\n", row, ch, op_offset(row, ch));
-  for (int tok = 0; tok < 64; ++tok)  // the producer's stores: octets o0 + 2 half, o0's bit 1 clear
-    for (int half = 0; half < 2; ++half)
-      for (int o0 = 0; o0 < 72; ++o0)
-        if (!(o0 & 2)) printf("s %d %d %d %u\n", tok, half, o0, octet_at(row_base(tok, half), o0));
-  for (int oc = 0; oc < 72; oc += 2) printf("k %d %d\n", oc, kstep_offset(oc));
-}
-"""
-
-
-@pytest.mark.parametrize("sw128", [0, 1])
-def test_hm_operand_layout_is_the_one_wgmma_reads(tmp_path, sw128):
-    """q and the tiles of the hm kernel (mla_hm.cuh's op_offset; QMLA_HM_SW128 1: the 128-byte swizzle) sit where the
-    score product's descriptors read them: independently of the header, core matrices are 8 rows x 16 bytes with
-    channel octets 1 KB apart; the 128-byte swizzle is CUTLASS's Swizzle<3, 4, 3> (byte-address bits 4-6 XOR bits
-    7-9) over rows of 128 bytes in blocks of 64 channels. Every 16-byte row of 8 channels has one home, the
-    producer's fast stores (row_base + octet_at: one XOR with a constant) land on it, and each K-major k-step starts
-    at its 16 channels' row 0."""
-    (tmp_path / "l.cu").write_text(_HM_LAYOUT)
-    r = subprocess.run([NVCC, "-std=c++17", f"-DQMLA_HM_SW128={sw128}", "-I", str(CSRC), "-o", str(tmp_path / "l"),
-                        str(tmp_path / "l.cu")], capture_output=True, text=True, check=False)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = subprocess.run([str(tmp_path / "l")], capture_output=True, text=True, check=True).stdout.splitlines()
-
-    def ref(row: int, ch: int) -> int:
-        if not sw128:
-            return (ch // 8) * 1024 + (row // 8) * 128 + (row % 8) * 16 + (ch % 8) * 2
-        a = row * 128 + (ch % 64) * 2
-        return (ch // 64) * 8192 + (a ^ (((a >> 7) & 7) << 4))
-
-    got = {}
-    for ln in out:
-        kind, *v = ln.split()
-        v = [int(x) for x in v]
-        if kind == "o":
-            assert v[2] == ref(v[0], v[1]), f"op_offset{tuple(v[:2])}"
-            got[(v[0], v[1])] = v[2]
-        elif kind == "s":
-            tok, half, o0, addr = v
-            assert addr == ref(tok, 8 * (o0 + 2 * half)), f"producer store of token {tok}, half {half}, octet {o0}"
-        else:
-            assert v[1] == ref(0, 8 * v[0]), f"k-step at octet {v[0]}"
-    assert sorted(got.values()) == list(range(0, 64 * 576 * 2, 16)), "each 16-byte row has one home"
-    assert sum(ln.startswith("s ") for ln in out) == 64 * 2 * 36
-
-
 @pytest.mark.skipif(NVCC is None or _nvcc_major() < 12, reason="needs nvcc >= 12")
 @pytest.mark.parametrize("name", sorted(p.name for p in (CSRC.parents[3] / "benchmarks" / "micro").glob("*.cu")))
 def test_micro_benchmarks_compile_for_sm90a(tmp_path, name):
