@@ -113,11 +113,6 @@ VARIANTS: dict[str, dict[str, int]] = {
     # written offline at the end of session 38, not yet timed: each consumer issues its next own tile's first score
     # group before it waits for the other's P (ncu: ~43% of a consumer's time at that wait), frame rescale branch-free
     "hm_pre": {"QMLA_HM_PRE": 1},
-    # session 39: q and the tiles in the 128-byte swizzle instead of core matrices (benchmarks/micro/
-    # smem_operand_rate.cu times the products in both layouts); 88 / 200 registers (80 / 208 spill 12 B in the
-    # producer); with hm_pre at 80 / 208 (88 / 200 spill there and serialize)
-    "hm_sw": {"QMLA_HM_SW128": 1, "QMLA_HM_REG_PRODUCER": 88, "QMLA_HM_REG_CONSUMER": 200},
-    "hm_swpre": {"QMLA_HM_SW128": 1, "QMLA_HM_PRE": 1},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);

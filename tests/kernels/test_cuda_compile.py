@@ -70,7 +70,6 @@ pytestmark = pytest.mark.skipif(
      ("decode_mla_sm90_hm", "90a", ()),
      ("decode_mla_sm90_hm", "90a", _HM_S37),  # kernel_variants.py's hm_s37
      ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_PRE=1",)),  # hm_pre: no serialization (C7518) from the early group
-     ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_SW128=1", "-DQMLA_HM_REG_PRODUCER=88", "-DQMLA_HM_REG_CONSUMER=200")),
      ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0", *_HM_S37)),  # hm_s37a
      ("decode_mla_sm90_hm", "90a", ("-DQMLA_HM_INPLACE=0", "-DQMLA_HM_TOKMAP=0", "-DQMLA_HM_QVEC=0",
                                     "-DQMLA_HM_EARLY=0", "-DQMLA_HM_PREFETCH=0", *_HM_S37))],  # hm_s36

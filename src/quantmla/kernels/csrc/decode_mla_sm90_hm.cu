@@ -94,8 +94,7 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
   const int half = QMLA_HM_TOKMAP ? (lt >> 4) & 1 : lt >> 6;
   const uint32_t s0 = smem_u32(smem), bar = s0 + B_SM;
   // chunk maps (mla_hm.cuh): the half only adds 16 bytes to the source and two octets to the destination
-  const uint32_t row_off = row_base(tok, half);  // (+ octet_at: chunk_octet<CB>(0, half) = 2 half)
-  static_assert(chunk_octet<CB>(0, 1) == 2, "row_base's half");
+  const uint32_t row_off = (tok >> 3) * 128 + (tok & 7) * 16 + chunk_octet<CB>(0, half) * kOct;
   uint4 w[NCH], wr;  // the thread's content chunks and RoPE chunk of a page
   __half sv[5], ov[5];  // the token's scale and offset per content group, then RoPE (symmetric: c - 2^(b-1))
   auto load_meta = [&](const uint8_t* page, int g) {  // the token's scale and offset of group g
@@ -193,12 +192,12 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     for (int i = 0; i < 128; ++i)
       if (((i >> 1) & 1) == v) o[i] *= a;
   };
-  const Desc qd(score_desc(s0 + Q_SM));
+  const Desc qd(wgmma_desc(s0 + Q_SM, kOct, 128));
 
   // groups [g0, g1) of the score product of tile 2k + c (buffer c) into s, each after it lands (g0 = 0 starts s;
   // wait_full false: the tile does not exist, the products read what the buffer holds and s is never used)
   auto score_issue = [&](float (&s)[32], int k, int g0, int g1, bool wait_full = true) {
-    const Desc td(score_desc(s0 + T_SM + c * kTile));
+    const Desc td(wgmma_desc(s0 + T_SM + c * kTile, kOct, 128));
     if (g0 == 0)
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -210,7 +209,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
 #pragma unroll
       for (int kk = 0; kk < (g < 4 ? 8 : 4); ++kk) {
         const int oc = g * 16 + 2 * kk;  // channel octet of this k-step
-        wgmma_ss_n64(s, qd.at(kstep_offset(oc)), qd.hi, td.at(kstep_offset(oc)), td.hi, g > 0 || kk > 0);
+        wgmma_ss_n64(s, qd.at(oc * kOct), qd.hi, td.at(oc * kOct), td.hi, g > 0 || kk > 0);
       }
       wgmma_commit();
     }
@@ -318,9 +317,9 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
   };
   // O (this consumer's 256 channels) += P V of the tile in buffer `buf`, read MN-major from channel 256 c (octet 32 c)
   auto out_product = [&](int buf, const uint32_t (&a)[4][4]) {
-    const Desc vd(value_desc(s0 + T_SM + buf * kTile, c));
+    const Desc vd(wgmma_desc(s0 + T_SM + buf * kTile + 32 * c * kOct, 128, kOct));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, a[kk], vd.at(vstep_offset(kk)), vd.hi);
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_n256_t(o, a[kk], vd.at(2 * kk * 128), vd.hi);
   };
   auto out_begin = [&]() {
     fence_operands(o);

@@ -21,7 +21,6 @@
 
 #include "mla_ops.cuh"
 #include "mla_page.cuh"
-#include "mla_wgmma.cuh"
 
 namespace qmla {
 namespace hm {
@@ -50,37 +49,9 @@ __host__ __device__ constexpr int empty_bar(int b) { return 80 + 8 * b; }
 __host__ __device__ constexpr int full_parity(int k) { return k & 1; }
 __host__ __device__ constexpr int empty_parity(int it) { return ((it >> 1) - 1) & 1; }
 
-// byte offset of (row, channel) in a channel-octet-major 64-row operand (the published P; q and the tiles unless
-// QMLA_HM_SW128)
+// byte offset of (row, channel) in a channel-octet-major 64-row operand
 __host__ __device__ constexpr int oct_offset(int row, int ch) {
   return (ch >> 3) * kOct + (row >> 3) * 128 + (row & 7) * 16 + (ch & 7) * 2;
-}
-
-#ifndef QMLA_HM_SW128  // 1: q and the tiles in the 128-byte swizzle (FlashMLA's and TMA's layout: 9 blocks of 64
-#define QMLA_HM_SW128 0  // channels, each 64 rows x 128 bytes, 16-byte chunk j of row r at chunk j ^ (r % 8)) instead of
-#endif                   // the core-matrix layout above (benchmarks/micro/smem_operand_rate.cu times both)
-constexpr int kBlk = 8192;  // QMLA_HM_SW128: one block of 64 channels x 64 rows
-
-// byte offset of (row, channel) of q or a tile (row = head / token)
-__host__ __device__ constexpr int op_offset(int row, int ch) {
-  return QMLA_HM_SW128 ? (ch >> 6) * kBlk + row * 128 + ((((ch >> 3) & 7) ^ (row & 7)) << 4) + (ch & 7) * 2
-                       : oct_offset(row, ch);
-}
-// the start of the K-major k-step (16 channels) that begins at channel octet oc, from the operand's start
-__host__ __device__ constexpr int kstep_offset(int oc) {
-  return QMLA_HM_SW128 ? (oc >> 3) * kBlk + ((oc & 7) >> 1) * 32 : oc * kOct;
-}
-// the start of the MN-major k-step kk (16 tokens) of a tile read as V, from its channel-256 c start
-__host__ __device__ constexpr int vstep_offset(int kk) { return QMLA_HM_SW128 ? kk * 2048 : 2 * kk * 128; }
-// The producer's stores: row_base is a token's row (and its half's 2 octets, QMLA_HM_SW128: the row's swizzle bits
-// with them) from the tile's start; octet_at the chunk row of channel octet o0 + 2 half from there. o0 must have bit 1
-// clear (a chunk's octets are 4 i + 16 j + 2 half + plane + 0 / 1: mla_hm.cuh's chunk maps), so the swizzle is one
-// XOR with a constant and the block an immediate offset
-__host__ __device__ constexpr int row_base(int tok, int half) {
-  return QMLA_HM_SW128 ? tok * 128 + (((2 * half) ^ (tok & 7)) << 4) : (tok >> 3) * 128 + (tok & 7) * 16 + 2 * half * kOct;
-}
-__host__ __device__ constexpr uint32_t octet_at(uint32_t rb, int o0) {
-  return QMLA_HM_SW128 ? (rb ^ (uint32_t)((o0 & 7) << 4)) + (uint32_t)((o0 >> 3) * kBlk) : rb + (uint32_t)(o0 * kOct);
 }
 
 // The producer's content chunks (two threads per token, `half` 0 / 1; NCH = 256 CB / 128 chunks of 16 bytes each):
@@ -134,16 +105,6 @@ __device__ __forceinline__ void wgmma_rs_n256_t(float (&d)[128], const uint32_t 
 }
 #undef QMLA_HM_F8
 
-// K-major descriptor of q or a tile (the score product; a k-step at kstep_offset); MN-major of a tile read as V from
-// channel 256 c (the output product: k = tokens, n = 256 channels; a k-step at vstep_offset)
-__device__ __forceinline__ uint64_t score_desc(uint32_t addr) {
-  return QMLA_HM_SW128 ? wgmma_desc(addr, 16, 1024) | (1ull << 62) : wgmma_desc(addr, kOct, 128);
-}
-__device__ __forceinline__ uint64_t value_desc(uint32_t tile, int c) {
-  return QMLA_HM_SW128 ? wgmma_desc(tile + 4 * c * kBlk, kBlk, 1024) | (1ull << 62)
-                       : wgmma_desc(tile + 32 * c * kOct, 128, kOct);
-}
-
 #ifndef QMLA_HM_INPLACE  // 1: each field unpacked in place under its own magic number (no shift, one LOP3; the
 #define QMLA_HM_INPLACE 1  // producer's loop 870 -> ~660 SASS instructions per tile, C4R4; the default since session
 #endif                     // 37: 1.06-1.08x alone, H100); 0: shifted down under 1024
@@ -184,7 +145,7 @@ __device__ __forceinline__ void unpack_chunk(uint32_t row, int oct, const uint4&
     for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7 of the plane: words 2h, 2h + 1
       const uint32_t o0 = f16_values<B>(x[2 * h][0], p, s2, o2), o1 = f16_values<B>(x[2 * h][1], p, s2, o2);
       const uint32_t o2v = f16_values<B>(x[2 * h + 1][0], p, s2, o2), o3 = f16_values<B>(x[2 * h + 1][1], p, s2, o2);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(octet_at(row, oct + p * PS / 8 + h)), "r"(o0),
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + (oct + p * PS / 8 + h) * kOct), "r"(o0),
                    "r"(o1), "r"(o2v), "r"(o3)
                    : "memory");
     }

@@ -100,7 +100,7 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
                                             __uint_as_float(wd[j] & 0xFFFF0000u) * down);
         o[j] = *reinterpret_cast<const uint32_t*>(&v);
       }
-      const uint32_t dst = smem_u32(smem + Q_SM + op_offset(hh, 8 * ((tid + kThreads * k) / kNH)));
+      const uint32_t dst = smem_u32(smem + Q_SM + oct_offset(hh, 8 * ((tid + kThreads * k) / kNH)));
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(o[0]), "r"(o[1]), "r"(o[2]),
                    "r"(o[3])
                    : "memory");
@@ -145,7 +145,7 @@ __device__ __forceinline__ int stage_q64(uint8_t* smem, const Params& p, int b, 
   for (int f = tid; f < kPairs; f += kThreads) {
     const int h = f / kRowPairs, ch = 2 * (f % kRowPairs);
     const __nv_bfloat162 v = raw[f];
-    *reinterpret_cast<__half2*>(smem + Q_SM + op_offset(h, ch)) =
+    *reinterpret_cast<__half2*>(smem + Q_SM + oct_offset(h, ch)) =
         __floats2half2_rn(__low2float(v) * down, __high2float(v) * down);
   }
   __syncthreads();
