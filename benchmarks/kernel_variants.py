@@ -112,6 +112,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "hm_noqreg": {"QMLA_HM_QREG": 0},
     # written offline at the end of session 38, not yet timed: each consumer issues its next own tile's first score
     # group before it waits for the other's P (ncu: ~43% of a consumer's time at that wait), frame rescale branch-free
+    # measured in session 39 (H100, C4R4, 64 heads, B32 x 32K, kernel_variants_h100_hm_s39.md): 0.96x. Kept as a
+    # variant for the record; the 128-byte swizzle of q and the tiles (hm_sw) was 1.00x there and is removed
+    # (benchmarks/micro/smem_operand_rate.cu: the layout does not change the products' rate)
     "hm_pre": {"QMLA_HM_PRE": 1},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):

@@ -182,7 +182,8 @@ double run(const MicroDevice& dev, int iters, const char* what) {
   const double cyc =
       best_cycles(dev, [&] { k<FORM, SW, PRODUCER, CONSUMERS><<<dev.sms, 384, kSmem>>>(iters, dev.out); }, 5);
   const double per_tile = cyc / (2.0 * iters);  // an iteration covers two 64-token tiles (one per consumer)
-  const int products = FORM == SCORE_SS || FORM == SCORE_RS ? 36 : FORM == OUTPUT_RS ? 4 : 40;  // per tile
+  // per tile: 36 score products (one consumer's own tile), 8 output products (each consumer 4 over every tile)
+  const int products = FORM == SCORE_SS || FORM == SCORE_RS ? 36 : FORM == OUTPUT_RS ? 8 : 44;
   printf("%-44s %-6s %s %7.0f cycles per tile, %5.1f per product  %s\n", what, SW ? "sw128" : "none",
          PRODUCER ? (CONSUMERS ? "+ stores" : "stores  ") : "        ", per_tile,
          CONSUMERS ? per_tile / products : 0.0, cudaGetErrorString(cudaGetLastError()));
