@@ -31,6 +31,11 @@
 #     on H100s: is hm ahead of ws at 32 heads there too? 2-7% on the H100) with HM_VARIANTS=base,hm_pre (each
 #     consumer's next score group issued before it waits for the other's P; built offline, not yet run), then
 #     `hm_mutation` on the new defaults.
+#     Session 39 (one H100 call; starts refused most of the session): benchmarks/micro/smem_operand_rate.cu
+#     (micro_smem_operand_rate_h100_s39.txt: the SS score product is 35.5 cycles alone, shared-memory bound beside
+#     the producer's stores; the 128-byte swizzle changes nothing), hm_sw 1.00x (removed), hm_pre 0.96x
+#     (kernel_variants_h100_hm_s39.md). Still owed: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm`
+#     on an H200 (session 38's defaults there; hm vs ws at 32 heads), then `hm_mutation`.
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
