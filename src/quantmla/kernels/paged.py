@@ -310,9 +310,8 @@ class PagedMLACache:
         if k_pe.shape != (B, c_kv.shape[1], Dr):
             raise ValueError(f"k_pe must be [B={B}, T={c_kv.shape[1]}, Dr={Dr}], got {list(k_pe.shape)}")
 
-    # -- writing ----------------------------------------------------------------------------------
     # -- the post-RoPE rotation of the rounding plan (RopeRounding.rotation): keys stored rotated, queries read them
-    # rotated, keys handed back to the model unrotated; the identity without one
+    # rotated, keys handed back to the model unrotated; the identity without one ------------------
     def rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
         """``k_pe [..., Dr]`` in the coordinates the cache stores (every writer and BF16 copy takes it so)."""
         return k_pe if self.rope_rounding is None else self.rope_rounding.rotate(k_pe)
@@ -325,6 +324,7 @@ class PagedMLACache:
         """A stored (dequantized or BF16) ``k_pe [..., Dr]`` back in the model's coordinates."""
         return k_pe if self.rope_rounding is None else self.rope_rounding.unrotate(k_pe)
 
+    # -- writing ----------------------------------------------------------------------------------
     def write(self, c_kv: torch.Tensor, k_pe: torch.Tensor, n_new=None, *, impl: str = "auto") -> None:
         """Append tokens: ``c_kv [B, T, Dc]``, ``k_pe [B, T, Dr]``; sequence ``b`` takes its first
         ``n_new[b]`` rows (all ``T`` when None). ``impl``: ``"auto"`` (Triton on CUDA), ``"triton"``, ``"torch"``."""
