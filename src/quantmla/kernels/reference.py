@@ -43,7 +43,11 @@ def decode_attention_torch(
     *,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``q_lat [B, H, Dc]``, ``q_pe [B, H, Dr]`` -> ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]``, natural log)."""
+    """``q_lat [B, H, Dc]``, ``q_pe [B, H, Dr]`` -> ``o_lat [B, H, Dc]`` fp32 (and ``lse [B, H]``, natural log).
+
+    ``q_pe`` in the coordinates the cache stores its keys in (every kernel's contract): where the cache's rounding
+    plan has a post-RoPE rotation that is ``cache.rope_query(q_pe)``, which :func:`quantmla.kernels.decode_attention`
+    and the prefill entry points apply; calling a kernel directly, apply it yourself."""
     _check_q(q_lat, q_pe, cache, 3)
     B, H, Dc = q_lat.shape
     o = torch.zeros(B, H, Dc, dtype=torch.float32, device=q_lat.device)
