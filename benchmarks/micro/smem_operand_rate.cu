@@ -13,10 +13,14 @@
 // chunk j of row r at chunk j ^ (r % 8), 8-row atoms of 1 KB: FlashMLA's and TMA's layout). The data are constant
 // fp16 values (timing only; nothing is checked). Prints SM cycles per 64-token tile and per product.
 // Build + run (sm_90a):
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/sor benchmarks/micro/smem_operand_rate.cu && /tmp/sor
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I src/quantmla/kernels/csrc -o /tmp/sor \
+//     benchmarks/micro/smem_operand_rate.cu && /tmp/sor
+// (the products, fences and ldmatrix are the hm kernel's own: mla_hm.cuh, mla_wgmma.cuh, mla_ops.cuh)
 #include <stdint.h>
 
 #include "micro_device.cuh"
+#include "mla_hm.cuh"
+#include "mla_wgmma.cuh"
 
 namespace {
 
@@ -25,16 +29,15 @@ constexpr int kQ = 0, kT0 = kTileBytes, kT1 = 2 * kTileBytes, kSmem = 3 * kTileB
 
 enum Form { SCORE_SS = 0, SCORE_RS = 1, OUTPUT_RS = 2, BOTH = 3 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-// sm_90 matrix descriptor: start >> 4, LBO >> 4, SBO >> 4, layout type (0 none, 1 128-byte swizzle) in bits 62-63
+using qmla::smem_u32;
+// sm_90 matrix descriptor (mla_wgmma.cuh's) with the layout type: 0 none, 1 the 128-byte swizzle (bits 62-63)
 __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo, int sw128) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | ((uint64_t)(sw128 ? 1 : 0) << 62);
+  return qmla::wgmma_desc(addr, lbo, sbo) | ((uint64_t)(sw128 ? 1 : 0) << 62);
 }
 // the byte offset of (row, channel) of a 64-row fp16 operand: none = channel-octet-major core matrices (hm's);
 // sw128 = 9 blocks of 64 channels, each 64 rows x 128 bytes, chunks XOR-swizzled by row % 8
 __device__ __forceinline__ uint32_t at(int row, int ch, int sw128) {
-  if (!sw128) return (ch >> 3) * 1024 + (row >> 3) * 128 + (row & 7) * 16 + (ch & 7) * 2;
+  if (!sw128) return qmla::hm::oct_offset(row, ch);
   return (ch >> 6) * 8192 + row * 128 + ((((ch >> 3) & 7) ^ (row & 7)) << 4) + (ch & 7) * 2;
 }
 // K-major descriptor of k-step kk (16 channels) of a 64-row operand at base
@@ -48,47 +51,28 @@ __device__ __forceinline__ uint64_t vdesc(uint32_t base, int kt, int nh, int sw1
   return desc(base + nh * 4 * 8192 + kt * 2048, 8192, 1024, 1);
 }
 
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
 #define F8(x, o) "+f"(x[o]), "+f"(x[o + 1]), "+f"(x[o + 2]), "+f"(x[o + 3]), "+f"(x[o + 4]), "+f"(x[o + 5]), \
                  "+f"(x[o + 6]), "+f"(x[o + 7])
-#define R32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26," \
-            "%27,%28,%29,%30,%31}"
 
-__device__ __forceinline__ void ss_n64(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " R32 ", %32, %33, 1, 1, 1, 0, 0;\n"
-               : F8(d, 0), F8(d, 8), F8(d, 16), F8(d, 24)
-               : "l"(a), "l"(b)
-               : "memory");
-}
+// S^T[64 tok x 64 heads] += A[64 x 16] (registers) . B (shared memory, K-major): the swap-AB score form (no hm helper)
 __device__ __forceinline__ void rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " R32 ", {%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
+               "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, "
+               "%36, 1, 1, 1, 0;\n"
                : F8(d, 0), F8(d, 8), F8(d, 16), F8(d, 24)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
                : "memory");
 }
-__device__ __forceinline__ void rs_n256_t(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
-      "%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,"
-      "%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,"
-      "%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,"
-      "%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128, %129,"
-      " %130, %131}, %132, 1, 1, 1, 1;\n"
-      : F8(d, 0), F8(d, 8), F8(d, 16), F8(d, 24), F8(d, 32), F8(d, 40), F8(d, 48), F8(d, 56), F8(d, 64),
-        F8(d, 72), F8(d, 80), F8(d, 88), F8(d, 96), F8(d, 104), F8(d, 112), F8(d, 120)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
-      : "memory");
+__device__ __forceinline__ void ss_n64(float (&d)[32], uint64_t a, uint64_t b) {  // hm's score product
+  qmla::hm::wgmma_ss_n64(d, (uint32_t)a, (uint32_t)(a >> 32), (uint32_t)b, (uint32_t)(b >> 32), 1);
 }
-__device__ __forceinline__ void ldm_x4(uint32_t (&a)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr)
-               : "memory");
+__device__ __forceinline__ void rs_n256_t(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {  // hm's output
+  qmla::hm::wgmma_rs_n256_t(d, a, (uint32_t)b, (uint32_t)(b >> 32));
 }
+__device__ __forceinline__ void fence() { qmla::wgmma_fence(); }
+__device__ __forceinline__ void commit() { qmla::wgmma_commit(); }
+__device__ __forceinline__ void wait0() { qmla::wgmma_wait<0>(); }
+__device__ __forceinline__ void ldm_x4(uint32_t (&a)[4], uint32_t addr) { qmla::ldsm_x4(a[0], a[1], a[2], a[3], addr); }
 
 template <int FORM, int SW>
 __device__ __forceinline__ float consumer(uint32_t s0, int c, int iters, int lt) {
@@ -151,7 +135,7 @@ __global__ void __launch_bounds__(384, 1) k(int iters, float* out) {
   const uint32_t s0 = smem_u32(smem);
   for (int i = tid; i < kSmem / 16; i += 384)  // fp16 values near 1 (no NaN / denormal timing)
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0x3C003C00u ^ (i & 7), 0x40003C00u, 0x3C004000u, 0x3C003C00u);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  qmla::fence_proxy_async();
   __syncthreads();
   float keep = 0.f;
   if (wg == 0) {
@@ -167,7 +151,7 @@ __global__ void __launch_bounds__(384, 1) k(int iters, float* out) {
                                                                              ((i * 128 + lt) * 16) % kTileBytes),
                          "r"(v)
                          : "memory");
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      qmla::fence_proxy_async();
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n");

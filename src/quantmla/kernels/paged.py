@@ -313,12 +313,11 @@ class PagedMLACache:
     # -- the post-RoPE rotation of the rounding plan (RopeRounding.rotation): keys stored rotated, queries read them
     # rotated, keys handed back to the model unrotated; the identity without one ------------------
     def rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
-        """``k_pe [..., Dr]`` in the coordinates the cache stores (every writer and BF16 copy takes it so)."""
+        """``k_pe [..., Dr]`` in the coordinates the cache stores (every writer and BF16 copy takes it so); as
+        ``rope_query``, a query's RoPE part as it must read them (the attention entry points apply it)."""
         return k_pe if self.rope_rounding is None else self.rope_rounding.rotate(k_pe)
 
-    def rope_query(self, q_pe: torch.Tensor) -> torch.Tensor:
-        """``q_pe [..., Dr]`` as it must read the stored keys (the attention entry points apply it)."""
-        return q_pe if self.rope_rounding is None else self.rope_rounding.rotate(q_pe)
+    rope_query = rope_key  # keys and queries take the same rotation: (q U) . (k U) = q . k
 
     def rope_key_out(self, k_pe: torch.Tensor) -> torch.Tensor:
         """A stored (dequantized or BF16) ``k_pe [..., Dr]`` back in the model's coordinates."""

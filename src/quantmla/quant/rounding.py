@@ -69,18 +69,18 @@ class RopeRounding:
                 raise ValueError(f"the post-RoPE rotation must be orthogonal (|U U^T - I| = {err:.3g}): a "
                                  "non-orthogonal map would change the logits")  # fmt: skip
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., D] U`` in fp32, in ``x``'s dtype (the identity without a rotation): a key before it is
-        stored, a query before it reads the cache."""
+    def rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x [..., D] U`` (``inverse``: ``x U^T``) in fp32, in ``x``'s dtype; the identity without a rotation. A
+        key before it is stored, a query before it reads the cache; inverse: a stored key back in the model's
+        coordinates."""
         if self.rotation is None:
             return x
-        return (x.float() @ self.rotation.to(x.device, torch.float32)).to(x.dtype)
+        u = self.rotation.to(x.device, torch.float32)
+        return (x.float() @ (u.T if inverse else u)).to(x.dtype)
 
     def unrotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., D] U^T`` in fp32, in ``x``'s dtype: a stored key back in the model's coordinates."""
-        if self.rotation is None:
-            return x
-        return (x.float() @ self.rotation.to(x.device, torch.float32).T).to(x.dtype)
+        """:meth:`rotate` inverse: ``x U^T``."""
+        return self.rotate(x, inverse=True)
 
     @property
     def width(self) -> int:
