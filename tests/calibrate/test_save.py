@@ -183,3 +183,72 @@ def test_calibrate_command_takes_a_per_token_format(tmp_path, monkeypatch):
     assert args.func(args) == 0
     qc = json.loads((out / QUANT_CONFIG_NAME).read_text())
     assert qc["cache_format"]["name"] == "c4r4t" and qc["cache_format"]["content"]["group_size"] == 512
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "none"])
+def test_calibrate_command_writes_a_post_rope_rotation_by_default(rotation, tmp_path, monkeypatch):
+    """The fused folder's rounding file carries a post-RoPE Hadamard rotation per layer (seed 0, recorded in
+    ``quantmla.json`` and the report) unless ``--rope-rotation none``; loading the folder attaches it, full
+    precision is the source model's, and a quantized cache's forward stores the rotated key (other logits than the
+    same plans without the rotation, no larger error)."""
+    from quantmla.cache.hf import rope_rounding_of
+    from quantmla.calibrate.query_moments import (
+        ROUNDING_FILE,
+        hadamard_rotation,
+        load_saved_rope_rounding,
+        saved_moments,
+    )
+    from quantmla.compat import with_cache
+    from quantmla.eval.runtime import CacheSpec, make_cache, prepare_model
+    from quantmla.mla.weights import iter_mla_attention
+    from quantmla.quant.rounding import ROPE_ROUNDING_ATTR, fit_rope_rounding
+
+    model = tiny_model("deepseek_v2", seed=3)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    ref = _logits(model, ids)
+    monkeypatch.setattr(cli, "load_model", lambda d, dtype: (model, None))
+    monkeypatch.setattr(
+        cli, "calibration_tokens", lambda tok, cfg, corpus: torch.randint(3, 128, (cfg.train_seqs + cfg.val_seqs, 24))
+    )
+    parser = argparse.ArgumentParser()
+    cli.add_calibrate_args(parser.add_subparsers(dest="command"))
+    out = tmp_path / "fused"
+    model.save_pretrained(tmp_path / "src")
+    argv = ["calibrate", "--model", str(tmp_path / "src"), "--out", str(out), "--format", "c4r4", "--seq-len", "24",
+            "--train-seqs", "3", "--val-seqs", "2", "--local", "4", "--steps", "2", "--query-tokens", "8",
+            "--no-progress"] + ([] if rotation == "hadamard" else ["--rope-rotation", "none"])  # fmt: skip
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    qc = json.loads((out / QUANT_CONFIG_NAME).read_text())
+    rep = json.loads((out / "calibration_report.json").read_text())
+    assert (out / ROUNDING_FILE).is_file() and len(saved_moments(out)) == 2
+    loaded = prepare_model(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval())
+    torch.testing.assert_close(_logits(loaded, ids), ref, rtol=1e-4, atol=1e-5)  # full precision unchanged
+    assert load_saved_rope_rounding(loaded, out) == 2
+    plans = rope_rounding_of(loaded)
+    dr = model.config.qk_rope_head_dim
+    if rotation == "none":
+        assert qc["rope_rounding"] == rep["rope_rounding"] == {"method": "query-aware", "rotation": None}
+        assert all(p.rotation is None for p in plans)
+        return
+    assert qc["rope_rounding"]["rotation"]["kind"] == "hadamard" and qc["rope_rounding"]["rotation"]["seed"] == 0
+    assert rep["rope_rounding"] == qc["rope_rounding"]
+    for p in plans:
+        u = p.rotation.double()
+        assert torch.allclose(u @ u.T, torch.eye(dr, dtype=torch.float64), atol=1e-6)
+        assert torch.equal(p.rotation, hadamard_rotation(dr, seed=0))
+
+    def cached(m):
+        cache = make_cache(m, CacheSpec("c4r4", sink=2, local=8))
+        with torch.no_grad():
+            return m(ids, **with_cache(cache), use_cache=True).logits, cache
+
+    rotated, cache = cached(loaded)
+    assert all(v.rope_rounding is not None and v.rope_rounding.rotation is not None for v in cache.store.views)
+    moments = saved_moments(out)
+    for i, attn in iter_mla_attention(loaded):
+        setattr(attn, ROPE_ROUNDING_ATTR, fit_rope_rounding(moments[i]))  # the same moments, no rotation
+    plain, _ = cached(loaded)
+    assert not torch.equal(rotated, plain)  # the rotation is live in the cache's forward
+    exact = _logits(loaded, ids)
+    assert (rotated - exact).abs().max() < 10 * (plain - exact).abs().max()  # the same logits up to rounding error

@@ -22,6 +22,9 @@ from pathlib import Path
 from quantmla.calibrate.config import MATMUL_PRECISIONS, METHODS, ROPE_WEIGHTINGS, CalibrationConfig
 from quantmla.models.names import MODEL_HELP
 
+ROPE_ROTATIONS = ("hadamard", "none")  # --rope-rotation
+ROTATION_SEED = 0  # the seed of the default post-RoPE Hadamard rotation
+
 
 def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -45,6 +48,11 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
         default="float32",
         help="dtype to load and save the model in",
     )
+    p.add_argument("--rope-rotation", choices=ROPE_ROTATIONS, default="hadamard",
+                   help="post-RoPE rotation of the cached RoPE key under its query-aware rounding: hadamard "
+                        "(default; a random-sign Hadamard matrix, seed 0, every layer: on SmolLM2-MLA at C4R4 it "
+                        "halves the rounding's KL, docs/calibrate.md) or none. Full precision is unchanged either "
+                        "way")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
     p.set_defaults(func=run_calibrate)
     return p
@@ -189,15 +197,35 @@ def run_calibrate(args) -> int:
     if args.corpus:
         qc["corpus"] = args.corpus
     out = Path(args.out)  # the report is written inside the checkpoint folder, which appears whole or not at all
-    moments = None  # the query-aware RoPE rounding of the calibrated model, from its own training sequences
+    moments = rotations = None  # the query-aware RoPE rounding of the calibrated model, from its own training text
     if fmt.rope is not None:
         from quantmla.calibrate.query_moments import query_moments
 
         moments = query_moments(model, tokens[: config.train_seqs, : config.seq_len], sink=config.sink,
                                 local=config.local, batch_size=config.batch_size,
                                 device=resolve_device(config.device))  # fmt: skip
-    save_fused(model, out, qc, force=args.force, tokenizer=tokenizer,
-               extra_json={"calibration_report.json": report.to_dict()}, rope_moments=moments)  # fmt: skip
+        rotations, qc["rope_rounding"] = rope_rotations(moments, args.rope_rotation)
+    rep = report.to_dict()
+    if "rope_rounding" in qc:
+        rep["rope_rounding"] = qc["rope_rounding"]
+    save_fused(model, out, qc, force=args.force, tokenizer=tokenizer, extra_json={"calibration_report.json": rep},
+               rope_moments=moments, rope_rotations=rotations,
+               rope_rounding_meta={k: v for k, v in qc.get("rope_rounding", {}).items() if k != "method"})  # fmt: skip
     print(out)
     print(json.dumps(report.summary()))
     return 0
+
+
+def rope_rotations(moments: dict, kind: str = "hadamard") -> tuple[dict | None, dict]:
+    """({layer: post-RoPE rotation} or None, the record of the rounding for ``quantmla.json``) for the layers of
+    ``moments``: ``kind`` hadamard = :func:`~quantmla.calibrate.query_moments.hadamard_rotation` of seed
+    :data:`ROTATION_SEED` in every layer, none = no rotation."""
+    from quantmla.calibrate.query_moments import hadamard_rotation
+
+    if kind not in ROPE_ROTATIONS:
+        raise ValueError(f"--rope-rotation {kind!r}: choose one of {', '.join(ROPE_ROTATIONS)}")
+    record = {"method": "query-aware", "rotation": None}
+    if kind == "none" or not moments:
+        return None, record
+    record["rotation"] = {"kind": "hadamard", "seed": ROTATION_SEED, "where": "after RoPE, at cache write and read"}
+    return {i: hadamard_rotation(m.shape[0], seed=ROTATION_SEED) for i, m in moments.items()}, record

@@ -177,12 +177,16 @@ def save_fused(
     tokenizer: Any = None,
     extra_json: dict[str, Any] | None = None,
     rope_moments: dict[int, Any] | None = None,
+    rope_rotations: dict[int, Any] | None = None,
+    rope_rounding_meta: dict | None = None,
 ) -> Path:
     """Save the (fused) model as a transformers checkpoint with ``quantmla.json`` inside; return the directory.
 
     ``extra_json`` (file name -> JSON-serializable object, e.g. ``{"calibration_report.json": report.to_dict()}``)
     is written into the same folder; ``rope_moments`` (cache layer -> query moment) as its query-aware RoPE rounding
-    (``quantmla_rope_rounding.st``, :mod:`quantmla.calibrate.query_moments`), which loading the folder attaches.
+    (``quantmla_rope_rounding.st``, :mod:`quantmla.calibrate.query_moments`), which loading the folder attaches;
+    ``rope_rotations`` (cache layer -> post-RoPE rotation, only beside a moment) go into the same file, and
+    ``rope_rounding_meta`` into its metadata (with the method).
     Everything goes to a temp folder first, a completion manifest last, then one
     rename (:func:`quantmla.artifacts.staged`): a failure or interrupt never leaves a half-written checkpoint at
     ``out_dir``, and without ``force`` an existing ``out_dir`` -- also one that appears while this runs -- is never
@@ -197,7 +201,9 @@ def save_fused(
     bad = [n for n in extra_json if os.path.basename(n) != n or n in (QUANT_CONFIG_NAME, "config.json")]
     if bad:
         raise ValueError(f"extra_json names must be plain file names other than config files, got {bad}")
-    json.dumps([quant_config, extra_json])  # fail before writing anything if they are not serializable
+    json.dumps([quant_config, extra_json, rope_rounding_meta])  # fail before writing anything if not serializable
+    if rope_rotations and not rope_moments:
+        raise ValueError("rope_rotations are stored with the query moments their rounding plans are fitted to")
     with staged(str(out), force=force, key={"kind": "fused", "method": quant_config.get("method")}) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -209,7 +215,8 @@ def save_fused(
         if rope_moments:
             from quantmla.calibrate.query_moments import save_rounding_file
 
-            save_rounding_file(tmp, rope_moments, {"method": quant_config.get("method")})
+            meta = {"method": quant_config.get("method"), **(rope_rounding_meta or {})}
+            save_rounding_file(tmp, rope_moments, meta, rotations=rope_rotations)
     return out
 
 
