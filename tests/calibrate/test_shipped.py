@@ -139,6 +139,74 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
     assert res["perplexity"] == pytest.approx(r.perplexity, rel=1e-6)  # same machine, same path: the same number
 
 
+def _rotation_of(meta: dict):
+    """What a transforms file's metadata records of a post-RoPE rotation (None: none)."""
+    return (meta.get("rope_rounding") or {}).get("rotation")
+
+
+def _shipped_with_rotation():
+    return [(m, f) for m, f in shipped.shipped_available() if _rotation_of(shipped.load_shipped(m, f)[1])]
+
+
+@pytest.mark.parametrize("model_name,fmt", shipped.shipped_available() or NONE_SHIPPED)
+def test_a_shipped_rotation_is_recorded_stored_for_every_layer_and_orthogonal(model_name, fmt):
+    """A shipped file carries ``layers.i.rope.post_rotation`` exactly where its metadata records a rotation: one per
+    layer with a query moment, fp32, orthogonal (``U U^T = I`` in float64), and its label and stored slice without
+    the rotation say so; a file without the record carries none."""
+    from quantmla.calibrate.query_moments import moments_in, rotations_in
+
+    tensors, meta = shipped.load_shipped(model_name, fmt)
+    rots, moments = rotations_in(tensors), moments_in(tensors)
+    if not _rotation_of(meta):
+        assert rots == {} and "eval_without_rotation" not in meta
+        return
+    assert sorted(rots) == sorted(moments) and len(rots) > 0
+    assert meta["label"].endswith("post-RoPE Hadamard rotation") and "eval_without_rotation" in meta
+    for i, u in rots.items():
+        assert tensors[f"layers.{i}.rope.post_rotation"].dtype == torch.float32
+        u = u.double()
+        torch.testing.assert_close(u @ u.T, torch.eye(u.shape[0], dtype=torch.float64), rtol=0, atol=1e-6)
+    if _rotation_of(meta)["kind"] == "hadamard":
+        from quantmla.calibrate.query_moments import hadamard_rotation
+
+        want = hadamard_rotation(next(iter(rots.values())).shape[0], seed=_rotation_of(meta)["seed"])
+        assert all(torch.equal(u, want) for u in rots.values())
+
+
+NONE_ROTATED = [pytest.param("-", "-", marks=pytest.mark.skip(reason="no shipped file records a rotation"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name,fmt", _shipped_with_rotation() or NONE_ROTATED)
+def test_a_shipped_rotation_is_attached_and_is_what_its_stored_evaluation_measured(model_name, fmt):
+    """Loading a file with a rotation by name gives every layer's rounding plan that rotation; folding the same file
+    without its rotation tensors measures the slice the file stores as ``eval_without_rotation`` -- another KL than
+    its ``eval`` (so ``test_shipped_transforms_reproduce_their_stored_evaluation`` fails if the rotation is lost)."""
+    from quantmla.cache.hf import rope_rounding_of
+    from quantmla.calibrate.query_moments import rotations_in
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.names import resolve_model
+
+    tensors, meta = shipped.load_shipped(model_name, fmt)
+    rots = rotations_in(tensors)
+    model, tok, _ = resolve_model(model_name)
+    ev, without = meta["eval"], meta["eval_without_rotation"]
+    ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
+    ref = reference_logprobs(model, ids, context=ev["context"])
+    shipped.apply_transforms(model, {k: v for k, v in tensors.items() if not k.endswith(".post_rotation")})
+    plans = rope_rounding_of(model)
+    assert all(p.rotation is None for p in plans)
+    r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
+    assert r.kl_to_reference == pytest.approx(without["kl"], rel=0.1)  # another machine's tolerance (see above)
+    assert abs(r.kl_to_reference - ev["kl"]) > 0.1 * ev["kl"]  # the rotation moves the slice's KL past it
+    rotated, _, _ = resolve_model(model_name)
+    shipped.apply_shipped(rotated, model_name, fmt)
+    plans = rope_rounding_of(rotated)
+    assert len(plans) == len(rots) and all(torch.equal(p.rotation, rots[i]) for i, p in enumerate(plans))
+
+
 def test_recipe_text_states_the_budget_and_a_non_paper_rope_objective():
     """The one-line recipe ``quantmla run`` prints beside the shipped numbers: the steps and tokens of the recipe, the
     paper's budget named as such only when every knob reaches it, and the RoPE objective named when it is not the
