@@ -46,9 +46,10 @@ class _NamedBarrier:
 class _Pipeline:
     def __init__(self, ntiles, early, mutation=None):
         self.ntiles, self.early, self.mutation = ntiles, early, mutation
+        self.split = early in ("split", "split_pub")  # QMLA_HM_EARLY 3 (split_pub: with QMLA_HM_SPLIT_PUB)
         self.full = [[Mbarrier(1) for _ in range(2)] for _ in range(5)]  # [group][buffer]; the producer = one
         # both consumers; "split": [buffer] consumer 0's half (groups 0-1), then [2 + buffer] consumer 1's (groups 2-4)
-        self.empty = [Mbarrier(1) for _ in range(4)] if early == "split" else [Mbarrier(2) for _ in range(2)]
+        self.empty = [Mbarrier(1) for _ in range(4)] if self.split else [Mbarrier(2) for _ in range(2)]
         self.pub = [_NamedBarrier(), _NamedBarrier()]
         self.tile = [None, None]  # the tile a buffer holds once its five groups landed
         self.writing = [False, False]
@@ -60,7 +61,7 @@ class _Pipeline:
         self.outputs = [[], []]  # the tiles each consumer's output product covered, in order
 
     def producer(self):
-        if self.early == "split":
+        if self.split:
             yield from self._producer_split()
             return
         for it in range(self.ntiles):
@@ -101,7 +102,7 @@ class _Pipeline:
 
     def _read(self, c, b, tile, groups=range(5)):
         def ok():  # split: the groups read hold the tile; else the whole buffer does
-            if self.early == "split":
+            if self.split:
                 return all(self.landed[b][g] == tile for g in groups)
             return not self.writing[b] and self.tile[b] == tile
 
@@ -164,7 +165,7 @@ class _Pipeline:
         for k in range((self.ntiles + 1) // 2):
             own, other = 2 * k + c < self.ntiles, 2 * k + 1 - c < self.ntiles
             mine, theirs = 2 * k + c, 2 * k + 1 - c
-            if self.early == "split":
+            if self.split:
                 half = 2 * c  # the empty barriers of this consumer's half: [half + buffer]
                 if c == 0:
                     yield from self._score(c, k)
@@ -180,6 +181,18 @@ class _Pipeline:
                         self._take(theirs)
                         yield from self._out(c, 1, theirs)
                     self.empty[1].arrive()
+                elif self.early == "split_pub":  # publish P(2k + 1), then the own output product
+                    if own:
+                        yield from self._score(c, k)
+                    yield from self._sync(0)
+                    self._take(theirs)
+                    if own:
+                        self._publish(mine)
+                        self.pub[1].arrive()
+                        yield from self._out(c, 1, mine)
+                    self.empty[half + 1].arrive()
+                    yield from self._out(c, 0, theirs)
+                    self.empty[half + 0].arrive()
                 else:
                     if own:
                         yield from self._score(c, k)
@@ -267,7 +280,8 @@ class _Pipeline:
         return self.outputs
 
 
-@pytest.mark.parametrize("early", [False, True, "pre", "split"], ids=["default", "early", "early_pre", "split"])
+@pytest.mark.parametrize("early", [False, True, "pre", "split", "split_pub"],
+                         ids=["default", "early", "early_pre", "split", "split_pub"])
 def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile(early):
     """Every schedule completes; nobody reads a buffer that is being written or refilled, nor takes a P that is not
     the one it waits for; each consumer's output product covers every tile of the split exactly once."""

@@ -54,6 +54,9 @@
                          // released by halves (consumer 0: groups 0-1 after its output product over them, consumer
                          // 1: groups 2-4 after its), so the producer refills the first half of a buffer while the
                          // second is still read (session 40; docs/kernels.md "Session 40")
+#ifndef QMLA_HM_SPLIT_PUB  // 1 (with EARLY 3): consumer 1 publishes its P before its own output product
+#define QMLA_HM_SPLIT_PUB 0
+#endif
 #ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 while it unpacks page it, into the registers each group has
 #define QMLA_HM_LDNEXT 1  // just been unpacked from (ptxas sinks the content loads to the tile's end, the scales stay
 #endif                    // spread; the default since session 38, with QREG 1.01-1.05x, H100); 0: at the page's start
@@ -377,6 +380,18 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
       }
       mbar_arrive(bar + empty_bar(1));
     } else {
+#if QMLA_HM_SPLIT_PUB  // consumer 1 publishes P(2k + 1) before its own output product: consumer 0 waits less for it,
+      if (own) score_own(k, pa);  // its half of buffer 1 is freed later
+      named_sync(kBarPub0, 2 * kWg);
+      take(rp, fo);
+      if (own) {
+        __syncwarp();
+        publish(pa);
+        named_arrive(kBarPub1, 2 * kWg);
+        out_tile(1, pa);
+      }
+      mbar_arrive(bar + empty_r_bar(1));
+#else
       if (own) {
         score_own(k, pa);
         out_tile(1, pa);
@@ -389,6 +404,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
         publish(pa);  // (in pa's frame: frame_other below may raise the maximum, after the publication)
         named_arrive(kBarPub1, 2 * kWg);
       }
+#endif
       frame_other(false, pa, rp, fo);
       out_tile(0, rp);
       mbar_arrive(bar + empty_r_bar(0));
