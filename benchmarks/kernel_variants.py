@@ -120,9 +120,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     # session 40, written offline: both consumers score their own tiles at once and each buffer is released by halves
     # (consumer 0 frees groups 0-1 after its output product over them, consumer 1 groups 2-4; consumer 1 multiplies
     # its own tile before it takes consumer 0's P): FlashMLA's order with the producer refilling half a buffer early.
-    # ptxas: 12 B of spills in the C4R4 asymmetric build at 80 / 208 registers (C1 holds both P's at once)
-    "hm_split": {"QMLA_HM_EARLY": 3},
-    "hm_split_pub": {"QMLA_HM_EARLY": 3, "QMLA_HM_SPLIT_PUB": 1},  # consumer 1 publishes before its own product
+    # ptxas: the producer's second buffer wait spills 12 B at 80 registers, none at 88 (88 + 2 x 208 = 504)
+    "hm_split": {"QMLA_HM_EARLY": 3, "QMLA_HM_REG_PRODUCER": 88},
+    "hm_split_pub": {"QMLA_HM_EARLY": 3, "QMLA_HM_SPLIT_PUB": 1, "QMLA_HM_REG_PRODUCER": 88},  # consumer 1
+    # publishes before its own output product
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
     # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py
