@@ -110,6 +110,8 @@ def main(argv=None) -> int:
         ap.error("--ship stores moments from the in-domain calibration split only: leave --moments-corpora out")
     tasks = [] if args.tasks == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    if args.ship and not args.force:
+        ap.error("--ship overwrites the shipped transforms files (src/quantmla/models/data): pass --force")
     if args.ship and args.device != "cpu":
         ap.error("--ship re-measures the shipped files' slice as the shipped test does (CPU, fp32): leave --device out")
     stem = result_stem(args.out, "rope_rounding", args.tag, args.force)

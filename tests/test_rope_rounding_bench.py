@@ -156,3 +156,9 @@ def test_ship_stores_the_rotated_rows_rotation_and_measures_the_slice_with_it(be
     assert "eval_without_rotation" not in m2 and m2["label"] == "tiny + query-aware RoPE rounding"
     assert m2["eval"]["kl"] == pytest.approx(m["eval_without_rotation"]["kl"], rel=1e-6)
     assert m2["eval_round_to_nearest"] == old
+
+
+def test_ship_refuses_to_overwrite_the_shipped_files_without_force(bench, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--ship", "--formats", "c4r4"])
+    assert e.value.code == 2 and "--force" in capsys.readouterr().err
