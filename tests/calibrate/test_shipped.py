@@ -4,6 +4,8 @@ the evaluation numbers stored inside them on their small slice."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from ckpt_util import save_sharded, tiny_calibration
@@ -180,8 +182,10 @@ NONE_ROTATED = [pytest.param("-", "-", marks=pytest.mark.skip(reason="no shipped
 @pytest.mark.parametrize("model_name,fmt", _shipped_with_rotation() or NONE_ROTATED)
 def test_a_shipped_rotation_is_attached_and_is_what_its_stored_evaluation_measured(model_name, fmt):
     """Loading a file with a rotation by name gives every layer's rounding plan that rotation; folding the same file
-    without its rotation tensors measures the slice the file stores as ``eval_without_rotation`` -- another KL than
-    its ``eval`` (so ``test_shipped_transforms_reproduce_their_stored_evaluation`` fails if the rotation is lost)."""
+    without its rotation tensors measures the slice the file stores as ``eval_without_rotation``, and on this
+    machine the rotation moves the slice's KL the way the stored numbers say (at C2R4 by only ~5%, inside another
+    machine's 10% tolerance of ``test_shipped_transforms_reproduce_their_stored_evaluation``: hence the same-machine
+    comparison)."""
     from quantmla.cache.hf import rope_rounding_of
     from quantmla.calibrate.query_moments import rotations_in
     from quantmla.data.corpus import token_stream
@@ -191,20 +195,24 @@ def test_a_shipped_rotation_is_attached_and_is_what_its_stored_evaluation_measur
 
     tensors, meta = shipped.load_shipped(model_name, fmt)
     rots = rotations_in(tensors)
-    model, tok, _ = resolve_model(model_name)
     ev, without = meta["eval"], meta["eval_without_rotation"]
+    base, tok, _ = resolve_model(model_name)
     ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
-    ref = reference_logprobs(model, ids, context=ev["context"])
-    shipped.apply_transforms(model, {k: v for k, v in tensors.items() if not k.endswith(".post_rotation")})
-    plans = rope_rounding_of(model)
-    assert all(p.rotation is None for p in plans)
-    r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
-    assert r.kl_to_reference == pytest.approx(without["kl"], rel=0.1)  # another machine's tolerance (see above)
-    assert abs(r.kl_to_reference - ev["kl"]) > 0.1 * ev["kl"]  # the rotation moves the slice's KL past it
-    rotated, _, _ = resolve_model(model_name)
+    ref = reference_logprobs(base, ids, context=ev["context"])
+
+    def slice_kl(model):
+        return perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref).kl_to_reference
+
+    rotated = copy.deepcopy(base)
     shipped.apply_shipped(rotated, model_name, fmt)
     plans = rope_rounding_of(rotated)
     assert len(plans) == len(rots) and all(torch.equal(p.rotation, rots[i]) for i, p in enumerate(plans))
+    shipped.apply_transforms(base, {k: v for k, v in tensors.items() if not k.endswith(".post_rotation")})
+    assert all(p.rotation is None for p in rope_rounding_of(base))
+    kl_rot, kl_plain = slice_kl(rotated), slice_kl(base)
+    assert kl_rot == pytest.approx(ev["kl"], rel=0.1) and kl_plain == pytest.approx(without["kl"], rel=0.1)
+    assert (kl_rot < kl_plain) == (ev["kl"] < without["kl"])  # the stored direction, on this machine
+    assert abs(kl_rot - kl_plain) > 0.02 * kl_plain  # and not by rounding noise: the rotation is live
 
 
 def test_recipe_text_states_the_budget_and_a_non_paper_rope_objective():

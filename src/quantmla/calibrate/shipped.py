@@ -4,7 +4,9 @@ A transforms file (safetensors) holds, per attention layer ``i``, the learned co
 ``layers.i.content.u`` [Dc], ``.q`` [Dc, Dc], ``.v`` [Dc] (``T = diag(u) Q diag(v)``) and the RoPE transform's
 ``layers.i.rope.log_s`` / ``.phi`` [Dr/2], in fp32 (a few MB for the embedded model), optionally the RoPE queries'
 second moment ``layers.i.rope.query_moment`` [Dr, Dr] (fp16, :mod:`quantmla.calibrate.query_moments`: folding
-attaches the layer's query-aware rounding plan, which every cache built for the model then uses), plus metadata (JSON
+attaches the layer's query-aware rounding plan, which every cache built for the model then uses) and beside it, where
+calibration chose one, a post-RoPE rotation of the key ``layers.i.rope.post_rotation`` [Dr, Dr] (fp32, orthogonal;
+the shipped files carry a Hadamard, recorded in ``rope_rounding.rotation``), plus metadata (JSON
 strings): ``format`` = ``quantmla-transforms``, ``version``, ``model`` (the built-in name it was calibrated on),
 ``base_key`` (that model's conversion key: a transforms file is never applied to another base), ``cache_format``,
 ``method``, ``calibration`` (the recipe), ``label`` (what budget / machine produced it) and ``eval``: evaluation
