@@ -36,6 +36,11 @@
 #     the producer's stores; the 128-byte swizzle changes nothing), hm_sw 1.00x (removed), hm_pre 0.96x
 #     (kernel_variants_h100_hm_s39.md). Still owed: `QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm`
 #     on an H200 (session 38's defaults there; hm vs ws at 32 heads), then `hm_mutation`.
+#     Session 40 built FlashMLA's order offline (`hm_split`: both consumers score at once, buffers released by halves;
+#     `hm_split_pub`; docs/kernels.md "Session 40"): time them first, with their GPU tests, in one call (~6 min):
+#     `HM_VARIANTS=base,hm_split,hm_split_pub QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm` (carry
+#     .fmbuild; the tracked tree is over the device tool's 64 MiB with the shipped transforms files: untrack
+#     src/quantmla/models/data/*.safetensors for the call -- `git rm --cached` + .git/info/exclude -- and restore after).
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
