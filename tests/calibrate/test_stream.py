@@ -1,6 +1,7 @@
 """Streamed calibration: block by block from the shards (plain and FP8 block-scaled) gives, bit for bit, the tensors
-the in-memory calibration of the same model changes; the delta applies in memory and merges into a checkpoint
-that transformers loads; an interrupted run resumes to the identical delta; mismatched bases are refused."""
+the in-memory calibration of the same model changes, and the merged folder the rounding file (query moments,
+post-RoPE rotations) `quantmla calibrate` writes; the delta applies in memory and merges into a checkpoint that
+transformers loads; an interrupted run resumes to the identical delta; mismatched bases are refused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from quantmla.calibrate import stream as stream_mod
 from quantmla.calibrate.checkpoint import CheckpointError, load_full_model
-from quantmla.calibrate.delta import apply_delta, load_delta, merge_checkpoint
+from quantmla.calibrate.delta import apply_delta, load_delta, load_delta_rounding, merge_checkpoint
 from quantmla.calibrate.stream import calibrate_streamed
 from quantmla.calibrate.trainer import calibrate_model
 from quantmla.mla.tiny import tiny_model
@@ -29,6 +30,32 @@ def _in_memory(model):
     return model.state_dict()
 
 
+def _calibrate_command(model, path, out, monkeypatch):
+    """`quantmla calibrate` on ``model`` (calibrated in place) with the shared format, config and tokens: the
+    in-memory path, fused folder and rounding file included."""
+    import argparse
+
+    import quantmla.quant.formats as formats
+    from quantmla.calibrate import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda d, dtype: (model, None))
+    monkeypatch.setattr(cli, "calibration_tokens", lambda tok, cfg, corpus: tiny_tokens())
+    monkeypatch.setattr(formats, "get_format", lambda name: FMT)
+    cfg = out.with_name("cfg.json")
+    cfg.write_text(json.dumps(CFG.to_dict()))
+    parser = argparse.ArgumentParser()
+    cli.add_calibrate_args(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calibrate", "--model", str(path), "--out", str(out), "--config", str(cfg)])
+    assert args.func(args) == 0
+    return model.state_dict()
+
+
+def _rounding_file(folder):
+    from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_KIND, ROUNDING_VERSION, load_tagged
+
+    return load_tagged(folder / ROUNDING_FILE, kind=ROUNDING_KIND, version=ROUNDING_VERSION, what="rounding file")
+
+
 def _assert_delta_matches(delta, fused, base):
     assert delta, "empty delta"
     for k, t in delta.items():
@@ -39,11 +66,11 @@ def _assert_delta_matches(delta, fused, base):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "longcat_flash"])
-def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path):
+def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path, monkeypatch):
     path = save_sharded(tiny_model(family, seed=2), tmp_path / "base")
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
-    fused = _in_memory(base)
+    fused = _calibrate_command(base, path, tmp_path / "fused", monkeypatch)
     out = tmp_path / "delta.safetensors"
     rep = calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32)
     delta, meta = load_delta(out)
@@ -58,6 +85,23 @@ def test_streamed_equals_in_memory_on_a_sharded_checkpoint(family, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
     for k in fused:
         assert torch.equal(fresh.state_dict()[k], fused[k]) and torch.equal(loaded[k], fused[k]), k
+    # the merged folder's rounding file is the fused folder's: the same post-RoPE rotations, bit for bit, and the
+    # same moments -- bit for bit where the layer's inputs are (block 0); later layers' inputs passed through folded
+    # weights in `calibrate`'s measuring pass but through the original ones in the stream's (equal in exact
+    # arithmetic), which moves a moment by at most one fp16 step
+    (want, want_meta), (got, got_meta) = _rounding_file(tmp_path / "fused"), _rounding_file(merged)
+    n_layers = len(meta["report"])
+    assert set(got) == set(want) and sum(k.endswith(".rope.post_rotation") for k in want) == n_layers
+    for k in want:
+        if k.endswith(".rope.post_rotation") or k.startswith("layers.0."):
+            assert torch.equal(got[k], want[k]), k
+        else:
+            torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2**-10, atol=2**-24, msg=k)
+    assert got_meta["rotation"] == want_meta["rotation"] and got_meta["rotation"]["kind"] == "hadamard"
+    assert got_meta["method"] == want_meta["method"] == "quantmla"
+    qc = json.loads((tmp_path / "fused" / "quantmla.json").read_text())
+    assert meta["rope_rounding"] == qc["rope_rounding"] == rep.rope_rounding
+    assert json.loads((merged / "quantmla_delta.json").read_text())["rope_rounding"] == qc["rope_rounding"]
     with pytest.raises(FileExistsError, match="force"):
         merge_checkpoint(path, out, merged)
     with pytest.raises(FileExistsError, match="force"):
@@ -142,6 +186,9 @@ def test_interrupted_run_resumes_to_the_identical_delta(tmp_path, monkeypatch):
     got, _ = load_delta(out)
     want, _ = load_delta(ref)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    got, want = load_delta_rounding(out), load_delta_rounding(ref)  # the moments and rotations `merge` writes
+    assert sum(k.endswith(".rope.post_rotation") for k in want) == 3
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_merge_refuses_a_delta_of_another_model(tmp_path):
@@ -173,12 +220,19 @@ def test_a_progress_from_before_the_rope_objective_option_names_the_way_back():
 
 
 def test_merge_carries_the_query_moments_and_drops_the_bases(tmp_path):
-    """The delta carries each layer's query moment (the transforms file's, bit for bit); `merge` writes them as the
-    merged folder's rounding file, which loading attaches; a base's own rounding file (fitted to the weights the
-    delta replaces) is not copied; a checkpoint tensor may not take the moments' name prefix."""
+    """The delta carries each layer's query moment and post-RoPE rotation (the transforms file's, bit for bit); `merge`
+    writes them as the merged folder's rounding file, which loading attaches; a base's own rounding file (fitted to
+    the weights the delta replaces) is not copied; a delta from before rotations were carried (moments only) merges
+    to a folder whose plans have none; a checkpoint tensor may not take the moments' name prefix."""
     from quantmla.cache.hf import rope_rounding_of
-    from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_PREFIX, load_delta_rounding, save_delta
-    from quantmla.calibrate.query_moments import load_saved_rope_rounding, moments_in, save_rounding_file
+    from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_PREFIX, save_delta
+    from quantmla.calibrate.query_moments import (
+        hadamard_rotation,
+        load_saved_rope_rounding,
+        moments_in,
+        rotations_in,
+        save_rounding_file,
+    )
     from quantmla.calibrate.shipped import load_transforms
     from quantmla.quant.rounding import fit_rope_rounding
 
@@ -187,17 +241,52 @@ def test_merge_carries_the_query_moments_and_drops_the_bases(tmp_path):
     out, tf = tmp_path / "delta.safetensors", tmp_path / "t.safetensors"
     calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32, transforms_out=tf)
     carried = load_delta_rounding(out)
-    want = {k: v for k, v in load_transforms(tf)[0].items() if k.endswith(".rope.query_moment")}
-    assert set(carried) == set(want) and len(want) == 2
+    tensors, tmeta = load_transforms(tf)
+    want = {k: v for k, v in tensors.items() if k.endswith((".rope.query_moment", ".rope.post_rotation"))}
+    assert set(carried) == set(want) and len(want) == 4
     assert all(torch.equal(carried[k], want[k]) for k in want)
+    assert tmeta["rope_rounding"] == load_delta(out)[1]["rope_rounding"]  # recorded in both files' metadata
     assert not any(k.startswith(ROUNDING_PREFIX) for k in load_delta(out)[0])  # the weights alone
     merged = merge_checkpoint(path, out, tmp_path / "merged")
     assert (merged / ROUNDING_FILE).is_file()
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert load_saved_rope_rounding(model, merged) == 2
     for i, plan in enumerate(rope_rounding_of(model)):
-        ref = fit_rope_rounding(moments_in(want)[i])
+        assert torch.equal(plan.rotation, hadamard_rotation(16, seed=0))
+        ref = fit_rope_rounding(moments_in(want)[i], rotation=rotations_in(want)[i])
         assert torch.equal(plan.order, ref.order) and torch.equal(plan.feedback, ref.feedback)
         assert not torch.equal(moments_in(want)[i], torch.eye(16))  # not the base's stale file
+
+    # a delta written before rotations were carried: its moments alone, no record
+    weights, meta = load_delta(out)
+    old = save_delta(tmp_path / "old.safetensors", weights, {k: v for k, v in meta.items() if k != "rope_rounding"},
+                     rounding={k: v for k, v in want.items() if k.endswith(".rope.query_moment")})  # fmt: skip
+    merged_old = merge_checkpoint(path, old, tmp_path / "merged_old")
+    model = AutoModelForCausalLM.from_pretrained(merged_old, dtype=torch.float32)
+    assert load_saved_rope_rounding(model, merged_old) == 2
+    for i, plan in enumerate(rope_rounding_of(model)):
+        ref = fit_rope_rounding(moments_in(want)[i])
+        assert plan.rotation is None and torch.equal(plan.order, ref.order) and torch.equal(plan.feedback, ref.feedback)
     with pytest.raises(ValueError, match="may not start with"):
         save_delta(tmp_path / "bad.safetensors", {ROUNDING_PREFIX + "x": torch.zeros(1)}, {})
+
+
+def test_rope_rotation_none_stores_none(tmp_path):
+    """``rope_rotation="none"``: the moments alone in the transforms file, the delta and the merged folder, recorded
+    as no rotation; an unknown kind is refused before any work."""
+    from quantmla.calibrate.query_moments import rotations_in, saved_moments, saved_rounding_plans
+    from quantmla.calibrate.shipped import load_transforms
+
+    path = save_sharded(tiny_model("deepseek_v2", seed=2), tmp_path / "base")
+    out, tf = tmp_path / "delta.safetensors", tmp_path / "t.safetensors"
+    with pytest.raises(ValueError, match="--rope-rotation 'qr'"):
+        calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32, rope_rotation="qr")
+    assert not out.exists() and not (tmp_path / "delta.safetensors.work").exists()
+    rep = calibrate_streamed(path, FMT, tiny_tokens(), CFG, out, dtype=torch.float32, transforms_out=tf,
+                             rope_rotation="none")  # fmt: skip
+    tensors, tmeta = load_transforms(tf)
+    record = {"method": "query-aware", "rotation": None}
+    assert rep.rope_rounding == tmeta["rope_rounding"] == load_delta(out)[1]["rope_rounding"] == record
+    assert rotations_in(tensors) == {} and rotations_in(load_delta_rounding(out)) == {}
+    merged = merge_checkpoint(path, out, tmp_path / "merged")
+    assert len(saved_moments(merged)) == 2 and all(p.rotation is None for p in saved_rounding_plans(merged).values())

@@ -58,6 +58,7 @@ def _resume(path, work, out_dir):
 
 def test_a_lost_bank_is_recomputed_to_the_identical_delta(reference, tmp_path):
     path, want_delta, want_tf = reference
+    assert sum(k.endswith(".rope.post_rotation") for k in want_tf) == 3  # compared below with the rest
     work = _interrupted(path, tmp_path, 2)
     (work / "bank.pt").unlink()
     got_delta, got_tf = _resume(path, work, tmp_path)

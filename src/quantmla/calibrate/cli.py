@@ -48,14 +48,19 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
         default="float32",
         help="dtype to load and save the model in",
     )
+    add_rope_rotation_flag(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def add_rope_rotation_flag(p: argparse.ArgumentParser) -> None:
+    """``--rope-rotation`` of ``calibrate`` and ``calibrate-stream`` (:func:`rope_rotations`)."""
     p.add_argument("--rope-rotation", choices=ROPE_ROTATIONS, default="hadamard",
                    help="post-RoPE rotation of the cached RoPE key under its query-aware rounding: hadamard "
                         "(default; a random-sign Hadamard matrix, seed 0, every layer: on SmolLM2-MLA at C4R4 it "
                         "halves the rounding's KL, docs/calibrate.md) or none. Full precision is unchanged either "
                         "way")  # fmt: skip
-    p.add_argument("--no-progress", action="store_true", help="no progress bars / lines")
-    p.set_defaults(func=run_calibrate)
-    return p
 
 
 def add_calibration_flags(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,11 @@ calibration ran in, in one safetensors file whose metadata records (JSON strings
 * ``base_digests``: per replaced tensor, the sha1 of the base bytes it replaces (FP8 scale included), so a delta
   is never merged into a model with the same shapes but other weights (DeepSeek-V3 vs V3-Base);
 * ``recipe``: cache format, method, calibration settings, dtype, calibration-token digest; ``report``: the
-  per-layer calibration report.
+  per-layer calibration report; ``rope_rounding`` (formats with a RoPE path): the record ``quantmla calibrate``
+  writes into ``quantmla.json`` (``{"method": "query-aware", "rotation": {...} or null}``).
+
+Beside the replaced tensors, under :data:`ROUNDING_PREFIX`, a delta carries each layer's query moment and post-RoPE
+rotation (where one was chosen), which :func:`merge_checkpoint` writes as the merged folder's :data:`ROUNDING_FILE`.
 
 :func:`apply_delta` overwrites the tensors of a loaded model in place; :func:`merge_checkpoint` writes a
 complete new checkpoint shard by shard (one shard in memory at a time): replaced tensors are substituted, the
@@ -47,7 +51,7 @@ DELTA_VERSION = 1
 # ".safetensors": vLLM loads every *.safetensors file of a folder without an index as weights)
 ROUNDING_FILE = "quantmla_rope_rounding.st"
 ROUNDING_KIND, ROUNDING_VERSION = "quantmla-rope-rounding", 1  # (quantmla.calibrate.query_moments reads it)
-ROUNDING_PREFIX = "quantmla_rope_rounding."  # a delta's query moments, by their rounding-file names after it
+ROUNDING_PREFIX = "quantmla_rope_rounding."  # a delta's moments / rotations, by their rounding-file names after it
 FOLDED_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "q_proj", "q_b_proj")
 
 
@@ -114,8 +118,9 @@ def load_tagged(path: str | os.PathLike, *, kind: str, version: int, what: str) 
 def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict, *, force: bool = False,
                rounding: dict[str, torch.Tensor] | None = None) -> Path:  # fmt: skip
     """Write a delta (tensors by checkpoint name + ``meta``). Refuses to overwrite an existing file unless ``force``.
-    ``rounding``: the layers' query moments by their rounding-file names (``layers.i.rope.query_moment``), stored
-    under :data:`ROUNDING_PREFIX` so that :func:`merge_checkpoint` writes them beside the merged weights."""
+    ``rounding``: the layers' query moments and post-RoPE rotations by their rounding-file names
+    (``layers.i.rope.query_moment``, ``layers.i.rope.post_rotation``), stored under :data:`ROUNDING_PREFIX` so that
+    :func:`merge_checkpoint` writes them beside the merged weights."""
     bad = [k for k in tensors if k.startswith(ROUNDING_PREFIX)]
     if bad:
         raise ValueError(f"{bad[0]!r}: checkpoint tensor names may not start with {ROUNDING_PREFIX!r}")
@@ -125,13 +130,14 @@ def save_delta(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: 
 
 def load_delta(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors, meta)`` of a delta written by :func:`save_delta` -- the checkpoint tensors it replaces, without
-    the query moments (:func:`load_delta_rounding`); raises on another kind of file."""
+    the query moments and rotations (:func:`load_delta_rounding`); raises on another kind of file."""
     tensors, meta = load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
     return {k: v for k, v in tensors.items() if not k.startswith(ROUNDING_PREFIX)}, meta
 
 
 def load_delta_rounding(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The query moments a delta carries, by their rounding-file names ({} for a delta without them)."""
+    """The query moments (and post-RoPE rotations) a delta carries, by their rounding-file names ({} for a delta
+    without them; a delta from before rotations were carried has moments only)."""
     tensors, _ = load_tagged(path, kind=DELTA_FORMAT, version=DELTA_VERSION, what="delta")
     return {k[len(ROUNDING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(ROUNDING_PREFIX)}
 
@@ -162,8 +168,9 @@ def merge_checkpoint(
 
     Checks first that the delta was made for this base (``base_key`` and the digest of every replaced tensor);
     refuses an existing ``out_dir`` unless ``force``; written through :func:`quantmla.artifacts.staged` (a temporary
-    sibling folder, sealed with a completion manifest, renamed into place). The query moments the delta carries
-    become the merged folder's :data:`ROUNDING_FILE` (its query-aware RoPE rounding, attached when it is loaded); a
+    sibling folder, sealed with a completion manifest, renamed into place). The query moments and post-RoPE
+    rotations the delta carries become the merged folder's :data:`ROUNDING_FILE` (its query-aware RoPE rounding,
+    attached when it is loaded; metadata ``method`` and ``rotation`` as ``quantmla calibrate`` writes them); a
     rounding file of the base is never copied (it was fitted to the weights the delta replaces)."""
     from safetensors.torch import save_file
 
@@ -217,8 +224,9 @@ def merge_checkpoint(
                                                                         ROUNDING_FILE):  # fmt: skip
                 shutil.copy2(f, tmp / f.name)
         if rounding:
-            save_tagged(tmp / ROUNDING_FILE, rounding, {"base_key": key["base_key"], "from": "delta"},
-                        kind=ROUNDING_KIND, version=ROUNDING_VERSION)  # fmt: skip
+            rmeta = {"base_key": key["base_key"], "from": "delta", "method": (meta.get("recipe") or {}).get("method"),
+                     "rotation": (meta.get("rope_rounding") or {}).get("rotation")}  # fmt: skip
+            save_tagged(tmp / ROUNDING_FILE, rounding, rmeta, kind=ROUNDING_KIND, version=ROUNDING_VERSION)
         if (base_dir / INDEX_NAME).exists():
             write_json(tmp_name, INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": new_map})
         cfg = dict(reader.config)

@@ -23,6 +23,12 @@ weights (exactly as the first pass did; bit for bit on the same device). A *thin
 transforms (:mod:`.stream_handover` packs a work directory that small, to move it to another machine); resuming
 folds them into the block's base weights again, so the delta equals an uninterrupted run's to the fp32 rounding of
 the transforms, and the transforms file is identical.
+
+The query-aware RoPE rounding travels with the result: every layer's query moment (measured in its block, after
+folding) and, by default, the post-RoPE rotation ``quantmla calibrate`` stores beside it (``rope_rotation``,
+:func:`quantmla.calibrate.cli.rope_rotations`), both in the transforms file and in the delta (which ``quantmla
+merge`` turns into the merged folder's rounding file). The rotation is added when the last block is done (it depends
+on no block's data), so it is no part of the recipe a resumed run must match.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from quantmla.calibrate.checkpoint import (
 from quantmla.calibrate.config import CalibrationConfig, recorded_rope_weighting
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
-from quantmla.calibrate.query_moments import layer_query_moment
+from quantmla.calibrate.query_moments import layer_query_moment, moments_in, rounding_file_tensors
 from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
 from quantmla.calibrate.trainer import LayerBanks, _check_policy_coverage, _token_bank, calibrate_attention
 from quantmla.mla.rope import cos_sin_from_position_embeddings
@@ -64,6 +70,7 @@ BANK = "bank.pt"
 STREAM_VERSION = 1
 TF_PREFIX = "quantmla.transforms."  # transforms' tensors inside the per-block parts
 THIN = "thin"  # part metadata: "1" = the block's transforms only (folded again on resume)
+ROUNDING_NAMES = (".rope.query_moment", ".rope.post_rotation")  # the transforms the delta carries into `merge`
 
 
 @dataclass
@@ -78,11 +85,12 @@ class StreamReport:
     block_bytes_max: int = 0
     seconds: float = 0.0
     resumed_blocks: int = 0
+    rope_rounding: dict | None = None  # the record quantmla.json gets from `quantmla calibrate` (None: no RoPE path)
 
     def to_dict(self) -> dict:
         return {"blocks": self.blocks, "layers": self.layers, "bank_bytes": self.bank_bytes,
                 "block_bytes_max": self.block_bytes_max, "seconds": self.seconds,
-                "resumed_blocks": self.resumed_blocks}  # fmt: skip
+                "resumed_blocks": self.resumed_blocks, "rope_rounding": self.rope_rounding}  # fmt: skip
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -180,6 +188,7 @@ def calibrate_streamed(
     keep_work: bool = False,
     transforms_out: str | os.PathLike | None = None,
     on_block_done: Callable[[int], None] | None = None,
+    rope_rotation: str = "hadamard",
 ) -> StreamReport:
     """Calibrate the checkpoint in ``model_dir`` block by block and write the delta to ``out``.
 
@@ -187,8 +196,13 @@ def calibrate_streamed(
     materialized and the blocks run in (BF16 for the big FP8 models; the in-memory equivalent is the model loaded
     in that dtype). ``resume``: continue an interrupted run from its work directory. ``force``: overwrite ``out``
     and discard a previous work directory. ``transforms_out``: also write the learned transforms (a small file,
-    :mod:`.shipped`). ``on_block_done(b)`` is called after block ``b`` is committed to disk.
+    :mod:`.shipped`). ``on_block_done(b)`` is called after block ``b`` is committed to disk. ``rope_rotation``:
+    hadamard (default) or none, the post-RoPE rotation stored beside each layer's query moment, in the transforms
+    file and the delta, and recorded in their metadata (``rope_rounding``) as ``quantmla calibrate`` does.
     """
+    from quantmla.calibrate.cli import rope_rotations
+
+    rope_rotations({}, rope_rotation)  # an unknown kind fails here, before any work
     config = config or CalibrationConfig()
     out = Path(out)
     if out.exists() and not force:
@@ -275,15 +289,21 @@ def calibrate_streamed(
             on_block_done(b)
     tensors, digests, layers = _assemble(work, len(blocks))
     transforms = {k[len(TF_PREFIX) :]: tensors.pop(k) for k in list(tensors) if k.startswith(TF_PREFIX)}
+    rotations, record = rope_rotations(moments_in(transforms), rope_rotation)  # as `quantmla calibrate` chooses
+    transforms.update(rounding_file_tensors({}, rotations))  # layers.i.rope.post_rotation beside each moment
     report.layers = layers
     report.seconds = time.time() - t_start
     meta = {"base_key": stamp["base_key"], "base_digests": digests, "recipe": recipe, "report": layers,
             "model_type": spec.model_type, "num_blocks": len(blocks)}
-    rounding = {k: v for k, v in transforms.items() if k.endswith(".rope.query_moment")}  # carried into `merge`
+    if fmt.rope is not None:
+        meta["rope_rounding"] = report.rope_rounding = record
+    rounding = {k: v for k, v in transforms.items() if k.endswith(ROUNDING_NAMES)}  # carried into `merge`
     save_delta(out, tensors, meta, force=force, rounding=rounding)
     if transforms_out is not None:
         tmeta = {"base_key": stamp["base_key"], "cache_format": recipe["cache_format"], "method": config.method,
                  "calibration": recipe["calibration"], "dtype": recipe["dtype"]}  # fmt: skip
+        if fmt.rope is not None:
+            tmeta["rope_rounding"] = record
         save_transforms(transforms_out, transforms, tmeta, force=force)
     if not keep_work:
         shutil.rmtree(work, ignore_errors=True)

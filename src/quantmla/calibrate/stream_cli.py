@@ -10,6 +10,8 @@ Usage::
 Calibration text: ``--tokens FILE`` (a ``torch.save``-d integer tensor [N, T], e.g. WikiText-2 tokenized with the
 model's own tokenizer elsewhere) or the model directory's tokenizer on ``--corpus`` (quantmla.data.corpus).
 An interrupted run continues with ``--resume`` (same arguments); ``--force`` starts over / overwrites ``--out``.
+``--rope-rotation`` (hadamard, default, or none) is ``quantmla calibrate``'s: the delta carries the rotation beside
+the query moments and ``merge`` writes both into the merged folder's rounding file.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ def add_stream_args(subparsers) -> None:
                    help="dtype the blocks are materialized in (default bfloat16)")
     p.add_argument("--transforms", default=None, help="also write the learned transforms (a small file, see docs)")
     p.add_argument("--report", default=None, help="also write the per-block costs and per-layer report (JSON)")
-    from quantmla.calibrate.cli import add_calibration_flags  # the calibration flags of `quantmla calibrate`
+    from quantmla.calibrate.cli import add_calibration_flags, add_rope_rotation_flag  # as `quantmla calibrate`
 
     p.add_argument("--preset", default=None, help="paper (default) or cpu-fast (reduced budget for small models)")
     p.add_argument("--config", default=None, help="JSON file of CalibrationConfig fields (flags below override)")
     p.add_argument("--method", default=None, help="quantmla (default), rtn, smoothquant, quarot")
     add_calibration_flags(p)
+    add_rope_rotation_flag(p)  # stored beside the query moments in --transforms and the delta (and so by `merge`)
     p.add_argument("--no-progress", action="store_true", help="no per-block progress lines")
     p.set_defaults(func=run_stream)
 
@@ -100,7 +103,8 @@ def run_stream(args) -> int:
     tokens = _tokens(args, config)
     rep = calibrate_streamed(args.model, args.format, tokens, config, args.out, work=args.work,
                              dtype=getattr(torch, args.dtype), resume=args.resume, force=args.force,
-                             keep_work=args.keep_work, transforms_out=args.transforms)  # fmt: skip
+                             keep_work=args.keep_work, transforms_out=args.transforms,
+                             rope_rotation=args.rope_rotation)  # fmt: skip
     if args.report:
         write_result(rep.to_dict(), args.report, force=args.force)
     print(args.out)
