@@ -14,6 +14,7 @@ from quantmla.calibrate.objectives import (
     mixed_attention_output,
     ste_fake_quantize,
 )
+from quantmla.calibrate.query_moments import query_moments
 from quantmla.calibrate.trainer import calibrate_model, warmup_cosine
 from quantmla.calibrate.transforms import ContentTransform
 from quantmla.mla.rope import cos_sin_from_position_embeddings
@@ -144,7 +145,7 @@ def test_learned_transforms_beat_identity_on_held_out_data():
     )
     with torch.no_grad():
         ref = model(tokens[:2]).logits
-    report = calibrate_model(model, FMT, tokens, cfg)
+    report = calibrate_model(model, FMT, tokens, cfg, query_moments=True)
     for layer in report.layers:
         for path in (layer.content, layer.rope):
             assert path["chosen"] == "learned" and path["init"] == "identity"
@@ -154,6 +155,13 @@ def test_learned_transforms_beat_identity_on_held_out_data():
     assert float((out - ref).norm() / ref.norm()) < 1e-5
     s = report.summary()
     assert s["content_val_chosen"] < s["content_val_identity"] and s["rope_val_chosen"] < s["rope_val_identity"]
+    # the moments measured inside the loop are those of a separate pass through the folded model (exact arithmetic:
+    # the same; here up to float rounding) and stay out of the report's JSON
+    again = query_moments(model, tokens[:16], sink=2, local=8)
+    assert set(report.query_moments) == set(again) == {0}
+    for i, h in again.items():
+        torch.testing.assert_close(report.query_moments[i], h, rtol=1e-4, atol=1e-6)
+    assert "query_moments" not in report.to_dict()
 
 
 def test_too_few_sequences_is_a_clear_error():

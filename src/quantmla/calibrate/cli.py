@@ -185,7 +185,6 @@ def run_calibrate(args) -> int:
         check_model_name(args.model)
     check_output(args.out, flag="--out", force=args.force, kind="dir")
 
-    from quantmla.calibrate.blocks import resolve_device
     from quantmla.calibrate.fuse import make_quant_config, save_fused
     from quantmla.calibrate.trainer import calibrate_model
     from quantmla.mla.spec import MLASpec
@@ -196,19 +195,16 @@ def run_calibrate(args) -> int:
         fmt.adapted(spec.kv_lora_rank, spec.qk_rope_head_dim).check_dims(spec.kv_lora_rank, spec.qk_rope_head_dim)
     with usage_errors():
         tokens = calibration_tokens(tokenizer, config, args.corpus)
-    report = calibrate_model(model, fmt, tokens, config)
+    # with the query moments of the calibrated model (query-aware RoPE rounding), from its own training inputs
+    report = calibrate_model(model, fmt, tokens, config, query_moments=True)
     qc = make_quant_config(fmt, config, method=config.method, report=report)
     qc["source_model"] = str(args.model)
     if args.corpus:
         qc["corpus"] = args.corpus
     out = Path(args.out)  # the report is written inside the checkpoint folder, which appears whole or not at all
-    moments = rotations = None  # the query-aware RoPE rounding of the calibrated model, from its own training text
-    if fmt.rope is not None:
-        from quantmla.calibrate.query_moments import query_moments
-
-        moments = query_moments(model, tokens[: config.train_seqs, : config.seq_len], sink=config.sink,
-                                local=config.local, batch_size=config.batch_size,
-                                device=resolve_device(config.device))  # fmt: skip
+    moments = report.query_moments or None
+    rotations = None
+    if moments:
         rotations, qc["rope_rounding"] = rope_rotations(moments, args.rope_rotation)
     rep = report.to_dict()
     if "rope_rounding" in qc:

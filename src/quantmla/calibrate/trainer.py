@@ -64,9 +64,11 @@ class CalibrationReport:
     seq_len: int
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
+    # {cache layer: H [Dr, Dr] fp32} when calibrate_model was asked for them (not part of the report's JSON)
+    query_moments: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "query_moments"}
 
     def summary(self) -> dict:
         """Mean validation NMSE per path: the identity (RTN) and the chosen transform."""
@@ -351,9 +353,15 @@ def calibrate_model(
     fmt: CacheFormat | str,
     calib_token_batches: torch.Tensor | Iterable[torch.Tensor],
     config: CalibrationConfig | None = None,
+    *,
+    query_moments: bool = False,
 ) -> CalibrationReport:
     """Calibrate every MLA attention layer of ``model`` for the cache format ``fmt`` and fold the transforms in
     place (the model's full-precision outputs are unchanged).
+
+    ``query_moments``: also measure each folded layer's query second moment on its training inputs (the moments
+    query-aware RoPE rounding is fitted to; :func:`~quantmla.calibrate.query_moments.layer_query_moment`) into
+    ``report.query_moments`` -- the same inputs, hence the same bits, as ``calibrate-stream`` measures them on.
 
     ``calib_token_batches``: token ids, one tensor [N, T] or an iterable of [b, T] tensors; the first
     ``config.train_seqs`` sequences form the training bank and the next ``config.val_seqs`` the validation bank.
@@ -378,6 +386,12 @@ def calibrate_model(
         content, rope, rep = calibrate_attention(attn, spec, fmt, banks, config, device, attn.layer_idx)
         fold_transforms(attn, spec, content, rope)
         report.layers.append(rep)
+        if query_moments and fmt.rope is not None:
+            from quantmla.calibrate.query_moments import layer_query_moment  # (it imports this module's neighbours)
+
+            report.query_moments[attn.layer_idx] = layer_query_moment(
+                attn, spec, x[:n_train], cos, sin, sink=config.sink, local=config.local, batch_size=config.batch_size
+            )
     model.train(was_training)
     report.seconds = time.time() - t_start
     return report
