@@ -128,6 +128,26 @@ def units(args) -> list[dict]:
     return out
 
 
+ROPE_ROUNDINGS = {  # --rope-rounding: how a transforms file's RoPE key is rounded in the evaluated cache
+    "nearest": (),  # round to nearest (the paper's; the table of 2026-12-04)
+    "query-aware": (".rope.query_moment",),  # the query-aware plan fitted to the stored query moment
+    "rotated": (".rope.query_moment", ".rope.post_rotation"),  # ... with the stored post-RoPE rotation
+}
+
+
+def rounding_tensors(tensors: dict, mode: str, path: str = "transforms") -> dict:
+    """``tensors`` without the RoPE-rounding entries ``mode`` does not use (every calibration stores the query
+    moments and the post-RoPE rotation; :func:`~quantmla.calibrate.shipped.apply_transforms` attaches what it finds).
+    Raises when ``mode`` needs entries the file lacks (one calibrated before them)."""
+    keep = ROPE_ROUNDINGS[mode]
+    drop = {suffix for m in ROPE_ROUNDINGS.values() for suffix in m} - set(keep)
+    for suffix in keep:
+        if not any(k.endswith(suffix) for k in tensors):
+            raise SystemExit(f"{path} has no {suffix.lstrip('.')} entries, which --rope-rounding {mode} needs: "
+                             "it was calibrated before they were stored; recalibrate it (another --tag)")  # fmt: skip
+    return {k: t for k, t in tensors.items() if not any(k.endswith(d) for d in drop)}
+
+
 def paths(args) -> tuple[str, str]:
     """(results stem, work folder)."""
     stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
@@ -156,6 +176,12 @@ class Runner:
                         r = json.load(f)
                     if len(r["units"]) > len(self.results["units"]):
                         self.results = r
+        had = self.results.get("rope_rounding", "nearest")  # (results from before the option: round to nearest)
+        if self.results["units"] and had != args.rope_rounding:
+            raise SystemExit(f"{self.stem}: its units were evaluated with --rope-rounding {had}, not "
+                             f"{args.rope_rounding}: pass --rope-rounding {had}, another --tag, "
+                             "or --force")  # fmt: skip
+        self.results["rope_rounding"] = args.rope_rounding
         os.makedirs(self.work, exist_ok=True)
         planned = {u["key"] for u in units(args)}
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
@@ -200,7 +226,7 @@ class Runner:
         m, tok = self.base_model(v)
         m = copy.deepcopy(m)
         if transforms:
-            apply_transforms(m, load_transforms(transforms)[0])
+            apply_transforms(m, rounding_tensors(load_transforms(transforms)[0], self.args.rope_rounding, transforms))
         return m.to(self.device), tok
 
     def reference(self, v: str, corpus: str):
@@ -415,6 +441,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ship", action="store_true", help="write the seed-0 QuantMLA transforms as shipped data")
     ap.add_argument("--ship-method", default="quantmla",
                     help="which QuantMLA label --ship ships (e.g. quantmla-attnw: the attention-weighted objective)")
+    ap.add_argument("--rope-rounding", choices=list(ROPE_ROUNDINGS), default="nearest",
+                    help="the RoPE key's rounding in every calibrated row: nearest (the paper's), query-aware (fitted "
+                         "to the stored query moments) or rotated (query-aware after the stored post-RoPE Hadamard "
+                         "rotation: what `quantmla calibrate` ships); one per --tag")
     ap.add_argument("--tag", default="paper")
     ap.add_argument("--results-dir", default=RESULTS)
     ap.add_argument("--ship-dir", default=SHIP_DIR)

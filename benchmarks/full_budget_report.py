@@ -50,6 +50,10 @@ def _fmt_seeds(vals: list[float], scale: float = 1.0, digits: int = 3) -> str:
     return f"{scale * m:.{digits}f} ± {scale * (max(vals) - min(vals)) / 2:.{digits}f}"
 
 
+ROUNDING_WORDS = {"nearest": "to nearest", "query-aware": "query-aware (fitted to the stored query moments)",
+                  "rotated": "query-aware after the stored post-RoPE Hadamard rotation"}
+
+
 def write(results: dict, stem: str, args) -> None:
     commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the device's tree has no .git
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()  # fmt: skip
@@ -60,8 +64,9 @@ def write(results: dict, stem: str, args) -> None:
     lines = [f"# QuantMLA at the {args.preset} calibration budget vs baselines, SmolLM2-MLA ({date}, commit {commit})",
              "", f"Device: {', '.join(devices)}. Command: `{args.command}`. Perplexity / KL (1e-3 nats/token) / top-1 "
              f"agreement with the full-precision model on {args.ppl_tokens} test tokens per corpus, windows of "
-             f"{args.ppl_context}, cache policy sink 4 / local 128; a row of several calibration seeds (its seeds "
-             f"column): mean ± half-range over them. "
+             f"{args.ppl_context}, cache policy sink 4 / local 128, RoPE key of the calibrated rows rounded "
+             f"{ROUNDING_WORDS[getattr(args, 'rope_rounding', 'nearest')]}; a row of several calibration seeds "
+             f"(its seeds column): mean ± half-range over them. "
              + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed {args.seeds[0]}."
                 if args.tasks else "No retrieval."),
              ""]  # fmt: skip

@@ -64,6 +64,8 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     _, meta2 = load_transforms(tmp_path / "ship2" / "smollm2-mla-quantmla-c4r4.safetensors")
     assert meta["calibration"]["rope_weighting"] == "uniform" and meta2["calibration"]["rope_weighting"] == "attention"
     assert meta2["eval"]["kl"] != meta["eval"]["kl"]  # another calibration's numbers, measured again
+    with pytest.raises(SystemExit, match="evaluated with --rope-rounding nearest"):  # one rounding per results file
+        fb.main([*args, "--resume", "--rope-rounding", "rotated"])
     with pytest.raises(SystemExit, match="only QuantMLA"):
         fb.main([*args, "--resume", "--ship-method", "rtn"])
     capsys.readouterr()
@@ -277,3 +279,17 @@ def test_retrieval_summary_sums_the_shared_cells_and_gives_the_difference_interv
     assert d == pytest.approx(100 * (p - q))
     assert w == pytest.approx(196 * math.sqrt(p * (1 - p) / 24 + q * (1 - q) / 24))
     assert retrieval_vs(ours, None) is None and retrieval_vs({"x@1": [1, 2]}, bf16) is None
+
+
+def test_rope_rounding_keeps_only_the_entries_its_mode_uses():
+    import torch
+
+    fb = _module()
+    t = {"layers.0.content.q": torch.eye(2), "layers.0.rope.query_moment": torch.eye(2),
+         "layers.0.rope.post_rotation": torch.eye(2)}  # fmt: skip
+    assert set(fb.rounding_tensors(t, "nearest")) == {"layers.0.content.q"}
+    assert set(fb.rounding_tensors(t, "query-aware")) == {"layers.0.content.q", "layers.0.rope.query_moment"}
+    assert fb.rounding_tensors(t, "rotated") == t
+    old = {k: v for k, v in t.items() if not k.endswith("post_rotation")}  # calibrated before rotations were stored
+    with pytest.raises(SystemExit, match="post_rotation.*rotated"):
+        fb.rounding_tensors(old, "rotated", "x.safetensors")
