@@ -41,6 +41,9 @@
 #     `HM_VARIANTS=base,hm_split,hm_split_pub QUANTMLA_COMMIT=<sha> bash benchmarks/gpu_next_calls.sh hm` (carry
 #     .fmbuild; the tracked tree is over the device tool's 64 MiB with the shipped transforms files: untrack
 #     src/quantmla/models/data/*.safetensors for the call -- `git rm --cached` + .git/info/exclude -- and restore after).
+#     Session 41: still not run (device starts refused ~10 times). Simpler than untracking: swap the five files for
+#     empty ones in the working tree for the call (index untouched; the kernel tests do not read them), then put
+#     them back.
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
