@@ -383,6 +383,12 @@ def ship(runner: Runner) -> list[str]:
                 print(f"not shipped: {src} is gone (rerun with --resume to recalibrate it)")
                 continue
             tensors, meta = load_transforms(src)
+            # shipped with the RoPE rounding the table evaluated (the slice below measures the same file)
+            tensors = rounding_tensors(tensors, args.rope_rounding, src)
+            if args.rope_rounding == "nearest":
+                meta.pop("rope_rounding", None)
+            elif args.rope_rounding == "query-aware" and meta.get("rope_rounding"):
+                meta["rope_rounding"] = {**meta["rope_rounding"], "rotation": None}
             model, tok, _ = resolve_model(VARIANTS[v])  # the small slice: CPU, fp32, like the test
             ids = token_stream(tok, SLICE["corpus"], "test", SLICE["tokens"])
             ref = reference_logprobs(model, ids, context=SLICE["context"])

@@ -45,6 +45,9 @@ def test_full_budget_cpu_smoke(tmp_path, capsys):
     from quantmla.calibrate.shipped import load_transforms
 
     tensors, meta = load_transforms(shipped)
+    # shipped as the table evaluated it (--rope-rounding nearest): no rounding entries, no rounding record
+    assert not any(k.endswith((".rope.query_moment", ".rope.post_rotation")) for k in tensors)
+    assert "rope_rounding" not in meta
     assert meta["eval"]["tokens"] == 1024 and meta["eval"]["kl"] > 0 and meta["label"].startswith("smoke budget")
     assert meta["calibration"]["seed"] == 0 and tensors
     before = len(keys)
