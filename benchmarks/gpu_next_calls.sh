@@ -56,6 +56,14 @@
 # (1c) issue 12: done in session 36 (H100, commit 263c850, 526 s after the three carry calls):
 #     allocate_smollm2_qa_sens_gpu.md -- allocated at C4R4's bytes KL 0.53 / 0.96 x 1e-3, retrieval 111 / 144 = BF16.
 #     The same recipe (kit, then `allocate_results.py --device cuda ...`) re-runs it after a sensitivity change.
+# (1d) issue 12, owed: retrieval and the 16K evaluation with the shipped rotation, on the GPU (the full-budget table's
+#     rotated row). The tree is over 64 MiB with the five shipped safetensors: empty all but
+#     smollm2-mla-quantmla-c4r4.safetensors for the calls (index untouched), `QUANTMLA_CARRY_LIMIT_BYTES` as the
+#     header of device_carry.sh says, `bash benchmarks/device_carry.sh prepare` + `check` (about three parts), the
+#     parts' calls back to back, then `source benchmarks/device_smollm2_setup.sh && python benchmarks/rope_rounding.py
+#     --device cuda --formats c4r4 --tokens 16384 --context 2048 --rotation hadamard --tasks
+#     niah_single_1,niah_single_2,passkey --tag smollm2_16k_rot_gpu --out $OUT --threads 8`. For the whole table
+#     instead: `full_budget.py --rope-rounding rotated --tag paper_rot ...` (recalibrates: the chunk recipe below).
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
