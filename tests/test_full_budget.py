@@ -148,6 +148,7 @@ def test_full_budget_hands_over_across_machines(tmp_path, monkeypatch, capsys):
     assert len(cal["result"]["blocks_s"]) == state["blocks"] == len(cal["result"]["blocks_phases_s"])
     assert cal["seconds"] >= sum(cal["result"]["blocks_s"]) >= cal["result"]["earlier_calls_s"] > 0
     tf_got, meta = load_transforms(out / "smollm2-mla-quantmla-c4r4.safetensors")
+    tf_want = fb.rounding_tensors(tf_want, "nearest")  # shipped with the rounding the table evaluated (the default)
     assert set(tf_got) == set(tf_want) and all(torch.equal(tf_got[k], tf_want[k]) for k in tf_want)
     assert meta["label"].startswith("smoke budget")
 
