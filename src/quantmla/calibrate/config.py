@@ -17,6 +17,8 @@ METHODS = ("quantmla", "rtn", "smoothquant", "quarot")
 CONTENT_INITS = ("best", "identity", "hadamard")
 ROPE_INITS = ("best", "identity")
 ROPE_WEIGHTINGS = ("uniform", "attention")
+ROPE_ROTATIONS = ("hadamard", "none")  # post-RoPE rotations a calibration can store (--rope-rotation)
+ROTATION_SEED = 0  # the seed of the default post-RoPE Hadamard rotation, every layer
 MATMUL_PRECISIONS = ("fp32", "tf32")
 CONFIG_VERSION = 1
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from quantmla.calibrate.blocks import iter_attention_inputs
+from quantmla.calibrate.config import ROPE_ROTATIONS, ROTATION_SEED
 from quantmla.calibrate.delta import ROUNDING_FILE, ROUNDING_KIND, ROUNDING_VERSION, load_tagged, save_tagged
 from quantmla.calibrate.objectives import attention_probs, layer_inputs
 from quantmla.mla.spec import MLASpec
@@ -86,6 +87,19 @@ def hadamard_rotation(d: int, seed: int = 0) -> torch.Tensor:
     from quantmla.calibrate.transforms import hadamard
 
     return hadamard(d, seed=seed).to(torch.float32)
+
+
+def rope_rotations(moments: dict, kind: str = "hadamard") -> tuple[dict | None, dict]:
+    """({layer: post-RoPE rotation} or None, the record of the rounding for ``quantmla.json``) for the layers of
+    ``moments``: ``kind`` hadamard = :func:`hadamard_rotation` of seed :data:`ROTATION_SEED` in every layer, none =
+    no rotation. Raises ``ValueError`` on another kind (also for empty ``moments``: check a kind before work)."""
+    if kind not in ROPE_ROTATIONS:
+        raise ValueError(f"--rope-rotation {kind!r}: choose one of {', '.join(ROPE_ROTATIONS)}")
+    record = {"method": "query-aware", "rotation": None}
+    if kind == "none" or not moments:
+        return None, record
+    record["rotation"] = {"kind": "hadamard", "seed": ROTATION_SEED, "where": "after RoPE, at cache write and read"}
+    return {i: hadamard_rotation(m.shape[0], seed=ROTATION_SEED) for i, m in moments.items()}, record
 
 
 def attach_rope_rounding(model: nn.Module, moments: dict[int, torch.Tensor],
@@ -173,6 +187,6 @@ def load_saved_rope_rounding(model: nn.Module, model_dir) -> int:
     return attach_rope_rounding(model, moments, rotations_in(tensors)) if moments else 0
 
 
-__all__ = ["MOMENT_KEY", "ROTATION_KEY", "ROUNDING_FILE", "attach_rope_rounding", "hadamard_rotation",
+__all__ = ["MOMENT_KEY", "ROTATION_KEY", "ROUNDING_FILE", "attach_rope_rounding", "hadamard_rotation", "rope_rotations",
            "layer_query_moment", "load_saved_rope_rounding", "moments_in", "query_moments", "rotations_in",
            "rounding_file_tensors", "save_rounding_file", "saved_moments", "saved_rounding_plans"]

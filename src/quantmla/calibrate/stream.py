@@ -26,7 +26,7 @@ the transforms, and the transforms file is identical.
 
 The query-aware RoPE rounding travels with the result: every layer's query moment (measured in its block, after
 folding) and, by default, the post-RoPE rotation ``quantmla calibrate`` stores beside it (``rope_rotation``,
-:func:`quantmla.calibrate.cli.rope_rotations`), both in the transforms file and in the delta (which ``quantmla
+:func:`quantmla.calibrate.query_moments.rope_rotations`), both in the transforms file and in the delta (which ``quantmla
 merge`` turns into the merged folder's rounding file). The rotation is added when the last block is done (it depends
 on no block's data), so it is no part of the recipe a resumed run must match.
 """
@@ -58,7 +58,7 @@ from quantmla.calibrate.checkpoint import (
 from quantmla.calibrate.config import CalibrationConfig, recorded_rope_weighting
 from quantmla.calibrate.delta import atomic_save_safetensors, folded_tensor_names, save_delta, tokens_digest
 from quantmla.calibrate.fuse import fold_transforms
-from quantmla.calibrate.query_moments import layer_query_moment, moments_in, rounding_file_tensors
+from quantmla.calibrate.query_moments import layer_query_moment, moments_in, rope_rotations, rounding_file_tensors
 from quantmla.calibrate.shipped import layer_transforms, save_transforms, transforms_tensors
 from quantmla.calibrate.trainer import LayerBanks, _check_policy_coverage, _token_bank, calibrate_attention
 from quantmla.mla.rope import cos_sin_from_position_embeddings
@@ -200,8 +200,6 @@ def calibrate_streamed(
     hadamard (default) or none, the post-RoPE rotation stored beside each layer's query moment, in the transforms
     file and the delta, and recorded in their metadata (``rope_rounding``) as ``quantmla calibrate`` does.
     """
-    from quantmla.calibrate.cli import rope_rotations
-
     rope_rotations({}, rope_rotation)  # an unknown kind fails here, before any work
     config = config or CalibrationConfig()
     out = Path(out)

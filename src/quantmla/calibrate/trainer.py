@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from quantmla.calibrate.objectives import (
     rope_objective,
     sample_queries,
 )
+from quantmla.calibrate.query_moments import layer_query_moment
 from quantmla.calibrate.transforms import ContentTransform, RopeTransform
 from quantmla.mla.spec import MLASpec
 from quantmla.mla.weights import MLALayerWeights, extract_layer_weights
@@ -68,7 +69,9 @@ class CalibrationReport:
     query_moments: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "query_moments"}
+        out = asdict(replace(self, query_moments={}))  # (asdict would deep-copy the moments)
+        del out["query_moments"]
+        return out
 
     def summary(self) -> dict:
         """Mean validation NMSE per path: the identity (RTN) and the chosen transform."""
@@ -387,8 +390,6 @@ def calibrate_model(
         fold_transforms(attn, spec, content, rope)
         report.layers.append(rep)
         if query_moments and fmt.rope is not None:
-            from quantmla.calibrate.query_moments import layer_query_moment  # (it imports this module's neighbours)
-
             report.query_moments[attn.layer_idx] = layer_query_moment(
                 attn, spec, x[:n_train], cos, sin, sink=config.sink, local=config.local, batch_size=config.batch_size
             )
