@@ -58,9 +58,9 @@ WS_AUTO_BITS = ((4, 4), (2, 4))  # past 16 heads auto takes ws (hm from 33 on) f
 HM_AUTO_MIN_HEADS = 33  # from 33 heads on auto takes hm for the formats in WS_AUTO_BITS (H100, 2026-12-06): C4R4
 # 1.30-1.52x FlashMLA BF16 at 64 heads and 0.71-0.79x at 128 (B32 x 32K / B8 x 128K, kernel_variants_h100_hm_s37b.md),
 # where ws gave 0.71-0.75x / 0.40-0.43x (decode_vs_flashmla_h100_hm_s37.md); C2R4 309-326 us at 64 heads, 575-633 at
-# 128 (_s37c.md; ws 558-591 / 1077-1146). At 32 heads ws stays (1.30-1.44x FlashMLA; hm's 64-head CTA costs there what
-# it costs at 64: ~1.3x, not measured side by side at 32 with today's hm). 33-63 heads cost hm what 64 do, while ws
-# runs two or more 32-head CTAs per page: hm from 33 on
+# 128 (_s37c.md; ws 558-591 / 1077-1146). At 32 heads ws stays for now: side by side (H100, 2026-12-07,
+# decode_vs_flashmla_h100_hm32_s42.md) hm is only 1-4% ahead for C4R4 and 5-7% for C2R4, and unmeasured there on the
+# H200. 33-63 heads cost hm what 64 do, while ws runs two or more 32-head CTAs per page: hm from 33 on
 _SOURCES = {
     "mma": ("decode_mla", None),
     "wgmma": ("decode_mla_sm90", "90a"),
