@@ -302,3 +302,58 @@ def test_worker_layers_take_their_model_layers_plans():
     bf = WorkerCache(ServeGeometry("c4r16", num_layers=1, block_size=P, kv_lora_rank=DC, rope_dim=DR), 2, "cpu",
                      rope_rounding=plans)  # fmt: skip
     assert bf.add_layer().rope_rounding is None
+
+
+def _attention64(q_lat, q_pe, c, k, scale):
+    """fp64 absorbed attention of a query ``[H, Dc]``, ``[H, Dr]`` over ``c [n, Dc]``, ``k [n, Dr]``: ``[H, Dc]``."""
+    s = (q_lat.double() @ c.double().T + q_pe.double() @ k.double().T) * scale
+    return torch.softmax(s, -1) @ c.double()
+
+
+@pytest.mark.parametrize("fmt", ["c4r4", "c2r4"])
+def test_a_layer_with_a_rotated_plan_serves_the_models_attention(fmt):
+    """A plan with a post-RoPE rotation ``U`` (what `quantmla calibrate` ships): the pages equal a PagedMLACache's
+    with the same plan, the gather gives the RoPE keys back in the model's coordinates, and decode and prefill --
+    given the model's own, unrotated queries -- equal fp64 attention over those keys (q U . k U = q . k)."""
+    from quantmla.calibrate.query_moments import hadamard_rotation
+    from quantmla.quant.rounding import fit_rope_rounding
+
+    a = torch.randn(DR, DR, generator=torch.Generator().manual_seed(4))
+    plan = fit_rope_rounding(a @ a.T, rotation=hadamard_rotation(DR, seed=0))
+    eng = Engine(fmt, layers=1)
+    eng.layers = [ServeLayer(eng.layout, 0, impl="torch", rope_rounding=plan)]
+    c, k = _tokens(48, 1, 6)
+    k[:, :, 5] += 12.0  # an outlier channel: stored rotated, it must come back
+    eng.step({"a": 20}, {"a": (c, k)})
+    bt, seq_lens = eng.step({"a": 28}, {"a": (c, k)})
+    ref = PagedMLACache(fmt, 1, 48 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY, shuffle=True, seed=3)
+    ref.set_rope_rounding(plan)
+    ref.write_reference(c[None, 0, :20], k[None, 0, :20])
+    ref.write_reference(c[None, 0, 20:48], k[None, 0, 20:48])
+    for i, blk in enumerate(eng.blocks["a"]):
+        assert torch.equal(eng.kv[0][blk], ref.pool[ref.table.pages(0)[i]]), f"page {i}"
+    layer = eng.layers[0]
+    c_got, k_got = layer.gather(eng.kv[0], eng.state, seq_lens, bt)
+    stored = ref.read_tokens(0)
+    assert torch.equal(c_got, stored[:, :DC])
+    torch.testing.assert_close(k_got.double(), stored[:, DC:].double() @ plan.rotation.double().T, rtol=0, atol=1e-5)
+    sink_local = torch.cat([torch.arange(POLICY.sink), torch.arange(48 - POLICY.local, 48)])
+    torch.testing.assert_close(k_got[sink_local], k[0, sink_local], rtol=0, atol=0.05)  # BF16 copies, turned back
+    g = torch.Generator().manual_seed(2)
+    q_lat, q_pe = torch.randn(1, H, DC, generator=g), torch.randn(1, H, DR, generator=g) * 2
+    o, _ = layer.decode(eng.kv[0], eng.state, q_lat, q_pe, seq_lens, bt, 0.1)
+    want = _attention64(q_lat[0], q_pe[0], c_got, k_got, 0.1)
+    torch.testing.assert_close(o[0].double(), want, rtol=1e-4, atol=1e-5)
+    # prefill of a second request: each query against fp64 attention over what its own position reads
+    toks = (c[:, :30].clone(), k[:, :30].clone())
+    bt, seq_lens = eng.step({"b": 30}, {"b": toks})
+    ql, qp = torch.randn(30, H, DC, generator=g), torch.randn(30, H, DR, generator=g) * 2
+    out = layer.prefill(eng.kv[0], eng.state, ql, qp, torch.tensor([0, 30]), seq_lens, bt, 0.1,
+                        recent=eng.last_recent[0])  # fmt: skip
+    for p in (0, 7, 18, 29):
+        one = PagedMLACache(fmt, 1, 30 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY)
+        one.set_rope_rounding(plan)
+        one.write_reference(toks[0][None, 0, : p + 1], toks[1][None, 0, : p + 1])
+        seen = one.read_tokens(0)
+        want = _attention64(ql[p], qp[p], seen[:, :DC], one.rope_key_out(seen[:, DC:]), 0.1)
+        torch.testing.assert_close(out[p].double(), want, rtol=1e-4, atol=1e-5, msg=f"{fmt} position {p}")

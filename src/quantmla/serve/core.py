@@ -128,13 +128,14 @@ class ServeLayer:
 
     def gather(self, kv_cache, state, seq_lens, block_table, first_row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantizing gather: every row's tokens as its newest token reads them (BF16 sink and local window,
-        dequantized packed copies otherwise), concatenated: ``c_kv [sum n, Dc]``, ``k_pe [sum n, Dr]`` fp32."""
+        dequantized packed copies otherwise), concatenated: ``c_kv [sum n, Dc]``, ``k_pe [sum n, Dr]`` fp32, the RoPE
+        key in the model's coordinates (a rounding plan's post-RoPE rotation undone, as the model's queries need)."""
         lens = [int(v) for v in seq_lens.tolist()]
         view = self.view(kv_cache, state, block_table, lens, lens, first_row)
         Dc = self.layout.kv_lora_rank
         rows = [view.read_tokens(b, n) for b, n in enumerate(lens)]
         full = torch.cat(rows) if rows else torch.empty(0, Dc + self.layout.rope_dim, device=kv_cache.device)
-        return full[:, :Dc], full[:, Dc:]
+        return full[:, :Dc], view.rope_key_out(full[:, Dc:])
 
     def prefill(self, kv_cache, state, q_lat, q_pe, query_start_loc, seq_lens, block_table, softmax_scale: float,
                 recent: torch.Tensor | None = None, first_row: int = 0):  # fmt: skip
