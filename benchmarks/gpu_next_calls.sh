@@ -44,6 +44,11 @@
 #     Session 41: still not run (device starts refused ~10 times). Simpler than untracking: swap the five files for
 #     empty ones in the working tree for the call (index untouched; the kernel tests do not read them), then put
 #     them back.
+#     Session 42 (H100; the checkout was fresh: `bash benchmarks/prepare_flashmla.sh` from the `fetch` mirrors, then the
+#     first call built FlashMLA from .flashmla in 135 s and returned the .so for .fmbuild): hm_split 0.90-0.95x base,
+#     hm_split_pub 0.93-0.95x (kernel_variants_h100_hm_s42.md; defaults unchanged; docs/kernels.md "Session 40"), and
+#     hm vs ws at 32 heads side by side: hm 1-4% ahead for C4R4, 5-7% for C2R4 (decode_vs_flashmla_h100_hm32_s42.md).
+#     Still owed: the same two on an H200 (`gpu_next_calls.sh hm` split: tests_hm + bench_hm are ~420 s together).
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
@@ -56,8 +61,11 @@
 # (1c) issue 12: done in session 36 (H100, commit 263c850, 526 s after the three carry calls):
 #     allocate_smollm2_qa_sens_gpu.md -- allocated at C4R4's bytes KL 0.53 / 0.96 x 1e-3, retrieval 111 / 144 = BF16.
 #     The same recipe (kit, then `allocate_results.py --device cuda ...`) re-runs it after a sensitivity change.
-# (1d) issue 12, owed: retrieval and the 16K evaluation with the shipped rotation, on the GPU (the full-budget table's
-#     rotated row). The tree is over 64 MiB with the five shipped safetensors: empty all but
+# (1d) issue 12: done in session 42 for C4R4 variant a (H100, rope_rounding_smollm2_16k_rot_gpu.md: KL 0.76 / 1.34,
+#     retrieval 110/144, BF16 111). One row with retrieval takes ~2.5 min on the GPU: split a longer run over calls with
+#     `--rows` (e.g. quantmla:rotated) and `--resume <the earlier call's json>` (rows of the same setting are kept).
+#     Still owed: the full-budget table's rotated rows (every seed, both variants: recalibrates, the chunk recipe of (2))
+#     and RTN + rotation on the GPU. As it was queued: The tree is over 64 MiB with the five shipped safetensors: empty all but
 #     smollm2-mla-quantmla-c4r4.safetensors for the calls (index untouched), `QUANTMLA_CARRY_LIMIT_BYTES` as the
 #     header of device_carry.sh says, `bash benchmarks/device_carry.sh prepare` + `check` (about three parts), the
 #     parts' calls back to back, then `source benchmarks/device_smollm2_setup.sh && python benchmarks/rope_rounding.py
