@@ -49,6 +49,8 @@
 #     hm_split_pub 0.93-0.95x (kernel_variants_h100_hm_s42.md; defaults unchanged; docs/kernels.md "Session 40"), and
 #     hm vs ws at 32 heads side by side: hm 1-4% ahead for C4R4, 5-7% for C2R4 (decode_vs_flashmla_h100_hm32_s42.md).
 #     Still owed: the same two on an H200 (`gpu_next_calls.sh hm` split: tests_hm + bench_hm are ~420 s together).
+#     The tree and a carry: `bash benchmarks/device_tree.sh hide [smollm2-mla-quantmla-c4r4.safetensors]` before the
+#     calls (the shipped files out of the tree, checksummed), `bash benchmarks/device_tree.sh restore` after.
 #     Re-run the skeleton after a change to it:
 #     `nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/hmt benchmarks/micro/hm_tile.cu && /tmp/hmt`.
 # (1) issue 12: done in session 32 -- the C4R4T / C2R4T transforms are paper-budget (H100) and shipped
