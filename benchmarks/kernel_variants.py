@@ -117,13 +117,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     # (benchmarks/micro/smem_operand_rate.cu: the layout does not change the products' rate)
     "hm_pre": {"QMLA_HM_PRE": 1},
     "hm_pf4": {"QMLA_HM_PREFETCH": 4},
-    # session 40, written offline: both consumers score their own tiles at once and each buffer is released by halves
-    # (consumer 0 frees groups 0-1 after its output product over them, consumer 1 groups 2-4; consumer 1 multiplies
-    # its own tile before it takes consumer 0's P): FlashMLA's order with the producer refilling half a buffer early.
-    # ptxas: the producer's second buffer wait spills 12 B at 80 registers, none at 88 (88 + 2 x 208 = 504)
-    "hm_split": {"QMLA_HM_EARLY": 3, "QMLA_HM_REG_PRODUCER": 88},
-    "hm_split_pub": {"QMLA_HM_EARLY": 3, "QMLA_HM_SPLIT_PUB": 1, "QMLA_HM_REG_PRODUCER": 88},  # consumer 1
-    # publishes before its own output product
+    # (session 40's hm_split / hm_split_pub -- FlashMLA's order, buffers released by halves -- measured 0.90-0.95x in
+    # session 42, kernel_variants_h100_hm_s42.md, and removed from the kernel)
     # the split merge in the page kernel (mla_fused_merge.cuh, written offline in session 29, not yet run on a GPU):
     # the last CTA of a (sequence, head group) merges its partials, no merge kernel (up to 16 slots per sequence);
     # the main loops' SASS moves by -19..+20 instructions (more UMOV: uniform registers), sass_loop.py

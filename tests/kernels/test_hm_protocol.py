@@ -2,9 +2,7 @@
 buffers, ten full[group][buffer] mbarriers, two empty[buffer] ones, one P buffer and two named barriers, in its
 consumer orders (the default: both output products, then both buffers released; ``QMLA_HM_EARLY``: products ordered
 by tile, each buffer released after its own; with ``QMLA_HM_PRE``, each consumer's next own tile's first score group
-issued before it waits for the other's P, and held until its next wgmma wait; ``QMLA_HM_EARLY 3``, "split": both
-consumers score their own tiles at once, consumer 1 multiplies its own tile before it takes consumer 0's P, and each
-buffer is released by halves -- groups 0-1 by consumer 0, groups 2-4 by consumer 1). The roles are the kernel's steps as
+issued before it waits for the other's P, and held until its next wgmma wait). The roles are the kernel's steps as
 generators (a yield = another role may run), interleaved at random, with the parities the kernel waits on. A model
 of the protocol, not of the SASS: it checks that the order written in the kernel cannot race or deadlock, and (the
 mutations) that it would notice."""
@@ -46,10 +44,8 @@ class _NamedBarrier:
 class _Pipeline:
     def __init__(self, ntiles, early, mutation=None):
         self.ntiles, self.early, self.mutation = ntiles, early, mutation
-        self.split = early in ("split", "split_pub")  # QMLA_HM_EARLY 3 (split_pub: with QMLA_HM_SPLIT_PUB)
         self.full = [[Mbarrier(1) for _ in range(2)] for _ in range(5)]  # [group][buffer]; the producer = one
-        # both consumers; "split": [buffer] consumer 0's half (groups 0-1), then [2 + buffer] consumer 1's (groups 2-4)
-        self.empty = [Mbarrier(1) for _ in range(4)] if self.split else [Mbarrier(2) for _ in range(2)]
+        self.empty = [Mbarrier(2) for _ in range(2)]  # [buffer]: both consumers
         self.pub = [_NamedBarrier(), _NamedBarrier()]
         self.tile = [None, None]  # the tile a buffer holds once its five groups landed
         self.writing = [False, False]
@@ -61,9 +57,6 @@ class _Pipeline:
         self.outputs = [[], []]  # the tiles each consumer's output product covered, in order
 
     def producer(self):
-        if self.split:
-            yield from self._producer_split()
-            return
         for it in range(self.ntiles):
             b = it & 1
             if it >= 2:
@@ -79,31 +72,12 @@ class _Pipeline:
                 self.full[g][b].arrive()
                 yield
 
-    def _producer_split(self):
-        """QMLA_HM_EARLY 3: groups 0-1 of a buffer after consumer 0's release, 2-4 after consumer 1's; a group is
-        unreadable (landed None) while it is written."""
-        for it in range(self.ntiles):
-            b = it & 1
-            for g in range(5):
-                if it >= 2 and g in (0, 2):
-                    while not self.empty[b + (2 if g else 0)].passes(_empty_parity(it)):
-                        yield
-                self._check_free(it, b, [g])
-                self.landed[b][g] = None
-                yield
-                self._check_free(it, b, [g])
-                self.landed[b][g], self.next_it = it, it + (g == 4)
-                self.full[g][b].arrive()
-                yield
-
     def _check_free(self, it, b, groups):
         busy = [r for r in self.readers[b] if set(r[1]) & set(groups)]
         assert not busy, f"tile {it} written into buffer {b} while {busy} read it"
 
     def _read(self, c, b, tile, groups=range(5)):
-        def ok():  # split: the groups read hold the tile; else the whole buffer does
-            if self.split:
-                return all(self.landed[b][g] == tile for g in groups)
+        def ok():  # the whole buffer holds the tile
             return not self.writing[b] and self.tile[b] == tile
 
         assert ok(), f"consumer {c} read buffer {b} for tile {tile}"
@@ -165,50 +139,7 @@ class _Pipeline:
         for k in range((self.ntiles + 1) // 2):
             own, other = 2 * k + c < self.ntiles, 2 * k + 1 - c < self.ntiles
             mine, theirs = 2 * k + c, 2 * k + 1 - c
-            if self.split:
-                half = 2 * c  # the empty barriers of this consumer's half: [half + buffer]
-                if c == 0:
-                    yield from self._score(c, k)
-                    self._publish(mine)
-                    self.pub[0].arrive()
-                    if m == "split_release_first":
-                        self.empty[0].arrive()
-                    yield from self._out(c, 0, mine)
-                    if m != "split_release_first":
-                        self.empty[0].arrive()
-                    if other:
-                        yield from self._sync(1)
-                        self._take(theirs)
-                        yield from self._out(c, 1, theirs)
-                    self.empty[1].arrive()
-                elif self.early == "split_pub":  # publish P(2k + 1), then the own output product
-                    if own:
-                        yield from self._score(c, k)
-                    yield from self._sync(0)
-                    self._take(theirs)
-                    if own:
-                        self._publish(mine)
-                        self.pub[1].arrive()
-                        yield from self._out(c, 1, mine)
-                    self.empty[half + 1].arrive()
-                    yield from self._out(c, 0, theirs)
-                    self.empty[half + 0].arrive()
-                else:
-                    if own:
-                        yield from self._score(c, k)
-                        yield from self._out(c, 1, mine)
-                    self.empty[half + 1].arrive()
-                    if m == "split_publish_before_take" and own:
-                        self._publish(mine)
-                        self.pub[1].arrive()
-                    yield from self._sync(0)
-                    self._take(theirs)
-                    if own and m != "split_publish_before_take":
-                        self._publish(mine)
-                        self.pub[1].arrive()
-                    yield from self._out(c, 0, theirs)
-                    self.empty[half + 0].arrive()
-            elif self.early:
+            if self.early:
                 if c == 0:
                     yield from self._score(c, k)
                     self._publish(mine)
@@ -280,8 +211,7 @@ class _Pipeline:
         return self.outputs
 
 
-@pytest.mark.parametrize("early", [False, True, "pre", "split", "split_pub"],
-                         ids=["default", "early", "early_pre", "split", "split_pub"])
+@pytest.mark.parametrize("early", [False, True, "pre"], ids=["default", "early", "early_pre"])
 def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile(early):
     """Every schedule completes; nobody reads a buffer that is being written or refilled, nor takes a P that is not
     the one it waits for; each consumer's output product covers every tile of the split exactly once."""
@@ -296,8 +226,6 @@ def test_hm_pipeline_has_no_race_or_deadlock_and_each_consumer_covers_every_tile
     (True, "release_first", "written into buffer|refilled while"),  # buffer 0 released before its output product
     (False, "publish_before_take", "overwrote P|took P of"),  # consumer 1 publishes before taking consumer 0's P
     ("pre", "pre_release_early", "written into buffer|refilled"),  # buffer 1 freed with a score group in flight
-    ("split", "split_release_first", "written into buffer|refilled while"),  # first half freed before its product
-    ("split", "split_publish_before_take", "overwrote P|took P of"),  # consumer 1 publishes before taking P(2k)
 ])  # fmt: skip
 def test_hm_protocol_model_notices_a_broken_order(early, mutation, error):
     """The model is not vacuous: an order that frees a buffer or the P buffer too early is caught in some schedule."""
@@ -314,7 +242,6 @@ int main() {
   for (int g = 0; g < 5; ++g)
     for (int b = 0; b < 2; ++b) printf("full %d %d %d\n", g, b, full_bar(g, b));
   for (int b = 0; b < 2; ++b) printf("empty %d %d\n", b, empty_bar(b));
-  for (int b = 0; b < 2; ++b) printf("empty_r %d %d\n", b, empty_r_bar(b));
   for (int k = 0; k < 64; ++k) printf("parity %d %d %d\n", k, full_parity(k), k >= 2 ? empty_parity(k) : -1);
   printf("smem %d %d\n", B_SM, SMEM);
 }
@@ -323,7 +250,7 @@ int main() {
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (a host program built from mla_hm.cuh; no GPU)")
 def test_the_kernel_waits_with_the_parities_the_model_runs(tmp_path):
-    """mla_hm.cuh's barrier offsets and wait parities, compiled into a host program: the fourteen mbarriers are distinct
+    """mla_hm.cuh's barrier offsets and wait parities, compiled into a host program: the twelve mbarriers are distinct
     8-byte slots inside the kernel's shared memory, and the parities are the ones the model above was run with."""
     (tmp_path / "b.cu").write_text(_HM_BARRIERS)
     r = subprocess.run([find_nvcc(), "-std=c++17", "-I", str(CSRC), "-o", str(tmp_path / "b"), str(tmp_path / "b.cu")],
@@ -331,9 +258,9 @@ def test_the_kernel_waits_with_the_parities_the_model_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     out = subprocess.run([str(tmp_path / "b")], capture_output=True, text=True, check=True).stdout.splitlines()
     rows = [line.split() for line in out if line]
-    slots = [int(r[-1]) for r in rows if r[0] in ("full", "empty", "empty_r")]
+    slots = [int(r[-1]) for r in rows if r[0] in ("full", "empty")]
     b_sm, smem = next((int(r[1]), int(r[2])) for r in rows if r[0] == "smem")
-    assert len(slots) == 14 and len(set(slots)) == 14 and all(s % 8 == 0 and b_sm + s + 8 <= smem for s in slots)
+    assert len(slots) == 12 and len(set(slots)) == 12 and all(s % 8 == 0 and b_sm + s + 8 <= smem for s in slots)
     for _, k, full, empty in (r for r in rows if r[0] == "parity"):
         k = int(k)
         assert int(full) == _full_parity(k)

@@ -49,14 +49,9 @@
 #endif
 #ifndef QMLA_HM_EARLY  // 1: a consumer releases each tile buffer as soon as its output product over that tile is done
 #define QMLA_HM_EARLY 1  // (products ordered by tile, so the producer refills buffer 0 while buffer 1 is still read;
-#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products;
-                         // 3: both consumers score their next own tiles at once (FlashMLA's order), the buffers
-                         // released by halves (consumer 0: groups 0-1 after its output product over them, consumer
-                         // 1: groups 2-4 after its), so the producer refills the first half of a buffer while the
-                         // second is still read (session 40; docs/kernels.md "Session 40")
-#ifndef QMLA_HM_SPLIT_PUB  // 1 (with EARLY 3): consumer 1 publishes its P before its own output product
-#define QMLA_HM_SPLIT_PUB 0
-#endif
+#endif                   // session 37: 1.13-1.20x); 0: both buffers released after both output products. (FlashMLA's
+                         // order -- both consumers score at once, buffers released by halves -- was built in session
+                         // 40 and measured 0.90-0.95x in session 42: removed; docs/kernels.md "Session 40")
 #ifndef QMLA_HM_LDNEXT  // 1: the producer loads page it + 1 while it unpacks page it, into the registers each group has
 #define QMLA_HM_LDNEXT 1  // just been unpacked from (ptxas sinks the content loads to the tile's end, the scales stay
 #endif                    // spread; the default since session 38, with QREG 1.01-1.05x, H100); 0: at the page's start
@@ -154,14 +149,11 @@ __device__ __forceinline__ void producer(uint8_t* smem, const Params& p, const i
       for (int g = 0; g < 5; ++g) load_meta(page, g);
     }
 #endif
-    if (it >= 2) mbar_wait(bar + empty_bar(b), empty_parity(it));  // (EARLY 3: consumer 0's half, groups 0-1)
+    if (it >= 2) mbar_wait(bar + empty_bar(b), empty_parity(it));
     const bool ok = pg * kPage + tok >= lo && pg * kPage + tok < hi;  // else zeros (the bytes may be NaN)
     const uint32_t row = s0 + T_SM + b * kTile + row_off;
 #pragma unroll
     for (int g = 0; g < 5; ++g) {
-#if QMLA_HM_EARLY == 3
-      if (g == 2 && it >= 2) mbar_wait(bar + empty_r_bar(b), empty_parity(it));  // consumer 1's half, groups 2-4
-#endif
       const __half2 s2 = __half2half2(ok ? sv[g] : __float2half(0.f));
       const __half2 o2 = __half2half2(ok ? ov[g] : __float2half(0.f));
       const uint32_t s2u = *reinterpret_cast<const uint32_t*>(&s2), o2u = *reinterpret_cast<const uint32_t*>(&o2);
@@ -359,57 +351,7 @@ __device__ __forceinline__ void consumer(uint8_t* smem, const Params& p, int e, 
     const bool own = 2 * k + c < ntiles, other = 2 * k + (1 - c) < ntiles;
     uint32_t pa[4][4], rp[4][4];  // the own P (own frame), the other's (its frame fo[], then the own)
     float fo[2] = {-INFINITY, -INFINITY};
-#if QMLA_HM_EARLY == 3
-    // both consumers score their own tiles at once (2k and 2k + 1); a buffer's first half (groups 0-1) is released by
-    // consumer 0 after its output product over it, the second (groups 2-4) by consumer 1. Consumer 0 as in EARLY 1:
-    // score 2k, publish, output product over buffer 0, take P(2k + 1), output product over buffer 1. Consumer 1:
-    // score 2k + 1, output product over buffer 1 with its own P (its half of buffer 1 free early), take P(2k), publish
-    // P(2k + 1) (a warp reads and writes only its own 16 rows of the P buffer and the frame: __syncwarp suffices),
-    // output product over buffer 0. Every product is waited for inside its branch (ptxas serializes wgmma otherwise)
-    if (c == 0) {
-      score_own(k, pa);  // (consumer 0 owns tile 2k whenever iteration k runs)
-      publish(pa);
-      named_arrive(kBarPub0, 2 * kWg);
-      out_tile(0, pa);
-      mbar_arrive(bar + empty_bar(0));
-      if (other) {
-        named_sync(kBarPub1, 2 * kWg);
-        take(rp, fo);
-        frame_other(false, pa, rp, fo);
-        out_tile(1, rp);
-      }
-      mbar_arrive(bar + empty_bar(1));
-    } else {
-#if QMLA_HM_SPLIT_PUB  // consumer 1 publishes P(2k + 1) before its own output product: consumer 0 waits less for it,
-      if (own) score_own(k, pa);  // its half of buffer 1 is freed later
-      named_sync(kBarPub0, 2 * kWg);
-      take(rp, fo);
-      if (own) {
-        __syncwarp();
-        publish(pa);
-        named_arrive(kBarPub1, 2 * kWg);
-        out_tile(1, pa);
-      }
-      mbar_arrive(bar + empty_r_bar(1));
-#else
-      if (own) {
-        score_own(k, pa);
-        out_tile(1, pa);
-      }
-      mbar_arrive(bar + empty_r_bar(1));
-      named_sync(kBarPub0, 2 * kWg);
-      take(rp, fo);
-      if (own) {
-        __syncwarp();
-        publish(pa);  // (in pa's frame: frame_other below may raise the maximum, after the publication)
-        named_arrive(kBarPub1, 2 * kWg);
-      }
-#endif
-      frame_other(false, pa, rp, fo);
-      out_tile(0, rp);
-      mbar_arrive(bar + empty_r_bar(0));
-    }
-#elif QMLA_HM_EARLY
+#if QMLA_HM_EARLY
     // products ordered by tile, each buffer released after its output product: consumer 0 scores tile 2k, publishes,
     // multiplies, releases buffer 0, then takes P(2k + 1) for buffer 1; consumer 1 takes P(2k) first, multiplies,
     // releases buffer 0, then scores, publishes and multiplies tile 2k + 1
@@ -544,12 +486,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel_hm(const Params p) 
   if (tid == 0) {
     for (int g = 0; g < 5; ++g)
       for (int bf = 0; bf < 2; ++bf) mbar_init(bar + full_bar(g, bf), kWg);  // full[group][buffer]: the producer
-#if QMLA_HM_EARLY == 3  // empty[buffer]: consumer 0's half, empty_r[buffer]: consumer 1's
-    for (int bf = 0; bf < 2; ++bf) mbar_init(bar + empty_bar(bf), kWg), mbar_init(bar + empty_r_bar(bf), kWg);
-#else
     mbar_init(bar + empty_bar(0), 2 * kWg);                                 // empty[buffer]: both consumers
     mbar_init(bar + empty_bar(1), 2 * kWg);
-#endif
     mbar_init_fence();
   }
   const int e = stage_q64(smem, p, b, h0);  // (its barriers publish the mbarrier inits too)

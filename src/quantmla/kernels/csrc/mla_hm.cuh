@@ -35,20 +35,17 @@ constexpr int Q_SM = 0;                  // q: fp16(bf16(q qk_scale) 2^-e), [72 
 constexpr int T_SM = Q_SM + kTile;       // [2] tiles of fp16 values s c + o (zeros outside [lo, hi))
 constexpr int P_SM = T_SM + 2 * kTile;   // the published P (fp16, in the publisher's frame) [8 token octets][64][8]
 constexpr int F_SM = P_SM + 8 * kOct;    // [64] floats: the publisher's running maximum per head; [16] scratch
-constexpr int B_SM = F_SM + kNH * 4 + 64;  // mbarriers: full[5 groups][2], empty[2], empty_r[2]
-constexpr int SMEM = B_SM + 14 * 8;
+constexpr int B_SM = F_SM + kNH * 4 + 64;  // mbarriers: full[5 groups][2], empty[2]
+constexpr int SMEM = B_SM + 12 * 8;
 static_assert(SMEM <= 227 * 1024, "shared memory");
 static_assert(T_SM % 1024 == 0 && P_SM % 1024 == 0 && B_SM % 8 == 0, "alignment");
 
 // The pipeline's mbarriers (offsets from B_SM) and the phase parities waited on: full[group][buffer] (the producer's
 // 128 threads) completes once per fill of the buffer, so consumer c waits for its tile 2k + c with parity k & 1;
 // empty[buffer] (both consumers' 256 threads) once per release, so the producer's tile `it` >= 2 (buffer it & 1) waits
-// for release (it >> 1) - 1. With QMLA_HM_EARLY 3 a buffer is released by halves: empty[buffer] then counts consumer
-// 0's 128 threads (groups 0-1: the channels of its output product) and empty_r[buffer] consumer 1's (groups 2-4), with
-// the same parities. tests/kernels/test_hm_protocol.py runs the protocol with these functions' values.
+// for release (it >> 1) - 1. tests/kernels/test_hm_protocol.py runs the protocol with these functions' values.
 __host__ __device__ constexpr int full_bar(int g, int b) { return 8 * (2 * g + b); }
 __host__ __device__ constexpr int empty_bar(int b) { return 80 + 8 * b; }
-__host__ __device__ constexpr int empty_r_bar(int b) { return 96 + 8 * b; }
 __host__ __device__ constexpr int full_parity(int k) { return k & 1; }
 __host__ __device__ constexpr int empty_parity(int it) { return ((it >> 1) - 1) & 1; }
 
