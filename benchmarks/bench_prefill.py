@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke run of this script)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default=None, help="default: h200 on the GPU, tiny with --tiny")
+    ap.add_argument("--tag", default=None, help="default: the GPU model that runs (h100, h200), tiny with --tiny")
     ap.add_argument("--force", action="store_true", help="overwrite existing results with this tag")
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"

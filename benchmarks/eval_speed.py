@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--local", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="tiny settings on the CPU (checks the script runs)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default=None, help="default: h200 on CUDA, smoke with --smoke")
+    ap.add_argument("--tag", default=None, help="default: the GPU model that runs (h100, h200), smoke with --smoke")
     ap.add_argument("--force", action="store_true")
     ap.add_argument(
         "--profile",
