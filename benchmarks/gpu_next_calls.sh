@@ -45,7 +45,9 @@
 #     empty ones in the working tree for the call (index untouched; the kernel tests do not read them), then put
 #     them back.
 #     Session 42 (H100; the checkout was fresh: `bash benchmarks/prepare_flashmla.sh` from the `fetch` mirrors, then the
-#     first call built FlashMLA from .flashmla in 135 s and returned the .so for .fmbuild): hm_split 0.90-0.95x base,
+#     first call built FlashMLA from .flashmla in 135 s and returned the .so for .fmbuild -- since then in one command:
+#     `kernel_variants.py run ... --flashmla .flashmla --flashmla-build /tmp/fmbuild` then `cp
+#     /tmp/fmbuild/flashmla_dense_bench.so $OUT/`, carry .flashmla): hm_split 0.90-0.95x base,
 #     hm_split_pub 0.93-0.95x (kernel_variants_h100_hm_s42.md; defaults unchanged; docs/kernels.md "Session 40"), and
 #     hm vs ws at 32 heads side by side: hm 1-4% ahead for C4R4, 5-7% for C2R4 (decode_vs_flashmla_h100_hm32_s42.md).
 #     Still owed: the same two on an H200 (`gpu_next_calls.sh hm` split: tests_hm + bench_hm are ~420 s together).

@@ -14,7 +14,10 @@ Each variant is a copy of the kernel sources with those macros defined at the to
                                                                    # --tests: the wgmma GPU tests per variant too)
 
 ``run`` writes ``DIR/kernel_variants_<T>.{json,md}`` (us per variant and shape, and the ratio to ``base``, every
-variant timed by the same script in its own process, one after the other on one GPU).
+variant timed by the same script in its own process, one after the other on one GPU). FlashMLA BF16 is timed in the
+first variant's run with ``--flashmla-prebuilt SO`` (an extension built before) or ``--flashmla DIR`` (a checkout from
+``benchmarks/prepare_flashmla.sh``, built there in ~2 min; ``--flashmla-build /tmp/fmbuild`` keeps the build where
+the extension ``flashmla_dense_bench.so`` can be copied out for later calls).
 """
 
 from __future__ import annotations
@@ -227,9 +230,23 @@ def tested_kernel(formats: str) -> str:
     return named.pop() if named else "wgmma"
 
 
+def flashmla_args(src: str | None, build: str | None, prebuilt: str | None) -> list[str]:
+    """bench_decode.py's FlashMLA arguments for the first variant's run: a checkout built there (``--flashmla DIR``,
+    its build in ``build``, default DIR's own folder), or an extension built before (``--flashmla-prebuilt``), or
+    none; both at once, or a build folder without a checkout, is a clear error."""
+    if src and prebuilt:
+        raise SystemExit("--flashmla and --flashmla-prebuilt: give one (a checkout to build, or its build)")
+    if build and not src:
+        raise SystemExit("--flashmla-build names where --flashmla DIR is built: give --flashmla too")
+    if src:
+        return ["--flashmla", src, *(["--flashmla-build", build] if build else [])]
+    return ["--flashmla-prebuilt", prebuilt] if prebuilt else []
+
+
 def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes: str, heads: str,
-        tests: bool = False, flashmla_prebuilt: str | None = None) -> None:  # fmt: skip
-    """bench_decode.py once per variant (same shapes, its own process); the table of all of them."""
+        tests: bool = False, fm_args: list[str] | tuple = ()) -> None:  # fmt: skip
+    """bench_decode.py once per variant (same shapes, its own process); the table of all of them. ``fm_args``
+    (:func:`flashmla_args`) go to the first variant's run: FlashMLA is timed there."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     descr: dict[str, str] = {}
@@ -240,8 +257,8 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
         vtag = f"variant_{tag}_{label(name)}"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--out", str(root), "--tag", vtag,
                "--formats", formats, "--shapes", shapes, "--heads", heads]  # fmt: skip
-        if flashmla_prebuilt and name == names[0]:  # FlashMLA's rows once, in the first variant's run
-            cmd += ["--flashmla-prebuilt", flashmla_prebuilt]
+        if fm_args and name == names[0]:  # FlashMLA's rows once, in the first variant's run
+            cmd += list(fm_args)
         print(f"== {label(name)}: {defines(name)}", flush=True)
         descr[label(name)] = defines(name)
         if is_ablation(name):
@@ -252,9 +269,9 @@ def run(names: list[str], root: Path, out: Path, tag: str, formats: str, shapes:
                                 tested_kernel(formats)], env=env, check=False)  # fmt: skip
             descr[label(name)] += f"; GPU tests {'passed' if t.returncode == 0 else 'FAILED'}"
         proc = subprocess.run(cmd, env=env, check=False)
-        if proc.returncode and "--flashmla-prebuilt" in cmd:  # e.g. the extension does not load here: without it
+        if proc.returncode and fm_args and name == names[0]:  # e.g. the extension does not build or load: without it
             print(f"{label(name)}: bench_decode failed with FlashMLA (rc {proc.returncode}); again without", flush=True)
-            proc = subprocess.run(cmd[: cmd.index("--flashmla-prebuilt")], env=env, check=False)
+            proc = subprocess.run(cmd[: len(cmd) - len(fm_args)], env=env, check=False)
         path = root / f"decode_vs_flashmla_{vtag}.json"
         if proc.returncode or not path.exists():
             print(f"{name}: bench_decode failed (rc {proc.returncode})", flush=True)
@@ -329,6 +346,11 @@ def main() -> None:
     ap.add_argument("--flashmla-prebuilt", default=None,
                     help="run: FlashMLA's extension (bench_decode.py --flashmla-prebuilt), timed in the first "
                          "variant's run: the table gains a FlashMLA column and ratios to it")  # fmt: skip
+    ap.add_argument("--flashmla", default=None, metavar="DIR",
+                    help="run: a FlashMLA checkout (benchmarks/prepare_flashmla.sh), built in the first variant's run "
+                         "instead of --flashmla-prebuilt; its extension lands in --flashmla-build (carry that as "
+                         ".fmbuild for later calls)")
+    ap.add_argument("--flashmla-build", default=None, metavar="DIR", help="run: where --flashmla is built")
     a = ap.parse_args()
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     root = Path(a.work)
@@ -336,7 +358,8 @@ def main() -> None:
     if a.what == "compile":
         compile_report(names, root)
     else:
-        run(names, root, Path(a.out), a.tag or gpu_tag(), a.formats, a.shapes, a.heads, a.tests, a.flashmla_prebuilt)
+        fm = flashmla_args(a.flashmla, a.flashmla_build, a.flashmla_prebuilt)
+        run(names, root, Path(a.out), a.tag or gpu_tag(), a.formats, a.shapes, a.heads, a.tests, fm)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,14 @@ def test_every_variant_names_macros_a_kernel_source_reads():
     for name, macros in kv.VARIANTS.items():
         for m in macros:
             assert f"#ifndef {m}" in texts or f"defined({m})" in texts or f"#if {m}" in texts, (name, m)
+
+
+def test_flashmla_is_built_from_a_checkout_or_loaded_prebuilt_never_both():
+    assert kv.flashmla_args(None, None, None) == []
+    assert kv.flashmla_args(None, None, ".fmbuild/x.so") == ["--flashmla-prebuilt", ".fmbuild/x.so"]
+    assert kv.flashmla_args(".flashmla", None, None) == ["--flashmla", ".flashmla"]
+    assert kv.flashmla_args(".flashmla", "/tmp/b", None) == ["--flashmla", ".flashmla", "--flashmla-build", "/tmp/b"]
+    with pytest.raises(SystemExit, match="give one"):
+        kv.flashmla_args(".flashmla", None, "x.so")
+    with pytest.raises(SystemExit, match="give --flashmla too"):
+        kv.flashmla_args(None, "/tmp/b", None)
