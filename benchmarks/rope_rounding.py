@@ -171,11 +171,16 @@ def main(argv=None) -> int:
     stem = result_stem(args.out, "rope_rounding", args.tag, args.force)
     from quantmla.calibrate.query_moments import query_moments
     from quantmla.calibrate.shipped import apply_transforms, load_shipped, shipped_path
+    from quantmla.eval.runtime import prepare_model
 
     formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
     shipped = {f: load_shipped("smollm2-mla", f) for f in formats}  # a missing file fails before anything long
     t0 = time.time()
     base, tok, corpora, data = scoring_data(args)
+    # the evaluation's form (absorbed attention) from the start: the first scored row would switch it on, and the
+    # query moments measured through it differ in the last float bits, so without this a run's numbers would depend
+    # on which rows (--rows / --resume) ran before
+    prepare_model(base)
     calib = calibration_bank(tok, mcorpora, args.calib_seqs, args.calib_len)
     moment_args = {"sink": 4, "local": 128, "query_stride": 4, "device": args.device}
     res = {"rows": [], "corpora": corpora, "tokens": args.tokens, "context": args.context,
@@ -189,8 +194,8 @@ def main(argv=None) -> int:
     for path in args.resume:
         done = {**resumed_rows(path, res), **done}
 
-    def runs(method, rounding) -> bool:
-        return wanted is None or (method, rounding) in wanted
+    def pending(method, fmt, rounding) -> bool:  # a row this run computes: asked for (--rows), not resumed
+        return (method, fmt, rounding) not in done and (wanted is None or (method, rounding) in wanted)
 
     def row(method, fmt, rounding, model):
         if (method, fmt, rounding) in done:
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
                   flush=True)
             write(res, stem, args)
             return
-        if not runs(method, rounding):
+        if not pending(method, fmt, rounding):
             return
         t = time.time()
         r = score(model, data, fmt, 4, 128, args.context)
@@ -210,35 +215,30 @@ def main(argv=None) -> int:
         print(json.dumps({**res["rows"][-1], "elapsed_s": round(time.time() - t0)}), flush=True)
         write(res, stem, args)
 
+    roundings = [r for r in ROW_NAMES.values() if r != ROTATED or args.rotation == "hadamard"]
+
+    def rounding_rows(method, fmt, model, moments):
+        """``method``'s rows of ``fmt``, one per rounding; the model's plans are set only for a row it computes."""
+        for r in roundings:
+            if pending(method, fmt, r):
+                set_rounding(model, None if r == "nearest" else moments, rotate=r == ROTATED)
+            row(method, fmt, r, model)
+
     row("BF16", "bf16", "-", base)
-    rtn_rows = [("RTN", f, r) for f in formats for r in ("query-aware", ROTATED)]
-    need_rtn = any(k not in done and runs(k[0], k[2]) for k in rtn_rows)
+    need_rtn = any(pending("RTN", f, r) for f in formats for r in roundings if r != "nearest")
     base_moments = query_moments(base, calib, **moment_args) if need_rtn else None
     for f in formats:
-        set_rounding(base, None)
-        row("RTN", f, "nearest", base)
-        set_rounding(base, base_moments)
-        row("RTN", f, "query-aware", base)
-        if args.rotation == "hadamard":
-            set_rounding(base, base_moments, rotate=True)
-            row("RTN", f, ROTATED, base)
+        rounding_rows("RTN", f, base, base_moments)
         tensors, meta = shipped[f]
         tensors = {k: v for k, v in tensors.items() if not k.endswith((".query_moment", ".post_rotation"))}
-        if not any(("QuantMLA", f, r) not in done and runs("QuantMLA", r) for r in ROW_NAMES.values()):
-            for r in ROW_NAMES.values():
-                row("QuantMLA", f, r, None)  # resumed rows only
-            continue
-        qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
-        set_rounding(qm, None)
-        apply_transforms(qm, tensors)
-        qm.to(args.device)
-        moments = query_moments(qm, calib, **moment_args)
-        row("QuantMLA", f, "nearest", qm)
-        set_rounding(qm, moments)
-        row("QuantMLA", f, "query-aware", qm)
-        if args.rotation == "hadamard":
-            set_rounding(qm, moments, rotate=True)
-            row("QuantMLA", f, ROTATED, qm)
+        qm = moments = None
+        if args.ship or any(pending("QuantMLA", f, r) for r in roundings):
+            qm = copy.deepcopy(base).cpu()  # folded on the CPU (as the shipped loader does), then run on the device
+            set_rounding(qm, None)
+            apply_transforms(qm, tensors)
+            qm.to(args.device)
+            moments = query_moments(qm, calib, **moment_args)
+        rounding_rows("QuantMLA", f, qm, moments)
         if args.ship:
             rotate = args.rotation == "hadamard" and rotation_helps(res["rows"], f, corpora)
             if args.rotation == "hadamard" and not rotate:
