@@ -78,9 +78,10 @@ def _tokens(n, layers=2, seed=0):
     return c.to(torch.bfloat16).float(), (torch.randn(layers, n, DR, generator=g) * 1.5).to(torch.bfloat16).float()
 
 
-def _reference(fmt, c, k, n, chunks):
-    """Ordinary PagedMLACache (batch 1) with the same tokens written in the same chunks."""
+def _reference(fmt, c, k, n, chunks, plan=None):
+    """Ordinary PagedMLACache (batch 1) with the same tokens written in the same chunks (RoPE rounding ``plan``)."""
     ref = PagedMLACache(fmt, 1, max(n, 1) + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY, shuffle=True, seed=3)
+    ref.set_rope_rounding(plan)
     at = 0
     for m in chunks:
         ref.write_reference(c[None, at : at + m], k[None, at : at + m])
@@ -273,10 +274,7 @@ def test_a_layer_with_a_rounding_plan_writes_what_the_cache_with_that_plan_write
     c, k = _tokens(48, 1, 5)
     eng.step({"a": 20}, {"a": (c, k)})
     eng.step({"a": 28}, {"a": (c, k)})
-    ref = PagedMLACache(fmt, 1, 48 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY, shuffle=True, seed=3)
-    ref.set_rope_rounding(plan)
-    ref.write_reference(c[None, 0, :20], k[None, 0, :20])
-    ref.write_reference(c[None, 0, 20:48], k[None, 0, 20:48])
+    ref = _reference(fmt, c[0], k[0], 48, [20, 28], plan)
     nearest = _reference(fmt, c[0], k[0], 48, [20, 28])
     pages = ref.table.pages(0)
     for i, blk in enumerate(eng.blocks["a"]):
@@ -326,10 +324,7 @@ def test_a_layer_with_a_rotated_plan_serves_the_models_attention(fmt):
     k[:, :, 5] += 12.0  # an outlier channel: stored rotated, it must come back
     eng.step({"a": 20}, {"a": (c, k)})
     bt, seq_lens = eng.step({"a": 28}, {"a": (c, k)})
-    ref = PagedMLACache(fmt, 1, 48 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY, shuffle=True, seed=3)
-    ref.set_rope_rounding(plan)
-    ref.write_reference(c[None, 0, :20], k[None, 0, :20])
-    ref.write_reference(c[None, 0, 20:48], k[None, 0, 20:48])
+    ref = _reference(fmt, c[0], k[0], 48, [20, 28], plan)
     for i, blk in enumerate(eng.blocks["a"]):
         assert torch.equal(eng.kv[0][blk], ref.pool[ref.table.pages(0)[i]]), f"page {i}"
     layer = eng.layers[0]
@@ -351,9 +346,7 @@ def test_a_layer_with_a_rotated_plan_serves_the_models_attention(fmt):
     out = layer.prefill(eng.kv[0], eng.state, ql, qp, torch.tensor([0, 30]), seq_lens, bt, 0.1,
                         recent=eng.last_recent[0])  # fmt: skip
     for p in (0, 7, 18, 29):
-        one = PagedMLACache(fmt, 1, 30 + P, kv_lora_rank=DC, rope_dim=DR, policy=POLICY)
-        one.set_rope_rounding(plan)
-        one.write_reference(toks[0][None, 0, : p + 1], toks[1][None, 0, : p + 1])
+        one = _reference(fmt, toks[0][0], toks[1][0], p + 1, [p + 1], plan)
         seen = one.read_tokens(0)
         want = _attention64(ql[p], qp[p], seen[:, :DC], one.rope_key_out(seen[:, DC:]), 0.1)
         torch.testing.assert_close(out[p].double(), want, rtol=1e-4, atol=1e-5, msg=f"{fmt} position {p}")
