@@ -155,7 +155,7 @@ def test_served_layers_round_the_rope_key_as_the_source_model(tmp_path, rotated)
         assert torch.equal(got["k_read"][packed], want[packed])
         assert not torch.equal(want[packed], nearest[packed])  # the plan changes codes: the check can tell them apart
     else:
-        step = scale.float().amax().item() * 0.5  # well under one code step of the key's scale
-        off = ((got["k_read"][packed] - want[packed]).abs() > 1e-3 * step).float().mean().item()
-        off_nearest = ((nearest[packed] - want[packed]).abs() > 1e-3 * step).float().mean().item()
+        tol = 1e-3 * scale.float().amax().item()  # a thousandth of the largest code step: float noise, not a code
+        off = ((got["k_read"][packed] - want[packed]).abs() > tol).float().mean().item()
+        off_nearest = ((nearest[packed] - want[packed]).abs() > tol).float().mean().item()
         assert off <= 0.01 and off_nearest > 10 * max(off, 1e-3), (off, off_nearest)
