@@ -58,6 +58,8 @@ GPU recipe (the lead), one chunk per device call until a call prints "all units 
    no longer fit one call.
 4. After the last chunk: ``cp <files_at>/fb/full_budget_paper.{json,md,png} benchmarks/results/`` and commit.
 
+Faster: N processes side by side on one GPU (``--shard I/N``, ``--merge-shards N``; ``full_budget_shards.py``).
+
 CPU stand-in for the shipped transforms (cpu-fast budget)::
 
     python benchmarks/full_budget.py --device cpu --preset cpu-fast --variants a --methods rtn,quantmla \\

@@ -17,6 +17,18 @@ time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<
 * ``python benchmarks/full_budget_shards.py --shards N [--threads-per-shard T] -- <full_budget.py arguments>``
   does it all on one machine: the models built once first (not N times at once), N processes (each one's output in
   ``<results-dir>/full_budget_<tag>.shardIofN.log``), then the merge; exit status 0 when every shard finished.
+
+GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2_setup.sh``), the results and the
+work folders kept on the machine between calls, everything that comes back in one archive::
+
+    source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> timeout 570 python
+      benchmarks/full_budget_shards.py --shards 6 -- --device cuda --budget-s 470 --resume --whole-units
+      --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw --seed-methods quantmla-attnw
+      --results-dir /root/keep/fbr --work /root/keep/fbr_work; tar czf $OUT/fbr.tgz -C /root/keep fbr
+
+A machine lost between calls loses the shards' unfinished calibrations (``--whole-units`` starts none it cannot
+finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive
+(copy its ``full_budget_<tag>*.json`` back into ``--results-dir`` and ``--resume``).
 """
 
 from __future__ import annotations
