@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -159,6 +160,15 @@ def main(argv=None) -> int:
             procs.append((i, log, subprocess.Popen(
                 [sys.executable, script, *rest, "--shard", f"{i}/{a.shards}", "--threads", str(threads)],
                 stdout=fh, stderr=subprocess.STDOUT)))  # fmt: skip
+
+    def stop(signum, _frame):  # a `timeout` or Ctrl-C stops the shards too, not only this launcher (each shard
+        for _, _, p in procs:  # keeps its finished units and, in a calibration, its finished blocks); no wait()
+            if p.returncode is None:  # here: the interrupted wait() below holds the Popen's lock (a deadlock)
+                p.send_signal(signal.SIGTERM)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     failed = []
     for i, log, p in procs:
         rc = p.wait()

