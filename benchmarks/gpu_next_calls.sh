@@ -76,6 +76,16 @@
 #     --device cuda --formats c4r4 --tokens 16384 --context 2048 --rotation hadamard --tasks
 #     niah_single_1,niah_single_2,passkey --tag smollm2_16k_rot_gpu --out $OUT --threads 8`. For the whole table
 #     instead: `full_budget.py --rope-rounding rotated --tag paper_rot ...` (recalibrates: the chunk recipe below).
+#     Session 43 (no device started all session: ~12 refusals, 1,100 s of the budget spent on them): the rotated table
+#     is ~77 min of sequential GPU work (12 attention-weighted calibrations ~210 s each -- ~180 s of it the 30 x 600
+#     optimizer steps at ~10 ms, host-bound -- plus 10 retrieval units ~185 s). New: `benchmarks/full_budget_shards.py`
+#     runs it in N processes on one GPU (its docstring has the recipe: 6 shards, results and work in /root/keep, one
+#     archive back); untested on a GPU. Kit in TWO calls: `bash benchmarks/device_tree.sh hide` (every shipped file)
+#     BEFORE `bash benchmarks/device_carry.sh prepare` -> two 46.6 MiB parts (58.8 MiB with the 12.2 MiB tree).
+#     First call: .gpucarry_1; second: .gpucarry_2 + the sharded run (`timeout 560`, `--budget-s 420`); then more
+#     calls of the same command (no carry) until the launcher prints every shard done; the merged
+#     full_budget_paper_rot.{json,md,png} to benchmarks/results. Its shards' seconds against full_budget_paper.json's
+#     (H200, sequential) say what the sharding bought.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
