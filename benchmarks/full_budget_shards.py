@@ -17,6 +17,8 @@ time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<
 * ``python benchmarks/full_budget_shards.py --shards N [--threads-per-shard T] -- <full_budget.py arguments>``
   does it all on one machine: the models built once first (not N times at once), N processes (each one's output in
   ``<results-dir>/full_budget_<tag>.shardIofN.log``), then the merge; exit status 0 when every shard finished.
+  Where ``nvidia-smi`` is, the GPU's utilization is sampled every 5 s meanwhile (``full_budget_<tag>.shardsN.gpu.csv``,
+  its median printed at the end): how much room N more processes would still find.
 
 GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2_setup.sh``), the results and the
 work folders kept on the machine between calls, everything that comes back in one archive::
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,6 +157,37 @@ def _option(args: list[str], name: str, default: str | None = None) -> str | Non
     return val
 
 
+GPU_LOG_FIELDS = "timestamp,utilization.gpu,memory.used"  # what start_gpu_log samples, every 5 s
+
+
+def start_gpu_log(path: str) -> subprocess.Popen | None:
+    """Sample the GPU's utilization and memory into ``path`` (CSV) while the shards run; None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    with open(path, "w") as fh:
+        return subprocess.Popen([exe, f"--query-gpu={GPU_LOG_FIELDS}", "--format=csv,noheader,nounits", "-l", "5"],
+                                stdout=fh, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def gpu_log_summary(path: str) -> str | None:
+    """"GPU busy 63% (median of 41 samples), 12.3 GiB peak" from a :func:`start_gpu_log` file (first GPU's rows);
+    None when it has no sample."""
+    util, mem = [], []
+    with open(path) as fh:
+        for line in fh:
+            f = [x.strip() for x in line.split(",")]
+            try:
+                util.append(float(f[1]))
+                mem.append(float(f[2]))
+            except (IndexError, ValueError):
+                continue
+    if not util:
+        return None
+    med = sorted(util)[len(util) // 2]
+    return f"GPU busy {med:.0f}% (median of {len(util)} samples, every 5 s), {max(mem) / 1024:.1f} GiB peak"
+
+
 def prepare_models(variants: list[str]) -> None:
     """Build the variants' model folders once, before N processes would each build them (safe, but N x the work)."""
     from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
@@ -185,6 +219,8 @@ def main(argv=None) -> int:
     prepare_models(variants)
     print(f"models ready in {time.time() - t0:.0f} s; {a.shards} shards, {threads} threads each", flush=True)
     script = os.path.join(HERE, "full_budget.py")
+    gpu_log = os.path.join(results_dir, f"full_budget_{tag}.shards{a.shards}.gpu.csv")
+    sampler = start_gpu_log(gpu_log)  # how busy the shards keep the GPU: what N more processes could still gain
     procs = []
     for i in range(a.shards):
         log = os.path.join(results_dir, f"full_budget_{tag}{shard_suffix(i, a.shards)}.log")
@@ -197,6 +233,8 @@ def main(argv=None) -> int:
         for _, _, p in procs:  # keeps its finished units and, in a calibration, its finished blocks); no wait()
             if p.returncode is None:  # here: the interrupted wait() below holds the Popen's lock (a deadlock)
                 p.send_signal(signal.SIGTERM)
+        if sampler is not None:
+            sampler.terminate()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
@@ -209,6 +247,10 @@ def main(argv=None) -> int:
         print(f"shard {i}/{a.shards}: exit {rc}, {time.time() - t0:.0f} s: {last[0]}", flush=True)
         if rc != 0 or "all units done" not in last[0]:
             failed.append(i)
+    if sampler is not None:
+        sampler.terminate()
+        sampler.wait()
+        print(f"{gpu_log}: {gpu_log_summary(gpu_log) or 'no sample'}", flush=True)
     merged = subprocess.run([sys.executable, script, *rest, "--merge-shards", str(a.shards)])
     if failed:
         print(f"shards {failed} did not finish (their logs say why): rerun the same command with --resume")

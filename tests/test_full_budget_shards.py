@@ -166,3 +166,23 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_gpu_log_samples_while_the_shards_run_and_summarizes(tmp_path, monkeypatch):
+    sh = _load("full_budget_shards")
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert sh.start_gpu_log(str(tmp_path / "x.csv")) is None  # no nvidia-smi: no log, no error
+    fake = tmp_path / "bin" / "nvidia-smi"  # prints what `--format=csv,noheader,nounits` prints, then exits
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho \"$@\" > \"${0%/*}/args\"\n"
+                    "printf '2026/12/07 10:00:00.000, 20, 1024\\n2026/12/07 10:00:05.000, 90, 3072\\n"
+                    "2026/12/07 10:00:10.000, 60, 2048\\n'\n")  # fmt: skip
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake.parent))
+    p = sh.start_gpu_log(str(tmp_path / "g.csv"))
+    assert p is not None and p.wait(timeout=10) == 0
+    assert "--query-gpu=timestamp,utilization.gpu,memory.used" in (fake.parent / "args").read_text()
+    assert sh.gpu_log_summary(str(tmp_path / "g.csv")) == (
+        "GPU busy 60% (median of 3 samples, every 5 s), 3.0 GiB peak")  # fmt: skip
+    (tmp_path / "empty.csv").write_text("garbage\n")
+    assert sh.gpu_log_summary(str(tmp_path / "empty.csv")) is None
