@@ -76,7 +76,7 @@
 #     --device cuda --formats c4r4 --tokens 16384 --context 2048 --rotation hadamard --tasks
 #     niah_single_1,niah_single_2,passkey --tag smollm2_16k_rot_gpu --out $OUT --threads 8`. For the whole table
 #     instead: `full_budget.py --rope-rounding rotated --tag paper_rot ...` (recalibrates: the chunk recipe below).
-#     Session 43 (no device started all session: ~12 refusals, 1,100 s of the budget spent on them): the rotated table
+#     Session 43 (no device started all session: every call refused, the whole 1,800 s spent on them): the rotated table
 #     is ~77 min of sequential GPU work (12 attention-weighted calibrations ~210 s each -- ~180 s of it the 30 x 600
 #     optimizer steps at ~10 ms, host-bound -- plus 10 retrieval units ~185 s). New: `benchmarks/full_budget_shards.py`
 #     runs it in N processes on one GPU (its docstring has the recipe: 6 shards, results and work in /root/keep, one
@@ -85,7 +85,9 @@
 #     First call: .gpucarry_1; second: .gpucarry_2 + the sharded run (`timeout 560`, `--budget-s 420`); then more
 #     calls of the same command (no carry) until the launcher prints every shard done; the merged
 #     full_budget_paper_rot.{json,md,png} to benchmarks/results. Its shards' seconds against full_budget_paper.json's
-#     (H200, sequential) say what the sharding bought.
+#     (H200, sequential) say what the sharding bought; its GPU log (full_budget_paper_rot.shards6.gpu.csv, the median
+#     printed) how much room more shards would find.
+#     Also owed from session 42, one call, no kit: issue 9's H200 run (see (0): hm vs ws at 32 heads, hm at 64 / 128).
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
