@@ -84,7 +84,7 @@ RESULTS = os.path.join(HERE, "results")
 SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
 sys.path.insert(0, HERE)
 import full_budget_shards as shards  # noqa: E402 - --shard / --merge-shards: N processes on one GPU
-from full_budget_report import METHODS, VARIANTS, write  # noqa: E402 - the methods compared, the tables and plot
+from full_budget_report import METHODS, VARIANTS, read_results, variant_dir, write  # noqa: E402 - the report
 from results_io import write_results  # noqa: E402 - temp file + rename
 from retrieval_cells import retrieval_counts  # noqa: E402 - the retrieval cells rope_rounding.py counts alike
 
@@ -129,7 +129,7 @@ def units(args) -> list[dict]:
                     out.append({**base, "key": f"{stem}/ppl", "kind": "ppl"})
                     if args.tasks and seed == args.seeds[0]:
                         out.append({**base, "key": f"{stem}/niah", "kind": "niah"})
-    return shards.select(out, *args.shard) if getattr(args, "shard", None) else out
+    return shards.select(out, *args.shard, DEFAULT_S) if getattr(args, "shard", None) else out
 
 
 ROPE_ROUNDINGS = {  # --rope-rounding: how a transforms file's RoPE key is rounded in the evaluated cache
@@ -174,14 +174,8 @@ class Runner:
         self._last_progress = time.time()
         if os.path.exists(self.stem + ".json") and not (args.resume or args.force):
             raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
-        if args.resume:  # the fuller of the results file and its mirror in the work folder (a device call's fresh
-            # working tree has lost the results file of the call before it; the work folder outside the tree has not)
-            for path in (self.stem + ".json", self.mirror):
-                if os.path.exists(path):
-                    with open(path) as f:
-                        r = json.load(f)
-                    if len(r["units"]) > len(self.results["units"]):
-                        self.results = r
+        if args.resume:
+            self.results = read_results(self.stem, self.work) or self.results
         had = self.results.get("rope_rounding", "nearest")  # (results from before the option: round to nearest)
         if self.results["units"] and had != args.rope_rounding:
             raise SystemExit(f"{self.stem}: its units were evaluated with --rope-rounding {had}, not "
@@ -211,11 +205,6 @@ class Runner:
                 and u["variant"] in a.variants and u["format"] in a.formats)  # never a (variant, format) not asked for
 
     # -- models ------------------------------------------------------------------------------------------------
-    def model_dir(self, v: str) -> str:
-        from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
-
-        return converted_model_dir("smollm2", ConvertConfig(variant="a")) if v == "a" else healed_model_dir()
-
     def base_model(self, v: str):
         """(model on the CPU, tokenizer) of a variant, loaded once."""
         from quantmla.models.names import resolve_model
@@ -275,7 +264,7 @@ class Runner:
             if self.over_budget():
                 raise OutOfBudget
 
-        rep = calibrate_streamed(self.model_dir(u["variant"]), u["format"], tokens, cfg, stem + ".delta.safetensors",
+        rep = calibrate_streamed(variant_dir(u["variant"]), u["format"], tokens, cfg, stem + ".delta.safetensors",
                                  work=stem + ".work", dtype=torch.float32, resume=True, force=True,
                                  transforms_out=out, on_block_done=check_budget)  # fmt: skip
         os.remove(stem + ".delta.safetensors")  # the transforms are the artifact; the delta is rebuilt from them
@@ -460,9 +449,7 @@ def main(argv=None) -> int:
     if args.merge_shards is not None:
         if args.shard or args.merge_shards < 1:
             raise SystemExit("--merge-shards N (N >= 1) merges every shard: leave --shard out")
-        k = argl.index("--merge-shards") if "--merge-shards" in argl else None
-        rest = argl[:k] + argl[k + 2 :] if k is not None else [a for a in argl if not a.startswith("--merge-shards")]
-        args.command = f"python benchmarks/full_budget_shards.py --shards {args.merge_shards} -- " + " ".join(rest)
+        args.command = shards.launcher_command(argl, args.merge_shards)  # what reproduces the merged table
     if args.threads:
         torch.set_num_threads(args.threads)
     for k in ("variants", "formats", "methods", "seed_methods", "corpora", "tasks"):

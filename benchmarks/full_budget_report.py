@@ -12,6 +12,27 @@ import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"a": "smollm2-mla", "b": "smollm2-mla-b-healed"}
+
+
+def variant_dir(v: str) -> str:
+    """A variant's model folder, built offline on first use (a: the conversion; b: the healed conversion)."""
+    from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+
+    return converted_model_dir("smollm2", ConvertConfig(variant="a")) if v == "a" else healed_model_dir()
+
+
+def read_results(stem: str, work: str) -> dict | None:
+    """The fuller (more units) of a run's results file ``<stem>.json`` and its mirror ``<work>/results.json`` (a
+    device call's fresh working tree has lost the results file of the call before it; the work folder outside the
+    tree has not); None when neither exists."""
+    out = None
+    for path in (stem + ".json", os.path.join(work, "results.json")):
+        if os.path.exists(path):
+            with open(path) as f:
+                r = json.load(f)
+            if out is None or len(r["units"]) > len(out["units"]):
+                out = r
+    return out
 METHODS = {  # label -> (CalibrationConfig.method, overrides); each QuantMLA label names its RoPE objective, so a
     # change of CalibrationConfig's default never changes what a label's rows (and a resumed tag's seeds) mean
     "rtn": ("rtn", {}),

@@ -7,8 +7,9 @@ time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<
 
 * :func:`assign` splits the units by *chain* -- the units of one (variant, format, method, seed): its calibration
   and the evaluations that read its transforms, which must run in one process and in that order; a variant's BF16
-  units form a chain too -- longest chain first onto the least loaded shard (estimated with ``full_budget``'s first
-  guesses per kind), deterministic, so every process computes the same split from the same arguments.
+  units form a chain too -- longest chain first onto the least loaded shard (weighed with ``full_budget.DEFAULT_S``,
+  the first guess of a unit's seconds per kind), deterministic, so every process computes the same split from the
+  same arguments.
 * ``full_budget.py --shard I/N`` runs shard I alone: its results file is ``full_budget_<tag>.shardIofN.json`` (and
   .md / .png), its work folder ``<work>/shardIofN``; ``--resume``, ``--budget-s``, ``--whole-units`` and the carry
   work per shard exactly as without shards.
@@ -36,7 +37,6 @@ finish by the longest one this shard has finished; the first is a guess); the fi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -45,7 +45,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GUESS_S = {"calib": 300.0, "ppl": 60.0, "niah": 240.0}  # full_budget.DEFAULT_S's first guesses (the split's weights)
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -64,12 +63,12 @@ def chain_of(unit: dict) -> str:
     return unit["key"].rsplit("/", 1)[0]
 
 
-def assign(units: list[dict], n: int) -> dict[str, int]:
-    """{chain: shard}: chains by estimated seconds, longest first (ties: the earlier in ``units``), each onto the
-    shard with the least estimated work so far (ties: the lowest index)."""
+def assign(units: list[dict], n: int, guess_s: dict[str, float]) -> dict[str, int]:
+    """{chain: shard}: chains by estimated seconds (``guess_s`` per unit kind), longest first (ties: the earlier in
+    ``units``), each onto the shard with the least estimated work so far (ties: the lowest index)."""
     cost: dict[str, float] = {}
     for u in units:
-        cost[chain_of(u)] = cost.get(chain_of(u), 0.0) + GUESS_S[u["kind"]]
+        cost[chain_of(u)] = cost.get(chain_of(u), 0.0) + guess_s[u["kind"]]
     order = sorted(cost, key=lambda c: -cost[c])  # sorted() is stable: equal costs keep the units' order
     load = [0.0] * n
     out = {}
@@ -80,9 +79,9 @@ def assign(units: list[dict], n: int) -> dict[str, int]:
     return out
 
 
-def select(units: list[dict], i: int, n: int) -> list[dict]:
+def select(units: list[dict], i: int, n: int, guess_s: dict[str, float]) -> list[dict]:
     """Shard ``i``'s units, in their priority order."""
-    where = assign(units, n)
+    where = assign(units, n, guess_s)
     return [u for u in units if where[chain_of(u)] == i]
 
 
@@ -124,19 +123,9 @@ def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -
 def merge_files(args, n: int, stem: str, work: str, planned: list[dict]) -> int:
     """``full_budget.py --merge-shards N``: read each shard's results (its results file or the mirror in its work
     folder, whichever holds more units), :func:`merge` them and write the unsharded run's table (``stem``)."""
-    from full_budget_report import write
+    from full_budget_report import read_results, write
 
-    found = []
-    for i in range(n):
-        s_stem, s_work = shard_paths(stem, getattr(args, "work", None), i, n)
-        fuller = None
-        for path in (s_stem + ".json", os.path.join(s_work, "results.json")):
-            if os.path.exists(path):
-                with open(path) as f:
-                    r = json.load(f)
-                if fuller is None or len(r["units"]) > len(fuller["units"]):
-                    fuller = r
-        found.append(fuller)
+    found = [read_results(*shard_paths(stem, args.work, i, n)) for i in range(n)]
     if not any(found):
         raise SystemExit(f"no shard results under {stem}.shard*of{n}.json (--shard I/{n} runs write them)")
     results = merge(found, planned, args.rope_rounding)
@@ -144,6 +133,13 @@ def merge_files(args, n: int, stem: str, work: str, planned: list[dict]) -> int:
     left = len(planned) - len(results["units"])
     print(f"merged {n} shards: {len(results['units'])} units" + (f", {left} left" if left else "") + f": {stem}.md")
     return 0
+
+
+def launcher_command(argl: list[str], n: int) -> str:
+    """The launcher's command line that reproduces a merge run with full_budget.py arguments ``argl``."""
+    rest = [a for k, a in enumerate(argl)
+            if not (a.startswith("--merge-shards") or (k and argl[k - 1] == "--merge-shards"))]  # fmt: skip
+    return f"python benchmarks/full_budget_shards.py --shards {n} -- " + " ".join(rest)
 
 
 def _option(args: list[str], name: str, default: str | None = None) -> str | None:
@@ -190,10 +186,10 @@ def gpu_log_summary(path: str) -> str | None:
 
 def prepare_models(variants: list[str]) -> None:
     """Build the variants' model folders once, before N processes would each build them (safe, but N x the work)."""
-    from quantmla.models.convert import ConvertConfig, converted_model_dir, healed_model_dir
+    from full_budget_report import variant_dir
 
     for v in variants:
-        converted_model_dir("smollm2", ConvertConfig(variant="a")) if v == "a" else healed_model_dir()
+        variant_dir(v)
 
 
 def main(argv=None) -> int:

@@ -50,7 +50,8 @@ def test_every_unit_runs_in_exactly_one_shard_with_its_chain_in_order(n):
     for i, p in enumerate(parts):
         for u in p:  # a calibration and the evaluations that read its transforms: one process
             assert home.setdefault(u["key"].rsplit("/", 1)[0], i) == i
-    assert sh.assign(every, n) == sh.assign(list(every), n)  # every process computes the same split
+    # every process computes the same split
+    assert sh.assign(every, n, fb.DEFAULT_S) == sh.assign(list(every), n, fb.DEFAULT_S)
     if n <= len(home):
         assert all(parts)  # no idle process while there are chains to give it
 
@@ -60,12 +61,13 @@ def test_the_split_balances_the_calibrations():
     sh = _load("full_budget_shards")
     every = fb.units(args)
     n = 4
-    loads = [sum(sh.GUESS_S[u["kind"]] for u in sh.select(every, i, n)) for i in range(n)]
-    longest = max(sum(sh.GUESS_S[u["kind"]] for u in every if u["key"].startswith(c + "/"))
+    g = fb.DEFAULT_S
+    loads = [sum(g[u["kind"]] for u in sh.select(every, i, n, g)) for i in range(n)]
+    longest = max(sum(g[u["kind"]] for u in every if u["key"].startswith(c + "/"))
                   for c in {sh.chain_of(u) for u in every})  # fmt: skip
     # greedy longest-first: no shard exceeds the mean by more than one chain
     assert max(loads) <= sum(loads) / n + longest
-    calibs = [sum(u["kind"] == "calib" for u in sh.select(every, i, n)) for i in range(n)]
+    calibs = [sum(u["kind"] == "calib" for u in sh.select(every, i, n, g)) for i in range(n)]
     assert max(calibs) - min(calibs) <= 1  # 12 calibrations: 3 per shard
 
 
