@@ -111,6 +111,12 @@ class OutOfBudget(Exception):
 
 
 def units(args) -> list[dict]:
+    """This run's units in priority order (a shard's own: ``--shard I/N``)."""
+    out = all_units(args)
+    return shards.select(out, *args.shard, DEFAULT_S) if getattr(args, "shard", None) else out
+
+
+def all_units(args) -> list[dict]:
     out = []
     for v in args.variants:
         out.append({"key": f"{v}/bf16/ppl", "kind": "ppl", "variant": v, "format": "bf16", "method": None, "seed": 0})
@@ -129,7 +135,7 @@ def units(args) -> list[dict]:
                     out.append({**base, "key": f"{stem}/ppl", "kind": "ppl"})
                     if args.tasks and seed == args.seeds[0]:
                         out.append({**base, "key": f"{stem}/niah", "kind": "niah"})
-    return shards.select(out, *args.shard, DEFAULT_S) if getattr(args, "shard", None) else out
+    return out
 
 
 ROPE_ROUNDINGS = {  # --rope-rounding: how a transforms file's RoPE key is rounded in the evaluated cache
@@ -184,6 +190,9 @@ class Runner:
         self.results["rope_rounding"] = args.rope_rounding
         os.makedirs(self.work, exist_ok=True)
         planned = {u["key"] for u in units(args)}
+        reused = getattr(args, "reused", {})  # --reuse: BF16 / RTN units of an earlier run
+        self.reused = [u["key"] for u in units(args) if u["key"] in reused and u["key"] not in self.results["units"]]
+        self.results["units"].update({k: reused[k] for k in self.reused})
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
@@ -303,6 +312,8 @@ class Runner:
                                 self.device.type == "cuda")  # fmt: skip
 
     def run(self) -> bool:
+        if self.reused:  # written now: a shard with nothing else to do still hands them to the merge
+            self.save()
         todo = [u for u in units(self.args) if u["key"] not in self.results["units"]]
         for u in todo:
             left = self.args.budget_s - (time.time() - self.t0)
@@ -327,11 +338,15 @@ class Runner:
             self.results["units"][u["key"]] = {**u, "result": res, "seconds": took,
                                                "device": _device_name(self.device)}  # fmt: skip
             print(json.dumps({"unit": u["key"], "seconds": round(took, 1)}), flush=True)
-            write(self.results, self.stem, self.args)
-            write_results(self.mirror[: -len(".json")], {".json": json.dumps(self.results)})
+            self.save()
             if self.on_progress is not None:
                 self.on_progress()
         return True
+
+
+    def save(self) -> None:
+        write(self.results, self.stem, self.args)
+        write_results(self.mirror[: -len(".json")], {".json": json.dumps(self.results)})
 
 
 def _device_name(device) -> str:
@@ -439,6 +454,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--carry-in", default=None, help="state of an earlier device call (its --carry-out folder)")
     ap.add_argument("--carry-out", default=None, help="write what the next call needs here (e.g. $OUT/fb)")
+    ap.add_argument("--reuse", default=None, metavar="FILE", help="BF16 / RTN units of an earlier results file "
+                    "of the same evaluation settings and device (benchmarks/full_budget_reuse.py)")
     ap.add_argument("--shard", default=None, help="I/N: run shard I of N only (benchmarks/full_budget_shards.py)")
     ap.add_argument("--merge-shards", type=int, default=None, metavar="N",
                     help="compute nothing: write the table of the N shards' results (same other arguments)")
@@ -464,6 +481,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ship-method {args.ship_method!r}: only QuantMLA transforms ship; one of {shippable}")
     if args.ship and args.ship_method not in args.methods:
         raise SystemExit(f"--ship-method {args.ship_method!r} is not among --methods {args.methods}: add it")
+    args.reused = {}
+    if args.reuse and args.merge_shards is None:  # (the merge takes them from the shards' files)
+        from full_budget_reuse import reusable_units
+
+        args.reused = reusable_units(args.reuse, args, all_units(args), _device_name(torch.device(args.device)))
     if args.merge_shards is not None:  # computes nothing: the shards' results as one table
         return shards.merge_files(args, args.merge_shards, *paths(args), units(args))
     from quantmla.data.corpus import load_split

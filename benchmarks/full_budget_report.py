@@ -10,6 +10,8 @@ import math
 import os
 import subprocess
 
+from full_budget_reuse import reuse_line
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"a": "smollm2-mla", "b": "smollm2-mla-b-healed"}
 
@@ -89,7 +91,8 @@ def write(results: dict, stem: str, args) -> None:
              f"{ROUNDING_WORDS[getattr(args, 'rope_rounding', 'nearest')]}; a row of several calibration seeds "
              f"(its seeds column): mean ± half-range over them. "
              + (f"Retrieval: correct / samples (depths 0.1/0.5/0.9 x {args.samples}), seed {args.seeds[0]}."
-                if args.tasks else "No retrieval."),
+                if args.tasks else "No retrieval.")
+             + (" " + reused if (reused := reuse_line(results)) else ""),
              ""]  # fmt: skip
     niah_keys = sorted({k for cells in table.values() for c in cells.values() if c["niah"] for k in c["niah"]},
                        key=lambda k: (k.split("@")[0], int(k.split("@")[1])))  # fmt: skip
