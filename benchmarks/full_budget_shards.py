@@ -25,9 +25,13 @@ GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2
 work folders kept on the machine between calls, everything that comes back in one archive::
 
     source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> timeout 570 python
-      benchmarks/full_budget_shards.py --shards 6 -- --device cuda --budget-s 470 --resume --whole-units
-      --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw --seed-methods quantmla-attnw
+      benchmarks/full_budget_shards.py --shards 12 --threads-per-shard 1 -- --device cuda --budget-s 470 --resume
+      --whole-units --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw
+      --seed-methods quantmla-attnw --reuse benchmarks/results/full_budget_paper.json
       --results-dir /root/keep/fbr --work /root/keep/fbr_work; tar czf $OUT/fbr.tgz -C /root/keep fbr
+
+(12 shards: one calibration chain each, the BF16 and RTN units reused from the nearest-rounding table of the same
+device -- on another device they are computed, spread over the shards.)
 
 A machine lost between calls loses the shards' unfinished calibrations (``--whole-units`` starts none it cannot
 finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive
