@@ -25,13 +25,15 @@ GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2
 work folders kept on the machine between calls, everything that comes back in one archive::
 
     source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> timeout 570 python
-      benchmarks/full_budget_shards.py --shards 12 --threads-per-shard 1 -- --device cuda --budget-s 470 --resume
+      benchmarks/full_budget_shards.py --shards 12 --threads-per-shard 1 --mps -- --device cuda --budget-s 470 --resume
       --whole-units --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw
       --seed-methods quantmla-attnw --reuse benchmarks/results/full_budget_paper.json
       --results-dir /root/keep/fbr --work /root/keep/fbr_work; tar czf $OUT/fbr.tgz -C /root/keep fbr
 
 (12 shards: one calibration chain each, the BF16 and RTN units reused from the nearest-rounding table of the same
-device -- on another device they are computed, spread over the shards.)
+device -- on another device they are computed, spread over the shards. ``--mps``: NVIDIA's Multi-Process Service
+where the machine has it and it serves a probe, so the processes' small kernels share the GPU at once instead of
+taking turns in time slices; otherwise the shards run without it, said so in the output.)
 
 A machine lost between calls loses the shards' unfinished calibrations (``--whole-units`` starts none it cannot
 finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive
@@ -188,6 +190,54 @@ def gpu_log_summary(path: str) -> str | None:
     return f"GPU busy {med:.0f}% (median of {len(util)} samples, every 5 s), {max(mem) / 1024:.1f} GiB peak"
 
 
+MPS_PROBE = "import torch; x = torch.ones(4, device='cuda'); print(float(x.sum()))"  # one CUDA tensor, via MPS
+MPS_WHAT = "the shards' kernels run side by side instead of taking turns in time slices"
+
+
+def start_mps(folder: str) -> dict | None:
+    """Start NVIDIA's Multi-Process Service (``--mps``: the shards' kernels then run side by side) with its pipe and
+    log folders under ``folder`` and check it with a one-tensor CUDA process; returns the environment the shards need, or None (no
+    ``nvidia-cuda-mps-control``, its daemon did not start or did not serve the probe: then it is stopped again and
+    the shards run without it, as they would without ``--mps``). The GPU's settings are left as they are."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        print("--mps: no nvidia-cuda-mps-control on PATH: the shards run without MPS", flush=True)
+        return None
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log")}  # fmt: skip
+    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        os.makedirs(env[k], exist_ok=True)
+    why = None
+    try:
+        up = subprocess.run([exe, "-d"], env=env, capture_output=True, text=True, timeout=60)
+        if up.returncode != 0:
+            why = f"the daemon exited {up.returncode}: {(up.stderr or up.stdout).strip()[-300:]}"
+        else:
+            probe = subprocess.run([sys.executable, "-c", MPS_PROBE], env=env, capture_output=True, text=True,
+                                   timeout=180)  # fmt: skip
+            if probe.returncode != 0 or probe.stdout.strip() != "4.0":
+                why = f"the probe exited {probe.returncode}: {(probe.stderr or probe.stdout).strip()[-300:]}"
+    except subprocess.TimeoutExpired as e:
+        why = f"{e.cmd[0]} timed out"
+    if why is None:
+        print(f"--mps: MPS serves CUDA here ({MPS_WHAT})", flush=True)
+        return env
+    stop_mps(env)
+    print(f"--mps: MPS did not serve CUDA here ({why}): the shards run without it", flush=True)
+    return None
+
+
+def stop_mps(env: dict | None) -> None:
+    """Stop the MPS daemon :func:`start_mps` started (nothing when None)."""
+    exe = shutil.which("nvidia-cuda-mps-control", path=(env or {}).get("PATH"))
+    if env is None or exe is None:
+        return
+    try:
+        subprocess.run([exe], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        print("--mps: the MPS daemon did not answer 'quit' within 60 s", flush=True)
+
+
 def prepare_models(variants: list[str]) -> None:
     """Build the variants' model folders once, before N processes would each build them (safe, but N x the work)."""
     from full_budget_report import variant_dir
@@ -198,10 +248,12 @@ def prepare_models(variants: list[str]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 usage="%(prog)s --shards N [--threads-per-shard T] -- FULL_BUDGET_ARGS...")
+                                 usage="%(prog)s --shards N [--threads-per-shard T] [--mps] -- FULL_BUDGET_ARGS...")
     ap.add_argument("--shards", type=int, required=True, help="processes side by side on this machine")
     ap.add_argument("--threads-per-shard", type=int, default=None,
                     help="CPU threads of each process (default: this machine's cores / N, at least 1)")
+    ap.add_argument("--mps", action="store_true", help=f"start NVIDIA's Multi-Process Service for the shards "
+                    f"({MPS_WHAT}); without it on this machine they run as without --mps")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="full_budget.py's arguments, after --")
     a = ap.parse_args(argv)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
@@ -221,13 +273,14 @@ def main(argv=None) -> int:
     script = os.path.join(HERE, "full_budget.py")
     gpu_log = os.path.join(results_dir, f"full_budget_{tag}.shards{a.shards}.gpu.csv")
     sampler = start_gpu_log(gpu_log)  # how busy the shards keep the GPU: what N more processes could still gain
+    mps = start_mps(os.path.join(results_dir, f".mps_{tag}")) if a.mps else None
     procs = []
     for i in range(a.shards):
         log = os.path.join(results_dir, f"full_budget_{tag}{shard_suffix(i, a.shards)}.log")
         with open(log, "w") as fh:
             procs.append((i, log, subprocess.Popen(
                 [sys.executable, script, *rest, "--shard", f"{i}/{a.shards}", "--threads", str(threads)],
-                stdout=fh, stderr=subprocess.STDOUT)))  # fmt: skip
+                stdout=fh, stderr=subprocess.STDOUT, env=mps)))  # fmt: skip
 
     def stop(signum, _frame):  # a `timeout` or Ctrl-C stops the shards too, not only this launcher (each shard
         for _, _, p in procs:  # keeps its finished units and, in a calibration, its finished blocks); no wait()
@@ -235,6 +288,7 @@ def main(argv=None) -> int:
                 p.send_signal(signal.SIGTERM)
         if sampler is not None:
             sampler.terminate()
+        stop_mps(mps)  # (the shards it served are stopping: a client's exit does not need the daemon)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
@@ -247,6 +301,7 @@ def main(argv=None) -> int:
         print(f"shard {i}/{a.shards}: exit {rc}, {time.time() - t0:.0f} s: {last[0]}", flush=True)
         if rc != 0 or "all units done" not in last[0]:
             failed.append(i)
+    stop_mps(mps)
     if sampler is not None:
         sampler.terminate()
         sampler.wait()

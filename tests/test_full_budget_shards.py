@@ -188,3 +188,34 @@ def test_gpu_log_samples_while_the_shards_run_and_summarizes(tmp_path, monkeypat
         "GPU busy 60% (median of 3 samples, every 5 s), 3.0 GiB peak")  # fmt: skip
     (tmp_path / "empty.csv").write_text("garbage\n")
     assert sh.gpu_log_summary(str(tmp_path / "empty.csv")) is None
+
+
+def test_mps_is_started_checked_and_stopped_or_left_out(tmp_path, monkeypatch, capsys):
+    sh = _load("full_budget_shards")
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert sh.start_mps(str(tmp_path / "m0")) is None  # no MPS on this machine: the shards run without it
+    assert "no nvidia-cuda-mps-control" in capsys.readouterr().out
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"  # records each call's arguments and input
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY input=$(cat)" >> "${0%/*}/calls"\n'
+                    'exit ${FAKE_MPS_RC:-0}\n')  # fmt: skip
+    fake.chmod(0o755)
+    calls = fake.parent / "calls"
+    monkeypatch.setenv("PATH", os.pathsep.join([str(fake.parent), "/usr/bin", "/bin"]))  # (the stand-in's cat)
+    monkeypatch.setattr(sh, "MPS_PROBE", "print(4.0)")  # a CUDA client that MPS served
+    env = sh.start_mps(str(tmp_path / "m1"))
+    assert env is not None and env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "m1" / "pipe")
+    assert os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
+    sh.stop_mps(env)
+    assert calls.read_text().splitlines() == [f"args=-d pipe={tmp_path / 'm1' / 'pipe'} input=",
+                                              f"args= pipe={tmp_path / 'm1' / 'pipe'} input=quit"]  # fmt: skip
+    calls.unlink()
+    monkeypatch.setattr(sh, "MPS_PROBE", "import sys; sys.exit('no CUDA device')")  # the daemon is up, serves none
+    assert sh.start_mps(str(tmp_path / "m2")) is None
+    assert "probe exited 1: no CUDA device" in capsys.readouterr().out
+    assert [ln.split(" pipe=")[0] for ln in calls.read_text().splitlines()] == ["args=-d", "args="]  # stopped again
+    calls.unlink()
+    monkeypatch.setenv("FAKE_MPS_RC", "1")  # the daemon does not start
+    assert sh.start_mps(str(tmp_path / "m3")) is None
+    assert "daemon exited 1" in capsys.readouterr().out
+    sh.stop_mps(None)  # nothing started: nothing to stop
