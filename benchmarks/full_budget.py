@@ -265,8 +265,10 @@ class Runner:
         if os.path.exists(out):  # finished before an interrupt could record it
             return {"calibration": cfg.to_dict(), "reused": out}
         stem = out[: -len(".transforms.safetensors")]
+        t0 = time.time()
 
-        def check_budget(_b):
+        def check_budget(b):  # a line per block: how fast each process calibrates (a shard's log, a GPU call's tail)
+            print(json.dumps({"unit": u["key"], "block_done": b, "seconds": round(time.time() - t0, 1)}), flush=True)
             if self.on_progress is not None and time.time() - self._last_progress > 60:
                 self.on_progress()
                 self._last_progress = time.time()
