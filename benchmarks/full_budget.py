@@ -84,7 +84,7 @@ RESULTS = os.path.join(HERE, "results")
 SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
 sys.path.insert(0, HERE)
 import full_budget_shards as shards  # noqa: E402 - --shard / --merge-shards: N processes on one GPU
-from full_budget_report import METHODS, VARIANTS, read_results, variant_dir, write  # noqa: E402 - the report
+from full_budget_report import METHODS, VARIANTS, current_commit, read_results, variant_dir, write  # noqa: E402
 from results_io import write_results  # noqa: E402 - temp file + rename
 from retrieval_cells import retrieval_counts  # noqa: E402 - the retrieval cells rope_rounding.py counts alike
 
@@ -338,7 +338,8 @@ class Runner:
                 return False
             took = time.time() - t + res.get("earlier_calls_s", 0.0)  # a resumed calibration: all its calls
             self.results["units"][u["key"]] = {**u, "result": res, "seconds": took,
-                                               "device": _device_name(self.device)}  # fmt: skip
+                                               "device": _device_name(self.device),
+                                               "commit": current_commit()}  # fmt: skip
             print(json.dumps({"unit": u["key"], "seconds": round(took, 1)}), flush=True)
             self.save()
             if self.on_progress is not None:

@@ -77,9 +77,14 @@ ROUNDING_WORDS = {"nearest": "to nearest", "query-aware": "query-aware (fitted t
                   "rotated": "query-aware after the stored post-RoPE Hadamard rotation"}
 
 
-def write(results: dict, stem: str, args) -> None:
-    commit = os.environ.get("QUANTMLA_COMMIT") or subprocess.run(  # the device's tree has no .git
+def current_commit() -> str:
+    """The checkout's short commit: ``QUANTMLA_COMMIT`` where the tree has no .git (a device call's copy)."""
+    return os.environ.get("QUANTMLA_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()  # fmt: skip
+
+
+def write(results: dict, stem: str, args) -> None:
+    commit = current_commit()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results.update(date=date, commit=commit, command=args.command, args={k: v for k, v in vars(args).items()})
     table = _rows(results, args)

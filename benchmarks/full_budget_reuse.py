@@ -35,6 +35,9 @@ def reusable_units(path: str, args, planned: list[dict], device: str) -> dict[st
         if earlier.get(k) != getattr(args, k):
             raise SystemExit(f"--reuse {path}: it evaluated with {k} = {earlier.get(k)!r}, this run with "
                              f"{getattr(args, k)!r}; reuse only a run of the same evaluation settings")  # fmt: skip
+    # a unit's own commit where it has one (since 2026-12-07); else the file's, which is its last call's: a table
+    # built over several sessions holds older units (session 44: variant a's BF16 and C4R4 RTN units of
+    # full_budget_paper.json, from an earlier session than its commit, differ from a run today in the 4th digit)
     source = {"file": os.path.basename(path), "commit": data.get("commit"), "date": data.get("date")}
     out, elsewhere = {}, []
     for u in planned:
@@ -44,7 +47,7 @@ def reusable_units(path: str, args, planned: list[dict], device: str) -> dict[st
         if r.get("device") != device:
             elsewhere.append(f"{u['key']} ({r.get('device')})")
             continue
-        out[u["key"]] = {**r, "reused_from": source}
+        out[u["key"]] = {**r, "reused_from": {**source, "commit": r.get("commit", source["commit"])}}
     if elsewhere:
         print(f"--reuse {path}: measured on another device than {device}, computed here instead: "
               + ", ".join(elsewhere), flush=True)  # fmt: skip

@@ -196,9 +196,9 @@ MPS_WHAT = "the shards' kernels run side by side instead of taking turns in time
 
 def start_mps(folder: str) -> dict | None:
     """Start NVIDIA's Multi-Process Service (``--mps``: the shards' kernels then run side by side) with its pipe and
-    log folders under ``folder`` and check it with a one-tensor CUDA process; returns the environment the shards need, or None (no
-    ``nvidia-cuda-mps-control``, its daemon did not start or did not serve the probe: then it is stopped again and
-    the shards run without it, as they would without ``--mps``). The GPU's settings are left as they are."""
+    log folders under ``folder`` and check it with a one-tensor CUDA process; returns the environment the shards
+    need, or None (no ``nvidia-cuda-mps-control``, its daemon did not start or did not serve the probe: then it is
+    stopped again and the shards run without it, as without ``--mps``). The GPU's settings are left as they are."""
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe is None:
         print("--mps: no nvidia-cuda-mps-control on PATH: the shards run without MPS", flush=True)

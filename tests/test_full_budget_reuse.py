@@ -43,15 +43,17 @@ def test_only_rows_without_transforms_of_this_device_are_reused(tmp_path, capsys
     earlier = {k: _unit(k, m) for k, m in [("a/bf16/ppl", None), ("a/bf16/niah", None), ("a/c4r4/rtn/s0/ppl", "rtn"),
                                            ("a/c4r4/quantmla-attnw/s0/ppl", "quantmla-attnw")]}  # fmt: skip
     earlier["a/c4r4/rtn/s0/niah"] = _unit("a/c4r4/rtn/s0/niah", "rtn", device="NVIDIA H100 80GB HBM3")
+    earlier["a/bf16/ppl"]["commit"] = "0ld0000"  # a unit of an earlier call than the file's last one names its own
     got = ru.reusable_units(_earlier(tmp_path, earlier), args, fb.units(args), "NVIDIA H200")
     # a calibrated row depends on the rounding and the calibration: never reused; another device's unit: computed
     assert sorted(got) == ["a/bf16/niah", "a/bf16/ppl", "a/c4r4/rtn/s0/ppl"]
     assert "a/c4r4/rtn/s0/niah (NVIDIA H100 80GB HBM3)" in capsys.readouterr().out
     for k, u in got.items():
         assert u["result"] == earlier[k]["result"] and u["seconds"] == 5.0
-        assert u["reused_from"] == {"file": "full_budget_old.json", "commit": "abc1234",
-                                    "date": "2026-12-04T17:54:12+00:00"}  # fmt: skip
+        assert u["reused_from"] == {"file": "full_budget_old.json", "date": "2026-12-04T17:54:12+00:00",
+                                    "commit": "0ld0000" if k == "a/bf16/ppl" else "abc1234"}  # fmt: skip
     line = ru.reuse_line({"units": got})
+    assert "BF16 from full_budget_old.json (commit 0ld0000" in line
     assert "BF16 and RTN from full_budget_old.json (commit abc1234" in line
     assert ru.reuse_line({"units": earlier}) is None
 
