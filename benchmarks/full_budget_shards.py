@@ -1,9 +1,9 @@
 """``benchmarks/full_budget.py`` in N processes on one GPU: the units split into shards, run side by side, merged.
 
-A paper-budget calibration of SmolLM2-MLA keeps the GPU mostly idle: ~10 ms per optimizer step on matrices of a few
-hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), so the host's launches and
-waits bound it, not the GPU. Processes do not share that bound: N of them on one GPU finish N units in about the
-time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<tag>.md`` names the shards' seconds).
+A paper-budget calibration of SmolLM2-MLA alone keeps the GPU mostly idle: ~10 ms per optimizer step on matrices
+of a few hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), so the host's
+launches and waits bound it. Processes do not share that bound: N of them on one GPU finish more units per second
+while the GPU has room -- roughly 2.5-4x at N = 12, where the GPU is full ("Measured" below).
 
 * :func:`assign` splits the units by *chain* -- the units of one (variant, format, method, seed): its calibration
   and the evaluations that read its transforms, which must run in one process and in that order; a variant's BF16
@@ -21,19 +21,28 @@ time of one while the GPU has room (measured: ``benchmarks/results/full_budget_<
   Where ``nvidia-smi`` is, the GPU's utilization is sampled every 5 s meanwhile (``full_budget_<tag>.shardsN.gpu.csv``,
   its median printed at the end): how much room N more processes would still find.
 
-GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2_setup.sh``), the results and the
-work folders kept on the machine between calls, everything that comes back in one archive::
+GPU recipe (one warm machine; the SmolLM2 kit first, ``benchmarks/device_smollm2_setup.sh``, in two calls with every
+shipped file hidden; then ``device_tree.sh restore && device_tree.sh hide smollm2-mla-b-heal.safetensors``: variant
+b's model is built from that heal delta), the results and the work folders kept on the machine between calls,
+everything that comes back in one archive::
 
-    source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> timeout 570 python
-      benchmarks/full_budget_shards.py --shards 12 --threads-per-shard 1 --mps -- --device cuda --budget-s 470 --resume
-      --whole-units --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw
+    source benchmarks/device_smollm2_setup.sh && QUANTMLA_COMMIT=<sha> timeout 560 python
+      benchmarks/full_budget_shards.py --shards 6 --threads-per-shard 2 --mps -- --device cuda --budget-s 430
+      --resume --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw
       --seed-methods quantmla-attnw --reuse benchmarks/results/full_budget_paper.json
-      --results-dir /root/keep/fbr --work /root/keep/fbr_work; tar czf $OUT/fbr.tgz -C /root/keep fbr
+      --results-dir /root/keep/fbr --work /root/keep/fbr_work 2>&1 | grep -v "it/s]" | tail -30;
+      tar czf $OUT/fbr.tgz --exclude=.mps_paper_rot -C /root/keep fbr
 
-(12 shards: one calibration chain each, the BF16 and RTN units reused from the nearest-rounding table of the same
-device -- on another device they are computed, spread over the shards. ``--mps``: NVIDIA's Multi-Process Service
-where the machine has it and it serves a probe, so the processes' small kernels share the GPU at once instead of
-taking turns in time slices; otherwise the shards run without it, said so in the output.)
+(add ``--whole-units`` in a session's last call. The BF16 and RTN units are reused from the nearest-rounding table
+where it was measured on the same device -- on another they are computed, spread over the shards. ``--mps``:
+NVIDIA's Multi-Process Service where the machine has it and it serves a probe, so the processes' small kernels
+share the GPU at once instead of taking turns in time slices; otherwise the shards run without it, said so.)
+
+Measured (H100, 2026-12-07, session 44, ``full_budget_paper_rot_s44_h100_partial.md``): 12 shards with MPS kept the
+GPU 100% busy (median of nvidia-smi's samples), each retrieval unit ran 2.9-4.9x longer than alone and no calibration
+finished in 635 s (alone ~210 s on the H200): the premise that a calibration leaves the GPU mostly idle does not hold
+at 12 processes; the throughput is roughly 2.5-4x a single process's, but a chain then outlives a session's device
+time and is lost with the machine. Hence 6 shards, two chains each, so chains finish call by call.
 
 A machine lost between calls loses the shards' unfinished calibrations (``--whole-units`` starts none it cannot
 finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive

@@ -88,6 +88,16 @@
 #     (H200, sequential) say what the sharding bought; its GPU log (full_budget_paper_rot.shards6.gpu.csv, the median
 #     printed) how much room more shards would find.
 #     Also owed from session 42, one call, no kit: issue 9's H200 run (see (0): hm vs ws at 32 heads, hm at 64 / 128).
+#     Session 44 (H100, 3 calls after ~15 min of refused starts; full_budget_paper_rot_s44_h100_partial.md): 12 shards
+#     + --mps (MPS served) + --reuse ran 420 + 215 s: the GPU 100% busy (median), every evaluation unit 3-5x slower
+#     than alone, and NO calibration finished (alone ~210 s on the H200): 12 shards is too many for a run that must
+#     finish inside one session (a machine is lost between sessions, and with it every unfinished chain). The
+#     recipe now: kit calls 1-2 with EVERY shipped file hidden (`device_tree.sh hide`; carry .gpucarry_1, then
+#     .gpucarry_2, `bash benchmarks/device_carry.sh collect` only), then -- within the 30 s warm window --
+#     `bash benchmarks/device_tree.sh restore && bash benchmarks/device_tree.sh hide smollm2-mla-b-heal.safetensors`
+#     (variant b's model is built from the heal delta: session 44's first shards call failed on the emptied file)
+#     and the shards' calls, no carry, `--shards 6` (the docstring's command), until every shard is done. The shard
+#     logs now print a line per calibrated block: the first call says how fast 6 processes calibrate.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
