@@ -189,9 +189,9 @@ class Runner:
                              "or --force")  # fmt: skip
         self.results["rope_rounding"] = args.rope_rounding
         os.makedirs(self.work, exist_ok=True)
-        planned = {u["key"] for u in units(args)}
+        planned = [u["key"] for u in units(args)]
         reused = getattr(args, "reused", {})  # --reuse: BF16 / RTN units of an earlier run
-        self.reused = [u["key"] for u in units(args) if u["key"] in reused and u["key"] not in self.results["units"]]
+        self.reused = [k for k in planned if k in reused and k not in self.results["units"]]
         self.results["units"].update({k: reused[k] for k in self.reused})
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)

@@ -35,6 +35,8 @@ def read_results(stem: str, work: str) -> dict | None:
             if out is None or len(r["units"]) > len(out["units"]):
                 out = r
     return out
+
+
 METHODS = {  # label -> (CalibrationConfig.method, overrides); each QuantMLA label names its RoPE objective, so a
     # change of CalibrationConfig's default never changes what a label's rows (and a resumed tag's seeds) mean
     "rtn": ("rtn", {}),

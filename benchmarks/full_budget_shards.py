@@ -31,7 +31,7 @@ everything that comes back in one archive::
       --resume --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw
       --seed-methods quantmla-attnw --reuse benchmarks/results/full_budget_paper.json
       --results-dir /root/keep/fbr --work /root/keep/fbr_work 2>&1 | grep -v "it/s]" | tail -30;
-      tar czf $OUT/fbr.tgz --exclude=.mps_paper_rot -C /root/keep fbr
+      tar czf $OUT/fbr.tgz -C /root/keep fbr
 
 (add ``--whole-units`` in a session's last call. The BF16 and RTN units are reused from the nearest-rounding table
 where it was measured on the same device -- on another they are computed, spread over the shards. ``--mps``:
@@ -57,6 +57,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -237,7 +238,7 @@ def start_mps(folder: str) -> dict | None:
 
 
 def stop_mps(env: dict | None) -> None:
-    """Stop the MPS daemon :func:`start_mps` started (nothing when None)."""
+    """Stop the MPS daemon :func:`start_mps` started and remove its folder (nothing when None)."""
     exe = shutil.which("nvidia-cuda-mps-control", path=(env or {}).get("PATH"))
     if env is None or exe is None:
         return
@@ -245,6 +246,7 @@ def stop_mps(env: dict | None) -> None:
         subprocess.run([exe], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         print("--mps: the MPS daemon did not answer 'quit' within 60 s", flush=True)
+    shutil.rmtree(os.path.dirname(env["CUDA_MPS_PIPE_DIRECTORY"]), ignore_errors=True)
 
 
 def prepare_models(variants: list[str]) -> None:
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
     script = os.path.join(HERE, "full_budget.py")
     gpu_log = os.path.join(results_dir, f"full_budget_{tag}.shards{a.shards}.gpu.csv")
     sampler = start_gpu_log(gpu_log)  # how busy the shards keep the GPU: what N more processes could still gain
-    mps = start_mps(os.path.join(results_dir, f".mps_{tag}")) if a.mps else None
+    mps = start_mps(tempfile.mkdtemp(prefix="qmla_mps_")) if a.mps else None  # (a socket path: short, outside results)
     procs = []
     for i in range(a.shards):
         log = os.path.join(results_dir, f"full_budget_{tag}{shard_suffix(i, a.shards)}.log")

