@@ -166,6 +166,11 @@ def paths(args) -> tuple[str, str]:
     return stem, args.work or stem + ".work"
 
 
+def paths_unsharded(args) -> str:
+    """The unsharded run's results file (``--merge-shards`` writes it): a shard resumes the units it holds."""
+    return os.path.join(args.results_dir, f"full_budget_{args.tag}.json")
+
+
 class Runner:
     def __init__(self, args):
         self.args = args
@@ -193,6 +198,8 @@ class Runner:
         reused = getattr(args, "reused", {})  # --reuse: BF16 / RTN units of an earlier run
         self.reused = [k for k in planned if k in reused and k not in self.results["units"]]
         self.results["units"].update({k: reused[k] for k in self.reused})
+        if args.resume and getattr(args, "shard", None):  # units the unsharded table already has (another split)
+            self.reused += shards.adopt(self.results, paths_unsharded(args), planned, args.rope_rounding)
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
@@ -314,7 +321,7 @@ class Runner:
                                 self.device.type == "cuda")  # fmt: skip
 
     def run(self) -> bool:
-        if self.reused:  # written now: a shard with nothing else to do still hands them to the merge
+        if self.reused:  # written now (reused or adopted): a shard with nothing else to do hands them to the merge
             self.save()
         todo = [u for u in units(self.args) if u["key"] not in self.results["units"]]
         for u in todo:

@@ -52,6 +52,7 @@ finish by the longest one this shard has finished; the first is a guess); the fi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -109,6 +110,27 @@ def shard_paths(stem: str, work: str | None, i: int, n: int) -> tuple[str, str]:
     """(results stem, work folder) of shard ``i`` of the run whose are (``stem``, ``work`` or the default)."""
     sfx = shard_suffix(i, n)
     return stem + sfx, os.path.join(work, sfx[1:]) if work else stem + sfx + ".work"
+
+
+def adopt(results: dict, path: str, planned: list[str], rope_rounding: str) -> list[str]:
+    """Take into ``results`` (a shard's) the finished units of the unsharded table ``path`` that this shard plans
+    and has not: a merged table from a split of another shape -- another shard count, other seeds, an earlier
+    machine's run copied back -- so nothing it holds is computed again. A calibration whose transforms are not in
+    this shard's work folder is dropped again where an evaluation of it is still to run (``Runner``). Returns the
+    adopted keys (none without the file); another RoPE rounding is a clear error."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        table = json.load(fh)
+    had = table.get("rope_rounding", "nearest")
+    if table.get("units") and had != rope_rounding:
+        raise SystemExit(f"{path}: its units were evaluated with --rope-rounding {had}, not {rope_rounding}: "
+                         "move it aside or pass another --tag")  # fmt: skip
+    keys = [k for k in planned if k in table.get("units", {}) and k not in results["units"]]
+    results["units"].update({k: table["units"][k] for k in keys})
+    if keys:
+        print(f"adopted {len(keys)} finished unit(s) from {path}", flush=True)
+    return keys
 
 
 def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -> dict:

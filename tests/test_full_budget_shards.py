@@ -129,6 +129,26 @@ def test_sharded_run_merges_into_the_unsharded_table(tmp_path):
                             "--merge-shards", "2"], env=env, capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 0 and "4 units" in again.stdout
     assert json.loads((tmp_path / "full_budget_two.json").read_text())["units"] == b["units"]
+    # split another way (3 shards) with --resume: the shards take what the merged table holds and compute only the
+    # rest -- here the QuantMLA perplexity, dropped from the table, whose calibration must then run again (its
+    # transforms are in the 2-shard work folders, not the new shard's)
+    table = json.loads((tmp_path / "full_budget_two.json").read_text())
+    gone = "a/c4r4/quantmla/s0/ppl"
+    del table["units"][gone]
+    (tmp_path / "full_budget_two.json").write_text(json.dumps(table))
+    three = subprocess.run([sys.executable, os.path.join(BENCH, "full_budget_shards.py"), "--shards", "3",
+                            "--threads-per-shard", "1", "--", *common, "--tag", "two", "--resume"], env=env,
+                           capture_output=True, text=True)  # fmt: skip
+    assert three.returncode == 0, three.stdout + three.stderr
+    c = json.loads((tmp_path / "full_budget_two.json").read_text())["units"]
+    assert list(c) == list(b["units"])
+    for k, u in c.items():
+        if k in (gone, "a/c4r4/quantmla/s0/calib"):  # computed again, to the same numbers
+            assert u["seconds"] != b["units"][k]["seconds"], k
+            assert u["result"] == b["units"][k]["result"] if u["kind"] == "ppl" else (
+                u["result"]["val_nmse_chosen_mean"] == b["units"][k]["result"]["val_nmse_chosen_mean"]), k
+        else:
+            assert u == b["units"][k], k  # adopted as it was
 
 
 @pytest.mark.slow
