@@ -45,8 +45,9 @@ at 12 processes; the throughput is roughly 2.5-4x a single process's, but a chai
 time and is lost with the machine. Hence 6 shards, two chains each, so chains finish call by call.
 
 A machine lost between calls loses the shards' unfinished calibrations (``--whole-units`` starts none it cannot
-finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive
-(copy its ``full_budget_<tag>*.json`` back into ``--results-dir`` and ``--resume``).
+finish by the longest one this shard has finished; the first is a guess); the finished units are in the archive:
+copy its merged ``full_budget_<tag>.json`` back into ``--results-dir`` and ``--resume`` -- every shard adopts the
+units of that table its split plans (:func:`adopt`), so the next run may use another shard count or more seeds.
 """
 
 from __future__ import annotations
