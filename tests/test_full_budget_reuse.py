@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -79,11 +80,10 @@ def test_missing_or_foreign_file_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_reused_run_takes_the_earlier_rows_bit_for_bit(tmp_path):
+def test_reused_run_takes_the_earlier_rows_bit_for_bit(tmp_path, full_budget_one):
     common, env = smoke_run(tmp_path)
     run = lambda *a: subprocess.run([sys.executable, *a], env=env, capture_output=True, text=True)  # noqa: E731
-    one = run(os.path.join(BENCH, "full_budget.py"), *common, "--tag", "one", "--threads", "1")
-    assert one.returncode == 0, one.stdout + one.stderr
+    shutil.copy(full_budget_one / "full_budget_one.json", tmp_path)  # the earlier run
     # two shards: the calibration chain (the longest) lands on shard 0, the BF16 and RTN chains on shard 1, which
     # then holds reused units only -- it must still write them for the merge
     two = run(os.path.join(BENCH, "full_budget_shards.py"), "--shards", "2", "--threads-per-shard", "1", "--",
