@@ -100,6 +100,32 @@ def test_eval_quantmla_flag_names_what_ships(tmp_path, capsys):
 NONE_SHIPPED = [pytest.param("-", "-", marks=pytest.mark.skip(reason="no shipped transforms in this install"))]
 
 
+_SLICES: dict = {}
+
+
+def _stored_slice(model_name: str, fmt: str, last_use: bool = False):
+    """(token ids of a shipped file's stored slice, the full-precision model's log-probs on them, the perplexity
+    result of the model with the file folded in by name): computed once for the two slow tests that read them and
+    dropped at the last (the log-probs are ~200 MB a file)."""
+    if (model_name, fmt) not in _SLICES:
+        _SLICES[model_name, fmt] = _slice(model_name, fmt)
+    return _SLICES.pop((model_name, fmt)) if last_use else _SLICES[model_name, fmt]
+
+
+def _slice(model_name: str, fmt: str):
+    from quantmla.data.corpus import token_stream
+    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.runtime import CacheSpec
+    from quantmla.models.names import resolve_model
+
+    ev = shipped.load_shipped(model_name, fmt)[1]["eval"]
+    model, tok, _ = resolve_model(model_name)
+    ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
+    ref = reference_logprobs(model, ids, context=ev["context"])
+    shipped.apply_shipped(model, model_name, fmt)
+    return ids, ref, perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name,fmt", shipped.shipped_available() or NONE_SHIPPED)
 def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, tmp_path):
@@ -108,18 +134,10 @@ def test_shipped_transforms_reproduce_their_stored_evaluation(model_name, fmt, t
     import json
 
     from quantmla.cli import main
-    from quantmla.data.corpus import token_stream
-    from quantmla.eval.perplexity import perplexity, reference_logprobs
-    from quantmla.eval.runtime import CacheSpec
-    from quantmla.models.names import resolve_model
 
     _, meta = shipped.load_shipped(model_name, fmt)
     ev = meta["eval"]
-    model, tok, _ = resolve_model(model_name)
-    ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
-    ref = reference_logprobs(model, ids, context=ev["context"])
-    shipped.apply_shipped(model, model_name, fmt)
-    r = perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
+    r = _stored_slice(model_name, fmt, last_use=not _rotation_of(meta))[2]  # a rotated file's is read again below
     # The stored numbers come from the machine that calibrated; another CPU takes other float paths (BLAS kernels,
     # reduction order) and flips some 4-bit rounding decisions. Measured on a second x86_64 machine (2026-12-01):
     # perplexity +1.9e-4 / +1.6e-4 relative, KL +2.9% / -2.0%, top-1 -0.3 / +0.5 points (C4R4 / C2R4); on an AMD
@@ -188,28 +206,23 @@ def test_a_shipped_rotation_is_attached_and_is_what_its_stored_evaluation_measur
     comparison)."""
     from quantmla.cache.hf import rope_rounding_of
     from quantmla.calibrate.query_moments import rotations_in
-    from quantmla.data.corpus import token_stream
-    from quantmla.eval.perplexity import perplexity, reference_logprobs
+    from quantmla.eval.perplexity import perplexity
     from quantmla.eval.runtime import CacheSpec
     from quantmla.models.names import resolve_model
 
     tensors, meta = shipped.load_shipped(model_name, fmt)
     rots = rotations_in(tensors)
     ev, without = meta["eval"], meta["eval_without_rotation"]
-    base, tok, _ = resolve_model(model_name)
-    ids = token_stream(tok, ev["corpus"], "test", ev["tokens"])
-    ref = reference_logprobs(base, ids, context=ev["context"])
-
-    def slice_kl(model):
-        return perplexity(model, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref).kl_to_reference
-
+    ids, ref, by_name = _stored_slice(model_name, fmt, last_use=True)  # the file folded in by name: rotated
+    base, _, _ = resolve_model(model_name)
     rotated = copy.deepcopy(base)
     shipped.apply_shipped(rotated, model_name, fmt)
     plans = rope_rounding_of(rotated)
     assert len(plans) == len(rots) and all(torch.equal(p.rotation, rots[i]) for i, p in enumerate(plans))
     shipped.apply_transforms(base, {k: v for k, v in tensors.items() if not k.endswith(".post_rotation")})
     assert all(p.rotation is None for p in rope_rounding_of(base))
-    kl_rot, kl_plain = slice_kl(rotated), slice_kl(base)
+    plain = perplexity(base, ids, context=ev["context"], cache=CacheSpec(fmt), reference=ref)
+    kl_rot, kl_plain = by_name.kl_to_reference, plain.kl_to_reference
     assert kl_rot == pytest.approx(ev["kl"], rel=0.1) and kl_plain == pytest.approx(without["kl"], rel=0.1)
     assert (kl_rot < kl_plain) == (ev["kl"] < without["kl"])  # the stored direction, on this machine
     assert abs(kl_rot - kl_plain) > 0.02 * kl_plain  # and not by rounding noise: the rotation is live
