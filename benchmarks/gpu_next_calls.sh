@@ -98,6 +98,27 @@
 #     (variant b's model is built from the heal delta: session 44's first shards call failed on the emptied file)
 #     and the shards' calls, no carry, `--shards 6` (the docstring's command), until every shard is done. The shard
 #     logs now print a line per calibrated block: the first call says how fast 6 processes calibrate.
+#     Session 45 (2026-12-07/08): no machine started all session (13 starts refused, H100 and H200 kinds, ~1,400 of
+#     the 1,800 s). Prepared, not run: (a) the rotated table in passes that each finish inside one session -- first
+#     `--seeds 0` (7 shards: the 4 attention-weighted calibration chains, one shard each, BF16 / RTN beside them),
+#     or, with under ~900 s of device time left, `--seeds 0 --formats c4r4` (4 shards) -- then `--seeds 0,1,2` in a
+#     later session: since session 45 every shard run with --resume adopts the finished units of the merged table
+#     full_budget_paper_rot.json in --results-dir (another shard count, more seeds, an earlier machine), so commit a
+#     pass's merged json to benchmarks/results and start each run with `mkdir -p /root/keep/fbr; [ -f
+#     benchmarks/results/full_budget_paper_rot.json ] && cp -n benchmarks/results/full_budget_paper_rot.json
+#     /root/keep/fbr/`; (b) --reuse by device: on an H100 `benchmarks/results/full_budget_paper_rot_s44_h100_partial.json`
+#     (session 44's nine H100 BF16 / RTN units, merged), on an H200 full_budget_paper.json. The whole command, for
+#     the shards call after the kit and the heal restore (choose the reuse file by nvidia-smi's name):
+#       source benchmarks/device_smollm2_setup.sh >/dev/null 2>&1 || exit 3; G=$(nvidia-smi --query-gpu=name
+#       --format=csv,noheader); mkdir -p /root/keep/fbr; [ -f benchmarks/results/full_budget_paper_rot.json ] && cp -n
+#       benchmarks/results/full_budget_paper_rot.json /root/keep/fbr/; R=benchmarks/results/full_budget_paper_rot_s44_h100_partial.json;
+#       echo "$G" | grep -q H200 && R=benchmarks/results/full_budget_paper.json; QUANTMLA_COMMIT=<sha> timeout 555
+#       python benchmarks/full_budget_shards.py --shards 7 --threads-per-shard 2 --mps -- --device cuda --budget-s 440
+#       --resume --tag paper_rot --rope-rounding rotated --methods rtn,quantmla-attnw --seed-methods quantmla-attnw
+#       --seeds 0 --reuse $R --results-dir /root/keep/fbr --work /root/keep/fbr_work 2>&1 | grep -v "it/s]" | tail -30;
+#       tar czf $OUT/fbr.tgz -C /root/keep fbr
+#     Issue 9's H200 call (hm vs ws at 32 heads; hm at 64 / 128) stays owed as in (0)/(1d): one call, no kit, carry
+#     .fmbuild, every shipped file hidden.
 # (2) issue 12's seed table is complete (session 30: full_budget_paper.md, every cell seeds 0-2).
 #     The chunk recipe, for a later table: the kit's four carry calls back to back (each `bash
 #     benchmarks/device_carry.sh collect`, carry [".gpucarry_K"]; `apt-get install python3-doc` and `bash
