@@ -33,8 +33,10 @@ everything that comes back in one archive::
       --results-dir /root/keep/fbr --work /root/keep/fbr_work 2>&1 | grep -v "it/s]" | tail -30;
       tar czf $OUT/fbr.tgz -C /root/keep fbr
 
-(add ``--whole-units`` in a session's last call. The BF16 and RTN units are reused from the nearest-rounding table
-where it was measured on the same device -- on another they are computed, spread over the shards. ``--mps``:
+(add ``--whole-units`` in a session's last call; with less device time than the whole table needs, run it in passes
+that each finish -- ``--seeds 0`` first, 7 shards, then ``--seeds 0,1,2`` -- each adopting the last pass's merged table.
+The BF16 and RTN units are reused from the nearest-rounding table where it was measured on the same device -- on
+another they are computed, spread over the shards. ``--mps``:
 NVIDIA's Multi-Process Service where the machine has it and it serves a probe, so the processes' small kernels
 share the GPU at once instead of taking turns in time slices; otherwise the shards run without it, said so.)
 
