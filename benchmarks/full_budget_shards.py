@@ -1,8 +1,9 @@
 """``benchmarks/full_budget.py`` in N processes on one GPU: the units split into shards, run side by side, merged.
 
-A paper-budget calibration of SmolLM2-MLA alone keeps the GPU mostly idle: ~10 ms per optimizer step on matrices
-of a few hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), so the host's
-launches and waits bound it. Processes do not share that bound: N of them on one GPU finish more units per second
+A paper-budget calibration of SmolLM2-MLA alone leaves the GPU idle much of the time: ~10 ms per optimizer step on
+matrices of a few hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), ~330
+kernel launches a step with the device busy roughly half of it (calib_profile_h200_s26.md), so the host's launches
+and waits bound it. Processes do not share that bound: N of them on one GPU finish more units per second
 while the GPU has room -- roughly 2.5-4x at N = 12, where the GPU is full ("Measured" below).
 
 * :func:`assign` splits the units by *chain* -- the units of one (variant, format, method, seed): its calibration
