@@ -2,7 +2,7 @@
 
 A paper-budget calibration of SmolLM2-MLA alone leaves the GPU idle much of the time: ~10 ms per optimizer step on
 matrices of a few hundred rows (H200, 2026-12-04: ~180 of a calibration's ~210 s are its 30 x 600 steps), ~330
-kernel launches a step with the device busy roughly half of it (calib_profile_h200_s26.md), so the host's launches
+kernel launches a step with the device busy about two thirds of it (calib_profile_h200_s26.md), so the host's launches
 and waits bound it. Processes do not share that bound: N of them on one GPU finish more units per second
 while the GPU has room -- roughly 2.5-4x at N = 12, where the GPU is full ("Measured" below).
 
