@@ -120,7 +120,8 @@ def adopt(results: dict, path: str, planned: list[str], rope_rounding: str) -> l
     """Take into ``results`` (a shard's) the finished units of the unsharded table ``path`` that this shard plans
     and has not: a merged table from a split of another shape -- another shard count, other seeds, an earlier
     machine's run copied back -- so nothing it holds is computed again. A calibration whose transforms are not in
-    this shard's work folder is dropped again where an evaluation of it is still to run (``Runner``). Returns the
+    this shard's work folder is dropped again, with its finished evaluations, where an evaluation of it is still to
+    run (``Runner``). Returns the
     adopted keys (none without the file); another RoPE rounding is a clear error."""
     if not os.path.exists(path):
         return []
