@@ -84,7 +84,15 @@ RESULTS = os.path.join(HERE, "results")
 SHIP_DIR = os.path.join(os.path.dirname(HERE), "src", "quantmla", "models", "data")
 sys.path.insert(0, HERE)
 import full_budget_shards as shards  # noqa: E402 - --shard / --merge-shards: N processes on one GPU
-from full_budget_report import METHODS, VARIANTS, current_commit, read_results, variant_dir, write  # noqa: E402
+from full_budget_report import (  # noqa: E402
+    METHODS,
+    VARIANTS,
+    check_rope_rounding,
+    current_commit,
+    read_results,
+    variant_dir,
+    write,
+)
 from results_io import write_results  # noqa: E402 - temp file + rename
 from retrieval_cells import retrieval_counts  # noqa: E402 - the retrieval cells rope_rounding.py counts alike
 
@@ -158,17 +166,17 @@ def rounding_tensors(tensors: dict, mode: str, path: str = "transforms") -> dict
     return {k: t for k, t in tensors.items() if not any(k.endswith(d) for d in drop)}
 
 
+def table_stem(args) -> str:
+    """The unsharded run's results stem (``.json`` / ``.md`` / ``.png``; ``--merge-shards`` writes it too)."""
+    return os.path.join(args.results_dir, f"full_budget_{args.tag}")
+
+
 def paths(args) -> tuple[str, str]:
     """(results stem, work folder); a shard's (``--shard I/N``) are its own: ``...shardIofN``."""
-    stem = os.path.join(args.results_dir, f"full_budget_{args.tag}")
+    stem = table_stem(args)
     if getattr(args, "shard", None):
         return shards.shard_paths(stem, args.work, *args.shard)
     return stem, args.work or stem + ".work"
-
-
-def paths_unsharded(args) -> str:
-    """The unsharded run's results file (``--merge-shards`` writes it): a shard resumes the units it holds."""
-    return os.path.join(args.results_dir, f"full_budget_{args.tag}.json")
 
 
 class Runner:
@@ -187,11 +195,7 @@ class Runner:
             raise SystemExit(f"{self.stem}.json exists: pass --resume to continue it or --force to start over")
         if args.resume:
             self.results = read_results(self.stem, self.work) or self.results
-        had = self.results.get("rope_rounding", "nearest")  # (results from before the option: round to nearest)
-        if self.results["units"] and had != args.rope_rounding:
-            raise SystemExit(f"{self.stem}: its units were evaluated with --rope-rounding {had}, not "
-                             f"{args.rope_rounding}: pass --rope-rounding {had}, another --tag, "
-                             "or --force")  # fmt: skip
+        check_rope_rounding(self.results, args.rope_rounding, self.stem)
         self.results["rope_rounding"] = args.rope_rounding
         os.makedirs(self.work, exist_ok=True)
         planned = [u["key"] for u in units(args)]
@@ -199,7 +203,7 @@ class Runner:
         self.reused = [k for k in planned if k in reused and k not in self.results["units"]]
         self.results["units"].update({k: reused[k] for k in self.reused})
         if args.resume and getattr(args, "shard", None):  # units the unsharded table already has (another split)
-            self.reused += shards.adopt(self.results, paths_unsharded(args), planned, args.rope_rounding)
+            self.reused += shards.adopt(self.results, table_stem(args) + ".json", planned, args.rope_rounding)
         for key, r in list(self.results["units"].items()):  # a work folder lost with its machine: recalibrate
             stem, tf = key.rsplit("/", 1)[0], self.transforms_path(r)
             pending = [k for k in (f"{stem}/ppl", f"{stem}/niah") if k in planned and k not in self.results["units"]]

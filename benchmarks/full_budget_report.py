@@ -51,6 +51,15 @@ BASELINES = ("rtn", "smoothquant", "quarot")
 SHORT = {"quantmla": "QuantMLA (uniform RoPE)", "quantmla-attnw": "QuantMLA (attn.-weighted)"}  # summary, plot
 
 
+def check_rope_rounding(results: dict, want: str, what: str) -> None:
+    """SystemExit unless ``results`` (``what``: its file or shard, for the message) holds no unit or was evaluated
+    with ``--rope-rounding want`` (results from before the option rounded to nearest): one table, one rounding."""
+    had = results.get("rope_rounding", "nearest")
+    if results.get("units") and had != want:
+        raise SystemExit(f"{what}: its units were evaluated with --rope-rounding {had}, not {want}: pass "
+                         f"--rope-rounding {had}, another --tag, or --force")  # fmt: skip
+
+
 def _rows(results: dict, args) -> dict:
     """(variant, format) -> method label -> list of per-seed ppl results; plus retrieval by method."""
     table: dict = {}

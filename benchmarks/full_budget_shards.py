@@ -127,10 +127,9 @@ def adopt(results: dict, path: str, planned: list[str], rope_rounding: str) -> l
         return []
     with open(path) as fh:
         table = json.load(fh)
-    had = table.get("rope_rounding", "nearest")
-    if table.get("units") and had != rope_rounding:
-        raise SystemExit(f"{path}: its units were evaluated with --rope-rounding {had}, not {rope_rounding}: "
-                         "move it aside or pass another --tag")  # fmt: skip
+    from full_budget_report import check_rope_rounding
+
+    check_rope_rounding(table, rope_rounding, path)
     keys = [k for k in planned if k in table.get("units", {}) and k not in results["units"]]
     results["units"].update({k: table["units"][k] for k in keys})
     if keys:
@@ -142,6 +141,8 @@ def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -
     """The shards' results (None: a shard with no results file yet) as one results dict of the unsharded run.
     Refuses a shard evaluated with another RoPE rounding or holding a unit the arguments do not plan (a shard of
     another setting); units a shard has not finished are simply absent, as in an unfinished run."""
+    from full_budget_report import check_rope_rounding
+
     keys = {u["key"] for u in planned}
     units: dict = {}
     shards = []
@@ -149,9 +150,7 @@ def merge(results: list[dict | None], planned: list[dict], rope_rounding: str) -
         if r is None:
             shards.append({"shard": i, "units": 0})
             continue
-        had = r.get("rope_rounding", "nearest")
-        if r["units"] and had != rope_rounding:
-            raise SystemExit(f"shard {i} was evaluated with --rope-rounding {had}, not {rope_rounding}")
+        check_rope_rounding(r, rope_rounding, f"shard {i}")
         stray = sorted(set(r["units"]) - keys)
         if stray:
             raise SystemExit(f"shard {i} holds units these arguments do not plan ({', '.join(stray[:3])}...): "
